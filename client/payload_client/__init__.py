@@ -1,0 +1,74 @@
+"""payload_client: segments, their pure operations, and thin clients of the payloadd daemon.
+
+Import what you need from here; the ``_*`` modules are private.
+
+>>> from payload_client import PayloadClient, clip_segments
+"""
+
+from ._base import DEFAULT_SOCKET, Window
+from ._clients import AsyncPayloadClient, PayloadClient
+from ._errors import (
+    STATUS_BY_ERROR,
+    ConnectError,
+    FileGoneError,
+    FileMissingError,
+    InvalidRequestError,
+    InvalidSegmentError,
+    PayloadError,
+    PayloadTooLargeError,
+    ProtocolError,
+    SegmentFileError,
+    ServerError,
+    StorageFullError,
+    TimeoutError,
+    TransportError,
+)
+from ._ops import clip_segments, merge_pd_segments, shift_segments
+from ._read import Piece, WindowPlan, assemble, plan_window
+from ._segment import (
+    SUPPORTED_DTYPES,
+    PayloadSegment,
+    row_nbytes,
+    segment_end,
+    validate_segment,
+    validate_segments,
+)
+from ._wire import Health, Stats
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DEFAULT_SOCKET",
+    "STATUS_BY_ERROR",
+    "SUPPORTED_DTYPES",
+    "AsyncPayloadClient",
+    "ConnectError",
+    "FileGoneError",
+    "FileMissingError",
+    "Health",
+    "InvalidRequestError",
+    "InvalidSegmentError",
+    "PayloadClient",
+    "PayloadError",
+    "PayloadSegment",
+    "PayloadTooLargeError",
+    "Piece",
+    "ProtocolError",
+    "SegmentFileError",
+    "ServerError",
+    "Stats",
+    "StorageFullError",
+    "TimeoutError",
+    "TransportError",
+    "Window",
+    "WindowPlan",
+    "assemble",
+    "clip_segments",
+    "merge_pd_segments",
+    "plan_window",
+    "row_nbytes",
+    "segment_end",
+    "shift_segments",
+    "validate_segment",
+    "validate_segments",
+]

@@ -1,0 +1,323 @@
+"""The I/O-free half of the clients: building requests and decoding answers.
+
+`PayloadClient` and `AsyncPayloadClient` only move the bytes a `Call` describes; everything
+that decides what to send and what an answer means lives here, once.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Generic, NamedTuple, TypeVar
+
+import httpx
+import msgspec
+import numpy as np
+
+from ._errors import InvalidRequestError, PayloadError, ProtocolError, error_from_wire
+from ._read import WindowPlan, assemble, plan_window
+from ._segment import (
+    INT64_MAX,
+    SUPPORTED_DTYPES,
+    PayloadSegment,
+    check_int,
+    check_name,
+)
+from ._wire import (
+    APPEND_CONTENT_TYPE,
+    FRAME_PREFIX,
+    MSGPACK_CONTENT_TYPE,
+    AppendItem,
+    AppendRequest,
+    AppendResponse,
+    ErrorBody,
+    Extent,
+    Health,
+    ReadRequest,
+    Stats,
+)
+
+__all__ = ["DEFAULT_SOCKET", "BaseClient", "Call", "Window"]
+
+DEFAULT_SOCKET = "/run/payloadd/payloadd.sock"
+"""Socket path used when neither ``socket_path``, ``base_url`` nor ``PAYLOADD_SOCKET`` is given."""
+
+T = TypeVar("T")
+
+_encoder = msgspec.msgpack.Encoder()
+_append_response = msgspec.msgpack.Decoder(AppendResponse)
+_error_json = msgspec.json.Decoder(ErrorBody)
+
+
+class Window(NamedTuple):
+    """One window to read in `PayloadClient.read_many`.
+
+    Attributes
+    ----------
+    segments : sequence of PayloadSegment
+        Segments of any fields.
+    field : str
+        Field to read.
+    lo, hi : int
+        Token positions ``[lo, hi)`` (end exclusive).
+    fill : int or float
+        Value of entries no row covers.
+    """
+
+    segments: Sequence[PayloadSegment]
+    field: str
+    lo: int
+    hi: int
+    fill: int | float
+
+
+@dataclass
+class Call(Generic[T]):
+    """One HTTP exchange, fully described: what to send and how to read the answer.
+
+    Attributes
+    ----------
+    method, path : str
+        Request line.
+    headers : dict
+        Extra request headers.
+    chunks : list of bytes-like
+        Body, sent in order without joining; ``Content-Length`` is set from them.
+    local : bool
+        True when the answer is known without asking the daemon (``decode(b"")`` is it).
+    expected : int or None
+        Exact length of a successful answer's body when known in advance; the body is then
+        received into one preallocated buffer.
+    decode : callable
+        Turns the successful answer's body into the result.
+    """
+
+    method: str
+    path: str
+    decode: Callable[[Any], T]
+    headers: dict[str, str] = field(default_factory=dict)
+    chunks: list[Any] = field(default_factory=list)
+    expected: int | None = None
+    local: bool = False
+
+    def __post_init__(self) -> None:
+        if self.chunks:
+            n = sum(memoryview(c).nbytes for c in self.chunks)
+            self.headers["Content-Length"] = str(n)
+
+    def new_sink(self) -> _Sink:
+        """Return a buffer to receive the answer's body into."""
+        return _Sink(self.expected)
+
+    def raise_for_answer(self, status: int, body: bytes) -> None:
+        """Raise the `PayloadError` a 4xx/5xx answer stands for."""
+        if status < 400:
+            return
+        try:
+            err = _error_json.decode(body)
+            raise error_from_wire(status, err.error, err.message)
+        except msgspec.DecodeError:
+            text = body[:200].decode("utf-8", "replace")
+            raise error_from_wire(status, None, text or f"HTTP {status}") from None
+
+
+class _Sink:
+    """Receives a body chunk by chunk: into one preallocated buffer when its size is known."""
+
+    def __init__(self, expected: int | None):
+        self.expected = expected
+        self.at = 0
+        self.parts: list[bytes] = []
+        self.buf = bytearray(expected) if expected else None
+        self.view = memoryview(self.buf) if self.buf is not None else None
+
+    def write(self, chunk: bytes) -> None:
+        n = len(chunk)
+        if self.view is not None:
+            if self.at + n > len(self.view):
+                raise ProtocolError(f"answer longer than the {self.expected} bytes expected")
+            self.view[self.at : self.at + n] = chunk
+        else:
+            self.parts.append(chunk)
+        self.at += n
+
+    def result(self) -> Any:
+        if self.expected is not None:
+            if self.at != self.expected:
+                raise ProtocolError(f"answer has {self.at} bytes, expected {self.expected}")
+            return self.buf if self.buf is not None else b""
+        return b"".join(self.parts)
+
+
+def _rows_for_wire(rows: Any) -> np.ndarray:
+    if not isinstance(rows, np.ndarray):
+        raise InvalidRequestError(f"rows must be a numpy.ndarray, got {type(rows).__name__}")
+    if rows.ndim < 2:
+        raise InvalidRequestError(
+            f"rows must have shape [n, *row_shape] with a non-empty row shape, got {rows.shape}"
+        )
+    name = rows.dtype.name
+    if name not in SUPPORTED_DTYPES:
+        raise InvalidRequestError(
+            f"rows dtype must be one of {sorted(SUPPORTED_DTYPES)}, got {rows.dtype}"
+        )
+    if any(d == 0 for d in rows.shape[1:]):
+        raise InvalidRequestError(f"rows row shape entries must be > 0, got {rows.shape[1:]}")
+    return np.ascontiguousarray(rows, dtype=rows.dtype.newbyteorder("<"))
+
+
+class BaseClient:
+    """Request building and answer decoding shared by the sync and async clients.
+
+    Parameters
+    ----------
+    socket_path : str or os.PathLike, optional
+        Unix socket of the daemon. Default: ``$PAYLOADD_SOCKET`` or `DEFAULT_SOCKET`.
+    base_url : str, optional
+        ``http://host:port`` of a daemon's TCP listener instead of a socket.
+    token : str, optional
+        Admin/TCP token, sent as ``Authorization: Bearer``.
+    timeout : float or httpx.Timeout, default 60.0
+        Seconds for connect, read, write and pool waits.
+
+    Raises
+    ------
+    InvalidRequestError
+        If both ``socket_path`` and ``base_url`` are given.
+    """
+
+    def __init__(
+        self,
+        socket_path: str | os.PathLike[str] | None = None,
+        *,
+        base_url: str | None = None,
+        token: str | None = None,
+        timeout: float | httpx.Timeout = 60.0,
+    ) -> None:
+        if socket_path is not None and base_url is not None:
+            raise InvalidRequestError("give socket_path or base_url, not both")
+        if base_url is None:
+            socket_path = socket_path or os.environ.get("PAYLOADD_SOCKET") or DEFAULT_SOCKET
+        self.socket_path = os.fspath(socket_path) if socket_path is not None else None
+        self.base_url = base_url or "http://payloadd"
+        self.timeout = timeout if isinstance(timeout, httpx.Timeout) else httpx.Timeout(timeout)
+        self.headers = {"User-Agent": "payload-client", "Accept": MSGPACK_CONTENT_TYPE}
+        if token:
+            self.headers["Authorization"] = f"Bearer {token}"
+
+    # -- append -------------------------------------------------------------------------
+
+    def _append_call(
+        self, items: Sequence[tuple[str, np.ndarray, int]], run: str, step: int
+    ) -> Call[list[list[PayloadSegment]]]:
+        run = check_name(run, "run")
+        step = check_int(step, "step")
+        if isinstance(items, tuple) or not isinstance(items, Sequence) or not items:
+            raise InvalidRequestError("items must be a non-empty list of (field, rows, pos)")
+        headers: list[AppendItem] = []
+        bodies: list[memoryview] = []
+        for i, item in enumerate(items):
+            try:
+                fld, rows, pos = item
+            except (TypeError, ValueError):
+                raise InvalidRequestError(f"item {i} must be (field, rows, pos)") from None
+            fld = check_name(fld, f"item {i} field")
+            arr = _rows_for_wire(rows)
+            pos = check_int(pos, f"item {i} pos")
+            if pos + len(arr) > INT64_MAX:
+                raise InvalidRequestError(f"item {i}: pos + rows overflows int64")
+            headers.append(
+                AppendItem(fld, arr.dtype.name, list(arr.shape[1:]), len(arr), pos, run, step)
+            )
+            bodies.append(memoryview(arr.reshape(-1).view(np.uint8)))
+        header = _encoder.encode(AppendRequest(headers))
+        chunks: list[Any] = [FRAME_PREFIX.pack(len(header)), header]
+        chunks += [b for b in bodies if b.nbytes]
+        return Call(
+            "POST",
+            "/v1/append",
+            decode=lambda body: self._decode_append(body, len(headers)),
+            headers={"Content-Type": APPEND_CONTENT_TYPE},
+            chunks=chunks,
+        )
+
+    @staticmethod
+    def _decode_append(body: bytes, n_items: int) -> list[list[PayloadSegment]]:
+        try:
+            segments = _append_response.decode(body).segments
+        except msgspec.DecodeError as exc:
+            raise ProtocolError(f"malformed append answer: {exc}") from exc
+        if len(segments) != n_items:
+            raise ProtocolError(f"append answer has {len(segments)} items, sent {n_items}")
+        return segments
+
+    # -- read ---------------------------------------------------------------------------
+
+    def _read_call(self, windows: Sequence[Window]) -> Call[list[np.ndarray | None]]:
+        if isinstance(windows, tuple) or not isinstance(windows, Sequence):
+            raise InvalidRequestError("windows must be a list of Window")
+        plans: list[WindowPlan | None] = []
+        for i, w in enumerate(windows):
+            try:
+                segments, fld, lo, hi, fill = w
+            except (TypeError, ValueError):
+                raise InvalidRequestError(
+                    f"window {i} must be (segments, field, lo, hi, fill)"
+                ) from None
+            try:
+                plans.append(plan_window(segments, fld, lo, hi, fill))
+            except PayloadError as exc:
+                if len(windows) == 1:
+                    raise
+                raise type(exc)(f"window {i}: {exc}") from None
+        extents = [
+            Extent(p.file, p.offset, p.nbytes, p.end)
+            for plan in plans
+            if plan is not None
+            for p in plan.pieces
+        ]
+        total = sum(e.nbytes for e in extents)
+
+        def decode(data: Any) -> list[np.ndarray | None]:
+            view = memoryview(data)
+            out: list[np.ndarray | None] = []
+            at = 0
+            for plan in plans:
+                if plan is None:
+                    out.append(None)
+                    continue
+                out.append(assemble(plan, view[at : at + plan.nbytes]))
+                at += plan.nbytes
+            return out
+
+        body = _encoder.encode(ReadRequest(extents)) if extents else b""
+        return Call(
+            "POST",
+            "/v1/read",
+            decode=decode,
+            headers={"Content-Type": MSGPACK_CONTENT_TYPE},
+            chunks=[body] if extents else [],
+            expected=total,
+            local=not extents,
+        )
+
+    # -- small calls --------------------------------------------------------------------
+
+    @staticmethod
+    def _json_call(path: str, typ: type[T]) -> Call[T]:
+        decoder = msgspec.json.Decoder(typ)
+
+        def decode(body: bytes) -> T:
+            try:
+                return decoder.decode(body)
+            except msgspec.DecodeError as exc:
+                raise ProtocolError(f"malformed answer from {path}: {exc}") from exc
+
+        return Call("GET", path, decode=decode, headers={"Accept": "application/json"})
+
+    def _stats_call(self) -> Call[Stats]:
+        return self._json_call("/v1/stats", Stats)
+
+    def _health_call(self) -> Call[Health]:
+        return self._json_call("/healthz", Health)

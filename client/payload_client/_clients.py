@@ -1,0 +1,341 @@
+"""The two thin shells over `BaseClient`: sync (`PayloadClient`) and async (`AsyncPayloadClient`).
+
+They only move bytes; `BaseClient` builds every request and decodes every answer.
+httpx errors are translated here, once, into the `PayloadError` tree.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager
+from types import TracebackType
+from typing import Any, TypeVar
+
+import httpx
+import numpy as np
+
+from ._base import BaseClient, Call, Window
+from ._errors import ConnectError, ProtocolError, TimeoutError, TransportError
+from ._segment import PayloadSegment
+from ._wire import Health, Stats
+
+__all__ = ["AsyncPayloadClient", "PayloadClient"]
+
+T = TypeVar("T")
+
+
+def _translate(exc: httpx.HTTPError, where: str) -> TransportError:
+    if isinstance(exc, httpx.TimeoutException):
+        return TimeoutError(f"timed out talking to {where}: {exc!r}")
+    if isinstance(exc, httpx.ConnectError):
+        return ConnectError(f"cannot connect to {where}: {exc}")
+    if isinstance(exc, httpx.RemoteProtocolError | httpx.DecodingError):
+        return ProtocolError(f"malformed answer from {where}: {exc}")
+    return TransportError(f"transport error talking to {where}: {exc!r}")
+
+
+@contextmanager
+def _translated(where: str) -> Iterator[None]:
+    try:
+        yield
+    except httpx.HTTPError as exc:
+        raise _translate(exc, where) from exc
+
+
+_DOC_ARGS = """
+    Parameters
+    ----------
+    socket_path : str or os.PathLike, optional
+        The daemon's Unix socket. Default: ``$PAYLOADD_SOCKET``, else
+        ``/run/payloadd/payloadd.sock``.
+    base_url : str, optional
+        ``http://host:port`` of a daemon's TCP listener, instead of a socket.
+    token : str, optional
+        Token sent as ``Authorization: Bearer`` (admin calls; every call over TCP).
+    timeout : float or httpx.Timeout, default 60.0
+        Seconds allowed for connecting, each read and write, and waiting for the pool.
+"""
+
+
+class PayloadClient(BaseClient):
+    __doc__ = (
+        """Blocking client of a payloadd daemon; also a context manager.
+"""
+        + _DOC_ARGS
+    )
+
+    def __init__(
+        self,
+        socket_path: str | os.PathLike[str] | None = None,
+        *,
+        base_url: str | None = None,
+        token: str | None = None,
+        timeout: float | httpx.Timeout = 60.0,
+    ) -> None:
+        super().__init__(socket_path, base_url=base_url, token=token, timeout=timeout)
+        transport = httpx.HTTPTransport(uds=self.socket_path) if self.socket_path else None
+        self._http = httpx.Client(
+            transport=transport, base_url=self.base_url, headers=self.headers, timeout=self.timeout
+        )
+
+    def _send(self, call: Call[T]) -> T:
+        if call.local:
+            return call.decode(b"")
+        content = iter(call.chunks) if call.chunks else None
+        where = self.socket_path or self.base_url
+        with (
+            _translated(where),
+            self._http.stream(call.method, call.path, headers=call.headers, content=content) as r,
+        ):
+            if r.status_code >= 400:
+                call.raise_for_answer(r.status_code, r.read())
+            sink = call.new_sink()
+            for chunk in r.iter_raw():
+                sink.write(chunk)
+        return call.decode(sink.result())
+
+    def append(
+        self, field: str, rows: np.ndarray, pos: int, *, run: str, step: int
+    ) -> list[PayloadSegment]:
+        """Append rows of one field and return the segments that now hold them.
+
+        Parameters
+        ----------
+        field : str
+            Field name, ``[A-Za-z0-9._-]{1,128}`` (``"routed_experts"``, ``"sampling_mask"``).
+        rows : numpy.ndarray
+            ``[n, *row_shape]`` of a supported dtype (``uint8``, ``int8``, ``uint16``,
+            ``int16``, ``int32``, ``float16``, ``float32``); any byte order or layout
+            (stored little-endian, C order).
+        pos : int
+            Token position of the first row; the rows cover ``[pos, pos + n)``.
+        run : str
+            Run name, ``[A-Za-z0-9._-]{1,128}``, not ``.`` or ``..``.
+        step : int
+            Training step (>= 0); GC frees whole steps.
+
+        Returns
+        -------
+        list of PayloadSegment
+            Covering ``[pos, pos + n)`` in order; exactly one when the rows fit in the
+            daemon's file rotation size. Returned only once the bytes are written.
+
+        Raises
+        ------
+        InvalidRequestError
+            Bad field, run, step, position or rows (checked before anything is sent).
+        PayloadTooLargeError
+            The body is above the daemon's request size limit.
+        TransportError
+            The daemon cannot be reached or answered badly.
+        """
+        return self._send(self._append_call([(field, rows, pos)], run, step))[0]
+
+    def append_many(
+        self, items: Sequence[tuple[str, np.ndarray, int]], *, run: str, step: int
+    ) -> list[list[PayloadSegment]]:
+        """Append several blocks of rows (any fields, requests) in one round trip.
+
+        Parameters
+        ----------
+        items : sequence of (field, rows, pos)
+            As the arguments of `append`.
+        run, step
+            As in `append`, shared by all items.
+
+        Returns
+        -------
+        list of list of PayloadSegment
+            The segments of each item, in item order.
+
+        Raises
+        ------
+        InvalidRequestError, PayloadTooLargeError, TransportError
+            As `append`; nothing is written when any item is invalid.
+        """
+        return self._send(self._append_call(items, run, step))
+
+    def read_field(
+        self,
+        segments: Sequence[PayloadSegment],
+        field: str,
+        lo: int,
+        hi: int,
+        fill: int | float,
+    ) -> np.ndarray | None:
+        """Read ``field`` over token positions ``[lo, hi)`` (DESIGN §4).
+
+        Parameters
+        ----------
+        segments : sequence of PayloadSegment
+            Segments of any fields; only ``field``'s count, later ones win row by row.
+        field : str
+            Field to read.
+        lo, hi : int
+            Window of token positions, ``0 <= lo <= hi``, end exclusive.
+        fill : int or float
+            Value of entries no row covers (an int32 for integer fields).
+
+        Returns
+        -------
+        numpy.ndarray or None
+            ``[hi - lo, *row_shape]``, ``int32`` (``float32`` for float fields), fresh and
+            C-contiguous; ``None`` when no segment has ``field``.
+
+        Raises
+        ------
+        InvalidRequestError
+            ``lo > hi``, ``lo < 0``, bad ``fill``.
+        InvalidSegmentError
+            Any invalid segment in the list.
+        FileMissingError, FileGoneError, SegmentFileError
+            A segment intersecting the window points to a missing or collected file, one
+            outside the root, or one shorter than the segment.
+        TransportError
+            The daemon cannot be reached or answered badly.
+        """
+        return self._send(self._read_call([Window(segments, field, lo, hi, fill)]))[0]
+
+    def read_many(self, windows: Sequence[Window]) -> list[np.ndarray | None]:
+        """Read several windows in one round trip (e.g. a rank's routing and mask windows).
+
+        Parameters
+        ----------
+        windows : sequence of Window or (segments, field, lo, hi, fill)
+            As the arguments of `read_field`.
+
+        Returns
+        -------
+        list of (numpy.ndarray or None)
+            One per window, as `read_field` returns it.
+
+        Raises
+        ------
+        As `read_field`; errors of one window name its index.
+        """
+        return self._send(self._read_call(windows))
+
+    def stats(self) -> Stats:
+        """Return the daemon's counters (`Stats`)."""
+        return self._send(self._stats_call())
+
+    def health(self) -> Health:
+        """Return the daemon's health answer; raises `TransportError` when it is down."""
+        return self._send(self._health_call())
+
+    def close(self) -> None:
+        """Close the connection pool."""
+        self._http.close()
+
+    def __enter__(self) -> PayloadClient:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+@asynccontextmanager
+async def _atranslated(where: str) -> AsyncIterator[None]:
+    try:
+        yield
+    except httpx.HTTPError as exc:
+        raise _translate(exc, where) from exc
+
+
+async def _aiter(chunks: list[Any]) -> AsyncIterator[bytes]:
+    for chunk in chunks:
+        yield chunk
+
+
+class AsyncPayloadClient(BaseClient):
+    __doc__ = (
+        """Asyncio client of a payloadd daemon: the methods of `PayloadClient`, awaitable.
+"""
+        + _DOC_ARGS
+    )
+
+    def __init__(
+        self,
+        socket_path: str | os.PathLike[str] | None = None,
+        *,
+        base_url: str | None = None,
+        token: str | None = None,
+        timeout: float | httpx.Timeout = 60.0,
+    ) -> None:
+        super().__init__(socket_path, base_url=base_url, token=token, timeout=timeout)
+        transport = httpx.AsyncHTTPTransport(uds=self.socket_path) if self.socket_path else None
+        self._http = httpx.AsyncClient(
+            transport=transport, base_url=self.base_url, headers=self.headers, timeout=self.timeout
+        )
+
+    async def _send(self, call: Call[T]) -> T:
+        if call.local:
+            return call.decode(b"")
+        content = _aiter(call.chunks) if call.chunks else None
+        where = self.socket_path or self.base_url
+        async with (
+            _atranslated(where),
+            self._http.stream(call.method, call.path, headers=call.headers, content=content) as r,
+        ):
+            if r.status_code >= 400:
+                call.raise_for_answer(r.status_code, await r.aread())
+            sink = call.new_sink()
+            async for chunk in r.aiter_raw():
+                sink.write(chunk)
+        return call.decode(sink.result())
+
+    async def append(
+        self, field: str, rows: np.ndarray, pos: int, *, run: str, step: int
+    ) -> list[PayloadSegment]:
+        """Awaitable `PayloadClient.append`."""
+        return (await self._send(self._append_call([(field, rows, pos)], run, step)))[0]
+
+    async def append_many(
+        self, items: Sequence[tuple[str, np.ndarray, int]], *, run: str, step: int
+    ) -> list[list[PayloadSegment]]:
+        """Awaitable `PayloadClient.append_many`."""
+        return await self._send(self._append_call(items, run, step))
+
+    async def read_field(
+        self,
+        segments: Sequence[PayloadSegment],
+        field: str,
+        lo: int,
+        hi: int,
+        fill: int | float,
+    ) -> np.ndarray | None:
+        """Awaitable `PayloadClient.read_field`."""
+        return (await self._send(self._read_call([Window(segments, field, lo, hi, fill)])))[0]
+
+    async def read_many(self, windows: Sequence[Window]) -> list[np.ndarray | None]:
+        """Awaitable `PayloadClient.read_many`."""
+        return await self._send(self._read_call(windows))
+
+    async def stats(self) -> Stats:
+        """Awaitable `PayloadClient.stats`."""
+        return await self._send(self._stats_call())
+
+    async def health(self) -> Health:
+        """Awaitable `PayloadClient.health`."""
+        return await self._send(self._health_call())
+
+    async def close(self) -> None:
+        """Close the connection pool."""
+        await self._http.aclose()
+
+    async def __aenter__(self) -> AsyncPayloadClient:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()

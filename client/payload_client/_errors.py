@@ -1,0 +1,160 @@
+"""The payload exception tree: every error the client or the daemon raises.
+
+::
+
+    PayloadError                      base; never raised itself
+    ├── InvalidSegmentError           segment metadata breaks DESIGN §2         422
+    ├── InvalidRequestError           bad argument, window, name or body        400
+    │   └── PayloadTooLargeError      body or item above a configured limit     413
+    ├── FileMissingError              a segment's file does not exist           404
+    ├── FileGoneError                 a segment's file was garbage-collected    410
+    ├── SegmentFileError              file not a regular file in the root, or   409
+    │                                 shorter than the segment says
+    ├── StorageFullError              the payload root is full                  507
+    ├── ServerError                   the daemon failed (a bug)                 500
+    └── TransportError                no usable answer from the daemon (client side)
+        ├── ConnectError              cannot reach the socket or URL
+        ├── TimeoutError              the configured timeout elapsed
+        └── ProtocolError             the answer is malformed
+
+`STATUS_BY_ERROR` is the one table mapping error classes to HTTP status codes: the
+daemon answers with it, the client inverts it (the error body also names the class).
+Foreign errors (httpx, msgspec, OSError) are translated once, at the boundary that
+meets them, with ``raise ... from``.
+"""
+
+from __future__ import annotations
+
+import builtins
+
+__all__ = [
+    "STATUS_BY_ERROR",
+    "ConnectError",
+    "FileGoneError",
+    "FileMissingError",
+    "InvalidRequestError",
+    "InvalidSegmentError",
+    "PayloadError",
+    "PayloadTooLargeError",
+    "ProtocolError",
+    "SegmentFileError",
+    "ServerError",
+    "StorageFullError",
+    "TimeoutError",
+    "TransportError",
+    "error_from_wire",
+]
+
+
+class PayloadError(Exception):
+    """Base class of every payload error."""
+
+
+class InvalidSegmentError(PayloadError, ValueError):
+    """A segment's metadata breaks the segment contract (DESIGN §2).
+
+    Attributes
+    ----------
+    index : int or None
+        Position of the bad segment in the list it came from, when known.
+    field : str or None
+        Name of the offending struct field (``"offset"``, ``"dtype"``, ...).
+    """
+
+    def __init__(self, message: str, *, index: int | None = None, field: str | None = None):
+        where = f"segment {index}: " if index is not None else ""
+        super().__init__(f"{where}{message}")
+        self.index = index
+        self.field = field
+
+
+class InvalidRequestError(PayloadError, ValueError):
+    """An argument, window, run name, step or request body is not acceptable."""
+
+
+class PayloadTooLargeError(InvalidRequestError):
+    """A request body, item or row count exceeds a configured limit."""
+
+
+class FileMissingError(PayloadError, LookupError):
+    """The file a segment points to does not exist (and was never collected)."""
+
+
+class FileGoneError(PayloadError, LookupError):
+    """The file a segment points to was removed by garbage collection."""
+
+
+class SegmentFileError(PayloadError):
+    """A segment's file is not a regular file inside the root, or is shorter than the segment."""
+
+
+class StorageFullError(PayloadError, OSError):
+    """The payload root has no room for the append (nothing was written)."""
+
+
+class ServerError(PayloadError):
+    """The daemon failed while handling a valid request."""
+
+
+class TransportError(PayloadError):
+    """No usable answer came back from the daemon."""
+
+
+class ConnectError(TransportError, ConnectionError):
+    """The daemon's socket or URL cannot be reached."""
+
+
+class TimeoutError(TransportError, builtins.TimeoutError):
+    """The configured client timeout elapsed."""
+
+
+class ProtocolError(TransportError):
+    """The daemon's answer does not follow the wire format."""
+
+
+STATUS_BY_ERROR: dict[type[PayloadError], int] = {
+    InvalidRequestError: 400,
+    FileMissingError: 404,
+    SegmentFileError: 409,
+    FileGoneError: 410,
+    PayloadTooLargeError: 413,
+    InvalidSegmentError: 422,
+    ServerError: 500,
+    StorageFullError: 507,
+}
+"""HTTP status of each error class the daemon can answer with."""
+
+_BY_NAME: dict[str, type[PayloadError]] = {cls.__name__: cls for cls in STATUS_BY_ERROR}
+_BY_STATUS: dict[int, type[PayloadError]] = {code: cls for cls, code in STATUS_BY_ERROR.items()}
+
+
+def status_of(exc: PayloadError) -> int:
+    """Return the HTTP status for ``exc``: its class's entry, or its nearest base's."""
+    for cls in type(exc).__mro__:
+        if cls in STATUS_BY_ERROR:
+            return STATUS_BY_ERROR[cls]
+    return 500
+
+
+def error_from_wire(status: int, name: str | None, message: str) -> PayloadError:
+    """Rebuild the exception a daemon answered with.
+
+    Parameters
+    ----------
+    status : int
+        HTTP status code of the answer.
+    name : str or None
+        Class name from the error body (``"FileMissingError"``), if any.
+    message : str
+        Human-readable message from the error body.
+
+    Returns
+    -------
+    PayloadError
+        An instance of the named class when it is known, else of the class the status
+        maps to (`InvalidRequestError` for other 4xx, `ServerError` for other 5xx).
+    """
+    cls = _BY_NAME.get(name or "") or _BY_STATUS.get(status)
+    if cls is None:
+        cls = InvalidRequestError if 400 <= status < 500 else ServerError
+    return cls(f"{message} (HTTP {status})")

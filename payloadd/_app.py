@@ -1,0 +1,219 @@
+"""The HTTP control plane: `create_app` builds the FastAPI app; routes stay thin.
+
+Each route decodes a msgspec Struct, calls the `Store`, and encodes the answer. The store
+lives on the lifespan state (``request.state.store``); there are no module globals.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import msgspec
+from fastapi import FastAPI, Request, Response
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
+
+from payload_client import InvalidRequestError, PayloadError, PayloadTooLargeError
+from payload_client._errors import status_of
+from payload_client._wire import (
+    APPEND_CONTENT_TYPE,
+    FRAME_PREFIX,
+    MSGPACK_CONTENT_TYPE,
+    AppendRequest,
+    AppendResponse,
+    ErrorBody,
+    Health,
+    ReadRequest,
+    Stats,
+)
+
+from . import __version__
+from ._openapi import install_openapi, operation
+from ._settings import Settings
+from ._store import Store
+
+__all__ = ["create_app"]
+
+log = logging.getLogger("payloadd")
+
+MAX_HEADER_BYTES = 16 << 20
+"""Largest msgpack header of an append body."""
+THREAD_READ_BYTES = 1 << 20
+"""Reads larger than this run in the thread pool so the event loop keeps serving."""
+
+_msgpack = msgspec.msgpack.Encoder()
+_json = msgspec.json.Encoder()
+_append_header = msgspec.msgpack.Decoder(AppendRequest)
+_read_msgpack = msgspec.msgpack.Decoder(ReadRequest)
+_read_json = msgspec.json.Decoder(ReadRequest)
+
+
+def _answer(request: Request, obj: Any, status: int = 200) -> Response:
+    """Encode ``obj`` as msgpack when the client accepts it, else as JSON."""
+    if MSGPACK_CONTENT_TYPE in request.headers.get("accept", ""):
+        return Response(_msgpack.encode(obj), status, media_type=MSGPACK_CONTENT_TYPE)
+    return Response(_json.encode(obj), status, media_type="application/json")
+
+
+def _error(status: int, name: str, message: str) -> Response:
+    return Response(
+        _json.encode(ErrorBody(name, message)), status, media_type="application/json"
+    )
+
+
+def _content_length(request: Request, limit: int) -> int:
+    raw = request.headers.get("content-length")
+    if raw is None or not raw.isdigit():
+        raise InvalidRequestError("Content-Length is required")
+    n = int(raw)
+    if n > limit:
+        raise PayloadTooLargeError(f"body of {n} bytes is above the limit of {limit}")
+    return n
+
+
+def create_app(settings: Settings) -> FastAPI:
+    """Build the daemon's ASGI app for ``settings``.
+
+    The `Store` over ``settings.root`` is created when the app's lifespan starts and put on
+    the lifespan state.
+
+    Parameters
+    ----------
+    settings : Settings
+        Root, node, rotation size, limits and durability policy.
+
+    Returns
+    -------
+    fastapi.FastAPI
+        Routes ``GET /healthz``, ``GET /v1/stats``, ``POST /v1/append``, ``POST /v1/read``,
+        and ``GET /openapi.json``.
+    """
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
+        store = Store(
+            settings.root,
+            settings.node,
+            max_file_bytes=settings.max_file_bytes,
+            fsync=settings.fsync,
+            max_read_bytes=settings.max_request_bytes,
+        )
+        log.info("payloadd %s: root %s, node %s", __version__, store.root, store.node)
+        yield {"store": store, "settings": settings}
+
+    app = FastAPI(
+        title="payloadd",
+        version=__version__,
+        summary="Per-node daemon for per-token side data of LLM RL, passed by handle.",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+    )
+
+    @app.exception_handler(PayloadError)
+    async def payload_error(request: Request, exc: PayloadError) -> Response:
+        return _error(status_of(exc), type(exc).__name__, str(exc))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        return _error(exc.status_code, "HTTPError", str(exc.detail))
+
+    @app.exception_handler(ClientDisconnect)
+    async def disconnected(request: Request, exc: ClientDisconnect) -> Response:
+        log.info("client left during %s %s; nothing was acknowledged", request.method, request.url.path)
+        return _error(400, "InvalidRequestError", "client disconnected")
+
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, exc: Exception) -> Response:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return _error(500, "ServerError", f"internal error: {type(exc).__name__}")
+
+    @app.get("/healthz", **operation(200, Health, "Liveness and readiness."))
+    async def healthz(request: Request) -> Response:
+        store: Store = request.state.store
+        return _answer(request, Health("ok", store.node, __version__))
+
+    @app.get("/v1/stats", **operation(200, Stats, "Counters since start."))
+    async def stats(request: Request) -> Response:
+        return _answer(request, request.state.store.stats())
+
+    @app.post(
+        "/v1/append",
+        **operation(
+            200,
+            AppendResponse,
+            "Append rows; answers with their segments.",
+            body=(APPEND_CONTENT_TYPE, None),
+        ),
+    )
+    async def append(request: Request) -> Response:
+        store: Store = request.state.store
+        ctype = request.headers.get("content-type", "")
+        if not ctype.startswith(APPEND_CONTENT_TYPE):
+            raise InvalidRequestError(
+                f"Content-Type must be {APPEND_CONTENT_TYPE}, got {ctype or 'none'}"
+            )
+        length = _content_length(request, settings.max_request_bytes)
+        chunks = request.stream().__aiter__()
+        head = bytearray()
+        need = FRAME_PREFIX.size
+        while len(head) < need:
+            try:
+                head += await chunks.__anext__()
+            except StopAsyncIteration:
+                raise InvalidRequestError("append body ends inside its header") from None
+            if len(head) >= FRAME_PREFIX.size and need == FRAME_PREFIX.size:
+                (hlen,) = FRAME_PREFIX.unpack_from(head)
+                if hlen > MAX_HEADER_BYTES:
+                    raise PayloadTooLargeError(f"append header of {hlen} bytes is too large")
+                need += hlen
+        try:
+            header = _append_header.decode(memoryview(head)[FRAME_PREFIX.size : need])
+        except msgspec.DecodeError as exc:
+            raise InvalidRequestError(f"bad append header: {exc}") from None
+        pending = store.begin_append(header.items)
+        try:
+            if length != need + pending.remaining:
+                raise InvalidRequestError(
+                    f"body is {length} bytes but its header announces {need + pending.remaining}"
+                )
+            pending.write(memoryview(head)[need:])
+            async for chunk in chunks:
+                pending.write(chunk)
+            segments = pending.commit()
+        finally:
+            pending.close()
+        return _answer(request, AppendResponse(segments))
+
+    @app.post(
+        "/v1/read",
+        **operation(
+            200,
+            None,
+            "Read byte extents; answers with their bytes concatenated in order.",
+            body=(MSGPACK_CONTENT_TYPE, ReadRequest),
+        ),
+    )
+    async def read(request: Request) -> Response:
+        store: Store = request.state.store
+        _content_length(request, settings.max_request_bytes)
+        body = await request.body()
+        try:
+            if request.headers.get("content-type", "").startswith("application/json"):
+                req = _read_json.decode(body)
+            else:
+                req = _read_msgpack.decode(body)
+        except msgspec.DecodeError as exc:
+            raise InvalidRequestError(f"bad read request: {exc}") from None
+        if sum(e.nbytes for e in req.extents) > THREAD_READ_BYTES:
+            data = await run_in_threadpool(store.read_extents, req.extents)
+        else:
+            data = store.read_extents(req.extents)
+        return Response(memoryview(data), media_type="application/octet-stream")
+
+    install_openapi(app)
+    return app

@@ -1,0 +1,73 @@
+"""The ``payloadd`` command: ``serve`` and ``demo``.
+
+``serve``'s flags are generated from `Settings`, one per field, so a flag, an environment
+variable and a settings field never drift apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from pydantic import ValidationError
+
+from . import __version__
+from ._settings import Settings
+
+__all__ = ["main"]
+
+
+def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
+    for name, info in Settings.model_fields.items():
+        default = "from the environment" if info.is_required() else info.get_default(
+            call_default_factory=True
+        )
+        if name == "socket_mode":
+            default = f"{default:o}"
+        parser.add_argument(
+            f"--{name.replace('_', '-')}",
+            dest=name,
+            default=argparse.SUPPRESS,
+            metavar=name.upper(),
+            help=f"{info.description} [env PAYLOADD_{name.upper()}; default {default}]",
+        )
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="payloadd",
+        description="Per-node daemon for per-token side data of LLM RL, passed by handle.",
+    )
+    parser.add_argument("--version", action="version", version=f"payloadd {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="run the daemon on a Unix socket")
+    _add_settings_flags(serve)
+    demo = sub.add_parser("demo", help="run one RL step end to end on a temporary root")
+    from ._demo import add_demo_flags
+
+    add_demo_flags(demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; return the exit status."""
+    args = _parser().parse_args(argv)
+    if args.command == "serve":
+        values = {k: v for k, v in vars(args).items() if k != "command"}
+        try:
+            settings = Settings(**values)
+        except ValidationError as exc:
+            print(f"payloadd serve: invalid settings:\n{exc}", file=sys.stderr)
+            return 2
+        from ._server import SocketInUseError, serve
+
+        try:
+            serve(settings)
+        except (SocketInUseError, FileExistsError, PermissionError) as exc:
+            print(f"payloadd serve: {exc}", file=sys.stderr)
+            return 1
+        return 0
+    from ._demo import run_demo
+
+    return run_demo(args)

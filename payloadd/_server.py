@@ -1,0 +1,79 @@
+"""Run the app under uvicorn on a Unix socket the daemon binds itself (mode, stale files)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import stat
+from pathlib import Path
+
+import uvicorn
+
+from ._app import create_app
+from ._settings import Settings
+
+__all__ = ["bind_unix_socket", "serve"]
+
+log = logging.getLogger("payloadd")
+
+
+class SocketInUseError(RuntimeError):
+    """Another live daemon answers on the socket path."""
+
+
+def bind_unix_socket(path: Path, mode: int = 0o660, backlog: int = 1024) -> socket.socket:
+    """Bind and listen on a Unix stream socket at ``path`` with file mode ``mode``.
+
+    A socket file left by a dead daemon is replaced; one a live process accepts on is not.
+
+    Raises
+    ------
+    SocketInUseError
+        When something accepts connections on ``path``.
+    FileExistsError
+        When ``path`` exists and is not a socket.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.exists() or path.is_symlink():
+        if not stat.S_ISSOCK(path.lstat().st_mode):
+            raise FileExistsError(f"{path} exists and is not a socket")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(os.fspath(path))
+        except OSError:
+            path.unlink()  # stale: nobody listens
+        else:
+            raise SocketInUseError(f"a live daemon already listens on {path}")
+        finally:
+            probe.close()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o777 & ~mode)
+    try:
+        sock.bind(os.fspath(path))
+    finally:
+        os.umask(old)
+    os.chmod(path, mode)
+    sock.listen(backlog)
+    return sock
+
+
+def serve(settings: Settings) -> None:
+    """Serve ``settings`` until SIGINT/SIGTERM; remove the socket file on exit."""
+    logging.basicConfig(level=settings.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    sock = bind_unix_socket(settings.socket, settings.socket_mode)
+    config = uvicorn.Config(
+        create_app(settings),
+        log_level=settings.log_level,
+        access_log=False,
+        lifespan="on",
+        timeout_graceful_shutdown=30,
+    )
+    try:
+        uvicorn.Server(config).run(sockets=[sock])
+    finally:
+        sock.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(settings.socket)

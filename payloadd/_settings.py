@@ -1,0 +1,78 @@
+"""The daemon's one flat settings object.
+
+Every field is also a CLI flag of ``payloadd serve`` (``max_file_bytes`` ->
+``--max-file-bytes``) and an environment variable (``PAYLOADD_MAX_FILE_BYTES``).
+Precedence: flag > environment > default.
+"""
+
+from __future__ import annotations
+
+import re
+import socket as _socket
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+__all__ = ["Settings", "default_node"]
+
+GiB = 1 << 30
+
+
+def default_node() -> str:
+    """This host's name, made a safe path component (the default node prefix)."""
+    name = re.sub(r"[^A-Za-z0-9._-]", "-", _socket.gethostname())[:128]
+    return name if name not in ("", ".", "..") else "node"
+
+
+class Settings(BaseSettings):
+    """Configuration of one payloadd daemon. Sizes are in bytes."""
+
+    model_config = SettingsConfigDict(env_prefix="PAYLOADD_", extra="forbid", frozen=True)
+
+    root: Path = Field(
+        Path("/var/lib/payloadd"), description="Payload root: the daemon owns everything below it."
+    )
+    socket: Path = Field(
+        Path("/run/payloadd/payloadd.sock"), description="Unix socket the HTTP API listens on."
+    )
+    socket_mode: int = Field(
+        0o660, description="File mode of the socket (octal, e.g. 0660): who may connect."
+    )
+    node: str = Field(
+        default_factory=default_node,
+        pattern=r"^[A-Za-z0-9._-]{1,128}$",
+        description="Node prefix under the root this daemon writes to (default: host name).",
+    )
+    max_file_bytes: int = Field(
+        1 * GiB, gt=0, description="A data file is rotated before it would exceed this size."
+    )
+    max_request_bytes: int = Field(
+        4 * GiB, gt=0, description="Largest request body (append) or read answer; above: 413."
+    )
+    fsync: Literal["never", "always"] = Field(
+        "never",
+        description="never: bytes reach the page cache before a segment is returned (survives "
+        "a daemon crash); always: also fsync'd (survives a node crash).",
+    )
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = Field(
+        "info", description="Log level of the daemon and uvicorn."
+    )
+
+    @field_validator("socket_mode", mode="before")
+    @classmethod
+    def _octal(cls, value: object) -> object:
+        if isinstance(value, str):
+            try:
+                return int(value, 8)
+            except ValueError:
+                raise ValueError(f"socket_mode must be octal like 0660, got {value!r}") from None
+        return value
+
+    @field_validator("node")
+    @classmethod
+    def _not_dots(cls, value: str) -> str:
+        if value in (".", ".."):
+            raise ValueError("node must not be '.' or '..'")
+        return value

@@ -1,0 +1,413 @@
+"""The storage core: append-only data files under the payload root; sync, no HTTP.
+
+Layout: ``<root>/<node>/<run>/<step>/<field>-<instance>-<seq>.bin``. ``instance`` is new at
+every start, so a restarted daemon never appends to a file an earlier one wrote.
+
+Appends are two-phase so that many writers can share a file: `Store.begin_append` reserves
+byte ranges under one lock (placement and rotation), the caller writes the rows with
+``os.pwrite`` outside the lock (`PendingAppend.write`), and `PendingAppend.commit` returns the
+segments once every byte is written (and fsync'd under ``fsync="always"``).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import stat
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from payload_client import (
+    FileMissingError,
+    InvalidRequestError,
+    InvalidSegmentError,
+    PayloadSegment,
+    PayloadTooLargeError,
+    SegmentFileError,
+    SUPPORTED_DTYPES,
+)
+from payload_client._segment import INT64_MAX, check_name, check_relative_path
+from payload_client._wire import AppendItem, Extent, Stats
+
+__all__ = ["PendingAppend", "Store"]
+
+DIR_MODE = 0o750
+FILE_MODE = 0o640
+
+
+def item_nbytes(item: AppendItem, index: int = 0) -> tuple[int, int]:
+    """Validate an append item; return ``(row_nbytes, nbytes)`` of its rows.
+
+    Raises
+    ------
+    InvalidRequestError
+        Naming the item and the bad field.
+    """
+    where = f"item {index}"
+    check_name(item.field, f"{where} field")
+    check_name(item.run, f"{where} run")
+    if item.dtype not in SUPPORTED_DTYPES:
+        raise InvalidRequestError(
+            f"{where} dtype must be one of {sorted(SUPPORTED_DTYPES)}, got {item.dtype!r}"
+        )
+    if not item.shape or any(d <= 0 for d in item.shape):
+        raise InvalidRequestError(f"{where} shape must be non-empty with entries > 0")
+    row_nb = np.dtype(item.dtype).itemsize
+    for d in item.shape:
+        row_nb *= d
+        if row_nb > INT64_MAX:
+            raise InvalidRequestError(f"{where} row size overflows int64")
+    if item.pos + item.rows > INT64_MAX:
+        raise InvalidRequestError(f"{where} pos + rows overflows int64")
+    return row_nb, row_nb * item.rows
+
+
+@dataclass
+class _File:
+    """A data file open for appends: ``size`` is the end of what has been reserved."""
+
+    rel: str
+    size: int
+
+
+@dataclass(frozen=True)
+class _Extent:
+    """A reserved byte range of one file for rows ``[pos, pos + rows)`` of one item."""
+
+    item: int
+    rel: str
+    offset: int
+    pos: int
+    rows: int
+    nbytes: int
+
+
+class PendingAppend:
+    """Reserved byte ranges waiting for their rows; fill with `write`, finish with `commit`.
+
+    The rows arrive as one byte stream: item 0's rows, then item 1's, ... in any chunking.
+    """
+
+    def __init__(self, store: Store, items: Sequence[AppendItem], extents: list[_Extent]):
+        self._store = store
+        self._items = items
+        self._extents = extents
+        self._fds: dict[str, int] = {}
+        self._cursor = 0  # index into extents
+        self._done = 0  # bytes of extents[cursor] written
+        self.remaining = sum(e.nbytes for e in extents)
+        self._closed = False
+
+    def _fd(self, rel: str) -> int:
+        fd = self._fds.get(rel)
+        if fd is None:
+            fd = os.open(self._store.root / rel, os.O_WRONLY | os.O_CLOEXEC)
+            self._fds[rel] = fd
+        return fd
+
+    def write(self, data: Any) -> None:
+        """Write the next bytes of the row stream (pwrite into the reserved ranges).
+
+        Raises
+        ------
+        InvalidRequestError
+            If more bytes arrive than the items announce.
+        """
+        view = memoryview(data).cast("B")
+        if view.nbytes > self.remaining:
+            raise InvalidRequestError(
+                f"body carries more row bytes than its items announce ({self.remaining} left)"
+            )
+        while view.nbytes:
+            ext = self._extents[self._cursor]
+            take = min(ext.nbytes - self._done, view.nbytes)
+            fd = self._fd(ext.rel)
+            at = 0
+            while at < take:
+                at += os.pwrite(fd, view[at:take], ext.offset + self._done + at)
+            view = view[take:]
+            self._done += take
+            self.remaining -= take
+            if self._done == ext.nbytes:
+                self._cursor += 1
+                self._done = 0
+
+    def commit(self) -> list[list[PayloadSegment]]:
+        """Return the segments of every item, once all their bytes are written.
+
+        Raises
+        ------
+        InvalidRequestError
+            If fewer bytes were written than the items announce.
+        """
+        if self.remaining:
+            raise InvalidRequestError(f"body ended {self.remaining} row bytes early")
+        try:
+            if self._store.fsync == "always":
+                for fd in self._fds.values():
+                    os.fsync(fd)
+        finally:
+            self.close()
+        out: list[list[PayloadSegment]] = [[] for _ in self._items]
+        for e in self._extents:
+            it = self._items[e.item]
+            out[e.item].append(
+                PayloadSegment(it.field, e.rel, e.offset, e.pos, e.rows, it.dtype, list(it.shape))
+            )
+        self._store._count_append(self._items)
+        return out
+
+    def close(self) -> None:
+        """Release the file descriptors (an uncommitted append leaves unreferenced bytes)."""
+        if not self._closed:
+            self._closed = True
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+
+class Store:
+    """Owns the payload root: places, writes and reads rows; sync and thread-safe.
+
+    Parameters
+    ----------
+    root : path
+        Payload root; created with mode 0750 if missing.
+    node : str
+        This daemon's node prefix (a path component).
+    max_file_bytes : int
+        Rotation size: a file is not grown past it, except by a single row larger than it.
+    fsync : {"never", "always"}
+        Whether `PendingAppend.commit` fsyncs before returning segments.
+    max_read_bytes : int
+        Largest total of one `read_extents` call.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        node: str,
+        *,
+        max_file_bytes: int = 1 << 30,
+        fsync: Literal["never", "always"] = "never",
+        max_read_bytes: int = 4 << 30,
+    ) -> None:
+        self.node = check_name(node, "node")
+        os.makedirs(root, mode=DIR_MODE, exist_ok=True)
+        self.root = Path(os.path.realpath(root))
+        self._root_prefix = str(self.root) + os.sep
+        self.max_file_bytes = max_file_bytes
+        self.max_read_bytes = max_read_bytes
+        self.fsync = fsync
+        self.instance = secrets.token_hex(4)
+        self.started = time.monotonic()
+        self._lock = threading.Lock()
+        self._files: dict[tuple[str, int, str], _File] = {}
+        self._seq = 0
+        self._counts = {"appends": 0, "rows_appended": 0, "bytes_appended": 0}
+        self._counts |= {"reads": 0, "bytes_read": 0}
+
+    # -- appends ------------------------------------------------------------------------
+
+    def _new_file(self, run: str, step: int, field: str) -> _File:
+        """Create the next data file of ``(run, step, field)``; caller holds the lock."""
+        d = f"{self.node}/{run}/{step}"
+        os.makedirs(self.root / d, mode=DIR_MODE, exist_ok=True)
+        self._seq += 1
+        rel = f"{d}/{field}-{self.instance}-{self._seq:06d}.bin"
+        fd = os.open(self.root / rel, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
+        os.close(fd)
+        if self.fsync == "always":
+            dfd = os.open(self.root / d, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+        f = _File(rel, 0)
+        self._files[(run, step, field)] = f
+        return f
+
+    def _place(self, index: int, item: AppendItem, row_nb: int) -> list[_Extent]:
+        """Reserve room for one item's rows; caller holds the lock."""
+        key = (item.run, item.step, item.field)
+        out: list[_Extent] = []
+        rows, pos = item.rows, item.pos
+        f = self._files.get(key) or self._new_file(*key)
+        while True:
+            nbytes = rows * row_nb
+            if f.size + nbytes <= self.max_file_bytes or (f.size == 0 and rows <= 1):
+                out.append(_Extent(index, f.rel, f.size, pos, rows, nbytes))
+                f.size += nbytes
+                return out
+            if f.size > 0:
+                f = self._new_file(*key)
+                continue
+            # an empty file and more rows than fit: fill it, then go on in the next one
+            take = max(1, self.max_file_bytes // row_nb)
+            out.append(_Extent(index, f.rel, 0, pos, take, take * row_nb))
+            f.size = take * row_nb
+            rows, pos = rows - take, pos + take
+
+    def begin_append(self, items: Sequence[AppendItem]) -> PendingAppend:
+        """Validate ``items`` and reserve room for their rows.
+
+        Parameters
+        ----------
+        items : sequence of AppendItem
+            Headers of the blocks of rows that will follow, in order.
+
+        Returns
+        -------
+        PendingAppend
+            To receive the row bytes (`PendingAppend.write`) and return the segments.
+
+        Raises
+        ------
+        InvalidRequestError
+            An item names a bad field, run, dtype or shape, or overflows int64; nothing is
+            reserved then.
+        """
+        if not items:
+            raise InvalidRequestError("an append needs at least one item")
+        sizes = [item_nbytes(item, i) for i, item in enumerate(items)]
+        with self._lock:
+            extents = [e for i, it in enumerate(items) for e in self._place(i, it, sizes[i][0])]
+        return PendingAppend(self, items, extents)
+
+    def append(self, items: Sequence[AppendItem], data: Any) -> list[list[PayloadSegment]]:
+        """Append ``items`` whose rows are ``data`` (concatenated); return their segments."""
+        pending = self.begin_append(items)
+        try:
+            pending.write(data)
+            return pending.commit()
+        finally:
+            pending.close()
+
+    def _count_append(self, items: Sequence[AppendItem]) -> None:
+        with self._lock:
+            self._counts["appends"] += 1
+            self._counts["rows_appended"] += sum(it.rows for it in items)
+            self._counts["bytes_appended"] += sum(item_nbytes(it)[1] for it in items)
+
+    # -- reads --------------------------------------------------------------------------
+
+    def open_for_read(self, rel: str, end: int) -> int:
+        """Open a data file for reading after checking it against a segment's end.
+
+        Parameters
+        ----------
+        rel : str
+            Path relative to the root.
+        end : int
+            Byte offset just past the segment: the file must be at least that long.
+
+        Returns
+        -------
+        int
+            A read-only file descriptor; the caller closes it.
+
+        Raises
+        ------
+        InvalidSegmentError
+            ``rel`` is not a normalised relative path.
+        FileMissingError
+            The file does not exist.
+        SegmentFileError
+            It resolves outside the root, is not a regular file, or is shorter than ``end``.
+        """
+        try:
+            check_relative_path(rel)
+        except ValueError as exc:
+            raise InvalidSegmentError(f"file {exc}", field="file") from None
+        real = os.path.realpath(self.root / rel)
+        if not real.startswith(self._root_prefix):
+            raise SegmentFileError(f"payload file {rel!r} resolves outside the payload root")
+        try:
+            fd = os.open(real, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except (FileNotFoundError, NotADirectoryError):
+            raise FileMissingError(f"payload file {rel!r} does not exist") from None
+        except OSError as exc:
+            raise SegmentFileError(f"payload file {rel!r} cannot be opened: {exc}") from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise SegmentFileError(f"payload file {rel!r} is not a regular file")
+            if st.st_size < end:
+                raise SegmentFileError(
+                    f"payload file {rel!r} has {st.st_size} bytes but a segment ends at byte {end}"
+                )
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def read_extents(self, extents: Sequence[Extent]) -> bytearray:
+        """Read byte ranges with pread; return them concatenated in order.
+
+        Raises
+        ------
+        InvalidRequestError
+            An extent reaches past its segment's end (``offset + nbytes > end``).
+        PayloadTooLargeError
+            The total is above ``max_read_bytes``.
+        FileMissingError, SegmentFileError, InvalidSegmentError
+            See `open_for_read`; nothing is returned then.
+        """
+        total = 0
+        for i, e in enumerate(extents):
+            if e.offset + e.nbytes > e.end:
+                raise InvalidRequestError(
+                    f"extent {i}: offset + nbytes = {e.offset + e.nbytes} is past end {e.end}"
+                )
+            total += e.nbytes
+        if total > self.max_read_bytes:
+            raise PayloadTooLargeError(
+                f"read of {total} bytes is above the limit of {self.max_read_bytes}"
+            )
+        out = bytearray(total)
+        view = memoryview(out)
+        fds: dict[str, int] = {}
+        try:
+            for e in extents:  # check every file before reading any
+                if e.file not in fds:
+                    fds[e.file] = self.open_for_read(e.file, e.end)
+                elif e.end > os.fstat(fds[e.file]).st_size:
+                    self.open_for_read(e.file, e.end)  # raises the size error
+            at = 0
+            for e in extents:
+                got = 0
+                while got < e.nbytes:
+                    n = os.preadv(fds[e.file], [view[at + got : at + e.nbytes]], e.offset + got)
+                    if n == 0:
+                        raise SegmentFileError(f"payload file {e.file!r} shrank during the read")
+                    got += n
+                at += e.nbytes
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+        with self._lock:
+            self._counts["reads"] += 1
+            self._counts["bytes_read"] += total
+        return out
+
+    # -- state --------------------------------------------------------------------------
+
+    def stats(self) -> Stats:
+        """Counters since start (bytes in bytes, uptime in seconds)."""
+        with self._lock:
+            c = dict(self._counts)
+            open_files = len(self._files)
+        return Stats(
+            node=self.node,
+            root=str(self.root),
+            uptime_s=time.monotonic() - self.started,
+            files_open_for_append=open_files,
+            max_file_bytes=self.max_file_bytes,
+            **c,
+        )
