@@ -6,8 +6,8 @@ Start it with ``payloadd serve --root DIR --socket PATH``; talk to it with
 
 __version__ = "0.1.0"
 
-from ._app import create_app  # noqa: E402
-from ._settings import Settings  # noqa: E402
-from ._store import PendingAppend, Store  # noqa: E402
+from ._app import create_app
+from ._settings import Settings
+from ._store import PendingAppend, Store
 
 __all__ = ["PendingAppend", "Settings", "Store", "__version__", "create_app"]

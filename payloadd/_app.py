@@ -13,10 +13,6 @@ from typing import Any
 
 import msgspec
 from fastapi import FastAPI, Request, Response
-from starlette.concurrency import run_in_threadpool
-from starlette.exceptions import HTTPException
-from starlette.requests import ClientDisconnect
-
 from payload_client import InvalidRequestError, PayloadError, PayloadTooLargeError
 from payload_client._errors import status_of
 from payload_client._wire import (
@@ -30,6 +26,9 @@ from payload_client._wire import (
     ReadRequest,
     Stats,
 )
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from . import __version__
 from ._openapi import install_openapi, operation
@@ -60,9 +59,7 @@ def _answer(request: Request, obj: Any, status: int = 200) -> Response:
 
 
 def _error(status: int, name: str, message: str) -> Response:
-    return Response(
-        _json.encode(ErrorBody(name, message)), status, media_type="application/json"
-    )
+    return Response(_json.encode(ErrorBody(name, message)), status, media_type="application/json")
 
 
 def _content_length(request: Request, limit: int) -> int:
@@ -124,7 +121,9 @@ def create_app(settings: Settings) -> FastAPI:
 
     @app.exception_handler(ClientDisconnect)
     async def disconnected(request: Request, exc: ClientDisconnect) -> Response:
-        log.info("client left during %s %s; nothing was acknowledged", request.method, request.url.path)
+        log.info(
+            "client left during %s %s; nothing was acknowledged", request.method, request.url.path
+        )
         return _error(400, "InvalidRequestError", "client disconnected")
 
     @app.exception_handler(Exception)

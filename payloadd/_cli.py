@@ -20,8 +20,10 @@ __all__ = ["main"]
 
 def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
     for name, info in Settings.model_fields.items():
-        default = "from the environment" if info.is_required() else info.get_default(
-            call_default_factory=True
+        default = (
+            "from the environment"
+            if info.is_required()
+            else info.get_default(call_default_factory=True)
         )
         if name == "socket_mode":
             default = f"{default:o}"

@@ -16,30 +16,26 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
+import itertools
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgspec
 import numpy as np
-
 from payload_client import (
     AsyncPayloadClient,
-    PayloadClient,
-    PayloadError,
     PayloadSegment,
     Window,
     clip_segments,
     shift_segments,
 )
 
-__all__ = ["Sample", "add_demo_flags", "run_demo", "start_daemon"]
+from ._process import start_daemon
+
+__all__ = ["Sample", "add_demo_flags", "run_demo"]
 
 ROUTED = "routed_experts"
 MASK = "sampling_mask"
@@ -74,9 +70,11 @@ def make_samples(n: int, max_tokens: int, seed: int) -> list[Sample]:
     for _ in range(n):
         tokens = int(rng.integers(max(2, max_tokens // 8), max_tokens + 1))
         n_turns = int(rng.integers(1, 7))
-        cuts = np.sort(rng.choice(np.arange(1, tokens), size=min(n_turns - 1, tokens - 1), replace=False))
+        cuts = np.sort(
+            rng.choice(np.arange(1, tokens), size=min(n_turns - 1, tokens - 1), replace=False)
+        )
         bounds = [0, *map(int, cuts), tokens]
-        turns = list(zip(bounds[:-1], bounds[1:], strict=True))
+        turns = list(itertools.pairwise(bounds))
         routed = rng.integers(0, EXPERTS, (tokens, LAYERS, TOP_K), dtype=np.uint8)
         runs: list[tuple[int, int, int]] = []
         for a, b in turns:
@@ -109,7 +107,9 @@ async def write_samples(
             s = queue.get_nowait()
             for a, b in s.turns:
                 items = [(ROUTED, s.routed[a:b], a)]
-                items += [(MASK, s.mask[rs:re_, :w], rs) for rs, re_, w in s.mask_runs if a <= rs < b]
+                items += [
+                    (MASK, s.mask[rs:re_, :w], rs) for rs, re_, w in s.mask_runs if a <= rs < b
+                ]
                 for segs in await client.append_many(items, run=run, step=step):
                     s.segments.extend(segs)
 
@@ -153,9 +153,7 @@ def pack(samples: list[Sample], seq_len: int, cp: int) -> list[MicroBatch]:
 def inline_tensors(mb: MicroBatch, samples: list[Sample]) -> tuple[np.ndarray, np.ndarray | None]:
     """The inline path's tensors of a micro batch: routing, and the mask shifted left by one."""
     routed = np.full((mb.length, LAYERS, TOP_K), ROUTED_FILL, np.int32)
-    has_mask = any(
-        any(s < n for s, _, _ in samples[i].mask_runs) for i, _, n in mb.members
-    )
+    has_mask = any(any(s < n for s, _, _ in samples[i].mask_runs) for i, _, n in mb.members)
     width = max(samples[i].mask.shape[1] for i, _, _ in mb.members)
     mask = np.full((mb.length, width), MASK_FILL, np.int32)
     for i, off, n in mb.members:
@@ -230,42 +228,23 @@ async def train_step(
     return result
 
 
-@contextlib.contextmanager
-def start_daemon(root: Path, socket: Path, *extra: str) -> Iterator[subprocess.Popen[bytes]]:
-    """Run ``payloadd serve`` in a child process until the block ends; wait until it answers."""
-    cmd = [sys.executable, "-m", "payloadd", "serve", "--root", str(root), "--socket", str(socket)]
-    proc = subprocess.Popen([*cmd, "--log-level", "warning", *extra])
-    try:
-        deadline = time.monotonic() + 30
-        with PayloadClient(socket, timeout=5) as probe:
-            while True:
-                try:
-                    probe.health()
-                    break
-                except PayloadError:
-                    if proc.poll() is not None or time.monotonic() > deadline:
-                        raise RuntimeError(f"payloadd did not start (exit {proc.poll()})") from None
-                    time.sleep(0.05)
-        yield proc
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 def add_demo_flags(p: argparse.ArgumentParser) -> None:
     """Flags of ``payloadd demo``."""
     p.add_argument("--samples", type=int, default=24, help="multi-turn samples [24]")
     p.add_argument("--max-tokens", type=int, default=8192, help="tokens per sample, at most [8192]")
-    p.add_argument("--seq-len", type=int, default=8192, help="micro batch length; longer samples are truncated [8192]")
+    p.add_argument(
+        "--seq-len",
+        type=int,
+        default=8192,
+        help="micro batch length; longer samples are truncated [8192]",
+    )
     p.add_argument("--dp", type=int, default=2, help="data-parallel ranks [2]")
     p.add_argument("--cp", default="1,2,4", help="context-parallel degrees to check [1,2,4]")
     p.add_argument("--writers", type=int, default=8, help="concurrent inference writers [8]")
     p.add_argument("--seed", type=int, default=0, help="random seed [0]")
-    p.add_argument("--root", type=Path, help="payload root to use [a temporary folder, removed after]")
+    p.add_argument(
+        "--root", type=Path, help="payload root to use [a temporary folder, removed after]"
+    )
 
 
 def _mb(n: float) -> str:
@@ -290,20 +269,28 @@ async def _play(args: argparse.Namespace, socket: Path) -> int:
     handle_wire = sum(len(msgspec.msgpack.encode(s.segments)) for s in samples)
     inline_wire = row_bytes + sum(s.mask.nbytes for s in samples)
     print(f"payloadd demo: {args.samples} samples, {tokens:,} tokens (generated in {gen_s:.1f} s)")
-    print(f"  inference  wrote {_mb(row_bytes)} routing + {_mb(mask_bytes)} masks"
-          f" as {segments:,} segments with {args.writers} writers:"
-          f" {_mb((row_bytes + mask_bytes) / write_s)}/s")
-    print(f"  orchestr.  handles {handle_wire / 1e3:,.1f} kB msgpack vs {_mb(inline_wire)} inline"
-          f" ({handle_wire / inline_wire:.4f}x)")
-    print(f"  daemon     {stats.appends:,} appends, {stats.reads:,} reads,"
-          f" {_mb(stats.bytes_read)} read from {stats.root}")
+    print(
+        f"  inference  wrote {_mb(row_bytes)} routing + {_mb(mask_bytes)} masks"
+        f" as {segments:,} segments with {args.writers} writers:"
+        f" {_mb((row_bytes + mask_bytes) / write_s)}/s"
+    )
+    print(
+        f"  orchestr.  handles {handle_wire / 1e3:,.1f} kB msgpack vs {_mb(inline_wire)} inline"
+        f" ({handle_wire / inline_wire:.4f}x)"
+    )
+    print(
+        f"  daemon     {stats.appends:,} appends, {stats.reads:,} reads,"
+        f" {_mb(stats.bytes_read)} read from {stats.root}"
+    )
     print(f"  trainer    {args.dp} DP ranks; windows read bit for bit against inline:")
     failed = False
     for r in results:
         verdict = "parity OK" if r.mismatches == 0 and r.windows else "MISMATCH"
         failed |= verdict != "parity OK"
-        print(f"    CP {r.cp}: {r.windows:4d} windows, {r.mismatches} mismatches,"
-              f" {_mb(r.bytes_read / r.seconds)}/s into int32   {verdict}")
+        print(
+            f"    CP {r.cp}: {r.windows:4d} windows, {r.mismatches} mismatches,"
+            f" {_mb(r.bytes_read / r.seconds)}/s into int32   {verdict}"
+        )
     print("demo: " + ("FAILED" if failed else "OK"))
     return 1 if failed else 0
 

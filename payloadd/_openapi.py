@@ -12,7 +12,6 @@ from typing import Any
 import msgspec
 from fastapi import FastAPI, Response
 from fastapi.openapi.utils import get_openapi
-
 from payload_client import STATUS_BY_ERROR
 from payload_client._wire import (
     APPEND_CONTENT_TYPE,
@@ -71,7 +70,9 @@ def operation(
             "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}
         }
     else:
-        content = {mt: {"schema": _ref(answer)} for mt in ("application/json", MSGPACK_CONTENT_TYPE)}
+        content = {
+            mt: {"schema": _ref(answer)} for mt in ("application/json", MSGPACK_CONTENT_TYPE)
+        }
     extra: dict[str, Any] = {}
     if body is not None:
         ctype, typ = body

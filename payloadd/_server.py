@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import socket
 import stat
 from pathlib import Path
@@ -60,9 +61,15 @@ def bind_unix_socket(path: Path, mode: int = 0o660, backlog: int = 1024) -> sock
     return sock
 
 
+def _exit_cleanly(signum: int, frame: object) -> None:
+    raise SystemExit(0)
+
+
 def serve(settings: Settings) -> None:
     """Serve ``settings`` until SIGINT/SIGTERM; remove the socket file on exit."""
-    logging.basicConfig(level=settings.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(levelname)s %(name)s: %(message)s"
+    )
     sock = bind_unix_socket(settings.socket, settings.socket_mode)
     config = uvicorn.Config(
         create_app(settings),
@@ -71,6 +78,10 @@ def serve(settings: Settings) -> None:
         lifespan="on",
         timeout_graceful_shutdown=30,
     )
+    # uvicorn drains in-flight requests on SIGTERM/SIGINT, then re-raises the signal with the
+    # handlers found at start restored: these make that a clean exit (status 0, socket removed).
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _exit_cleanly)
     try:
         uvicorn.Server(config).run(sockets=[sock])
     finally:

@@ -22,15 +22,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-
 from payload_client import (
+    SUPPORTED_DTYPES,
     FileMissingError,
     InvalidRequestError,
     InvalidSegmentError,
     PayloadSegment,
     PayloadTooLargeError,
     SegmentFileError,
-    SUPPORTED_DTYPES,
 )
 from payload_client._segment import INT64_MAX, check_name, check_relative_path
 from payload_client._wire import AppendItem, Extent, Stats
@@ -221,7 +220,9 @@ class Store:
         os.makedirs(self.root / d, mode=DIR_MODE, exist_ok=True)
         self._seq += 1
         rel = f"{d}/{field}-{self.instance}-{self._seq:06d}.bin"
-        fd = os.open(self.root / rel, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
+        fd = os.open(
+            self.root / rel, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE
+        )
         os.close(fd)
         if self.fsync == "always":
             dfd = os.open(self.root / d, os.O_RDONLY | os.O_DIRECTORY)

@@ -38,7 +38,7 @@ from ._wire import (
     Stats,
 )
 
-__all__ = ["DEFAULT_SOCKET", "BaseClient", "Call", "Window"]
+__all__ = ["DEFAULT_SOCKET", "BaseClient", "Call", "Window", "WindowLike"]
 
 DEFAULT_SOCKET = "/run/payloadd/payloadd.sock"
 """Socket path used when neither ``socket_path``, ``base_url`` nor ``PAYLOADD_SOCKET`` is given."""
@@ -70,6 +70,10 @@ class Window(NamedTuple):
     lo: int
     hi: int
     fill: int | float
+
+
+WindowLike = Window | tuple[Sequence[PayloadSegment], str, int, int, int | float]
+"""A `Window` or a plain ``(segments, field, lo, hi, fill)`` tuple."""
 
 
 @dataclass
@@ -230,7 +234,7 @@ class BaseClient:
             headers.append(
                 AppendItem(fld, arr.dtype.name, list(arr.shape[1:]), len(arr), pos, run, step)
             )
-            bodies.append(memoryview(arr.reshape(-1).view(np.uint8)))
+            bodies.append(arr.data.cast("B") if arr.size else memoryview(b""))
         header = _encoder.encode(AppendRequest(headers))
         chunks: list[Any] = [FRAME_PREFIX.pack(len(header)), header]
         chunks += [b for b in bodies if b.nbytes]
@@ -254,7 +258,7 @@ class BaseClient:
 
     # -- read ---------------------------------------------------------------------------
 
-    def _read_call(self, windows: Sequence[Window]) -> Call[list[np.ndarray | None]]:
+    def _read_call(self, windows: Sequence[WindowLike]) -> Call[list[np.ndarray | None]]:
         if isinstance(windows, tuple) or not isinstance(windows, Sequence):
             raise InvalidRequestError("windows must be a list of Window")
         plans: list[WindowPlan | None] = []

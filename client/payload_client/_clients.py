@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 import httpx
 import numpy as np
 
-from ._base import BaseClient, Call, Window
+from ._base import BaseClient, Call, Window, WindowLike
 from ._errors import ConnectError, ProtocolError, TimeoutError, TransportError
 from ._segment import PayloadSegment
 from ._wire import Health, Stats
@@ -197,7 +197,7 @@ class PayloadClient(BaseClient):
         """
         return self._send(self._read_call([Window(segments, field, lo, hi, fill)]))[0]
 
-    def read_many(self, windows: Sequence[Window]) -> list[np.ndarray | None]:
+    def read_many(self, windows: Sequence[WindowLike]) -> list[np.ndarray | None]:
         """Read several windows in one round trip (e.g. a rank's routing and mask windows).
 
         Parameters
@@ -313,7 +313,7 @@ class AsyncPayloadClient(BaseClient):
         """Awaitable `PayloadClient.read_field`."""
         return (await self._send(self._read_call([Window(segments, field, lo, hi, fill)])))[0]
 
-    async def read_many(self, windows: Sequence[Window]) -> list[np.ndarray | None]:
+    async def read_many(self, windows: Sequence[WindowLike]) -> list[np.ndarray | None]:
         """Awaitable `PayloadClient.read_many`."""
         return await self._send(self._read_call(windows))
 

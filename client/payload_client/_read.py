@@ -150,7 +150,7 @@ def plan_window(
         )
     dtype = np.dtype(np.float32 if "f" in kinds else np.int32)
     fill = _check_fill(fill, dtype)
-    hits = [s for s in mine if s.rows and s.pos < hi and s.pos + s.rows > lo]
+    hits = [s for s in mine if max(s.pos, lo) < min(s.pos + s.rows, hi)]
     shapes = [s.shape for s in (hits or mine)]
     row_shape = tuple(max(dims) for dims in zip(*shapes, strict=True))
     pieces = []
@@ -215,4 +215,3 @@ def assemble(plan: WindowPlan, data: Any) -> np.ndarray:
 def plans_nbytes(plans: Sequence[WindowPlan | None]) -> int:
     """Total bytes of several plans (``None`` plans need none)."""
     return sum(p.nbytes for p in plans if p is not None)
-

@@ -89,10 +89,10 @@ def check_int(value: Any, what: str, *, minimum: int = 0) -> int:
     """
     if type(value) is not int and not isinstance(value, np.integer):
         raise InvalidRequestError(f"{what} must be an integer, got {type(value).__name__}")
-    value = int(value)
-    if not minimum <= value <= INT64_MAX:
-        raise InvalidRequestError(f"{what} must be in [{minimum}, 2**63 - 1], got {value}")
-    return value
+    number = int(value)
+    if not minimum <= number <= INT64_MAX:
+        raise InvalidRequestError(f"{what} must be in [{minimum}, 2**63 - 1], got {number}")
+    return number
 
 
 def check_name(value: Any, what: str) -> str:
@@ -103,11 +103,7 @@ def check_name(value: Any, what: str) -> str:
     InvalidRequestError
         Naming ``what`` otherwise.
     """
-    if (
-        not isinstance(value, str)
-        or not NAME_PATTERN.fullmatch(value)
-        or value in (".", "..")
-    ):
+    if not isinstance(value, str) or not NAME_PATTERN.fullmatch(value) or value in (".", ".."):
         raise InvalidRequestError(
             f"{what} must match [A-Za-z0-9._-]{{1,128}} and not be '.' or '..', got {value!r}"
         )

@@ -1,0 +1,55 @@
+"""Run ``payloadd serve`` as a child process (the demo and the tests use the real daemon)."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from payload_client import PayloadClient, PayloadError
+
+__all__ = ["start_daemon"]
+
+
+@contextlib.contextmanager
+def start_daemon(
+    root: Path, socket_path: Path, *extra: str, log_level: str = "warning"
+) -> Iterator[subprocess.Popen[bytes]]:
+    """Run ``payloadd serve`` in a child process until the block ends; wait until it answers."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "payloadd",
+        "serve",
+        "--root",
+        str(root),
+        "--socket",
+        str(socket_path),
+    ]
+    proc = subprocess.Popen([*cmd, "--log-level", log_level, *extra])
+    try:
+        deadline = time.monotonic() + 30
+        with PayloadClient(socket_path, timeout=5) as probe:
+            while True:
+                try:
+                    # a plain connect first: httpcore leaks the socket of a refused connect
+                    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as raw:
+                        raw.connect(str(socket_path))
+                    probe.health()
+                    break
+                except (PayloadError, OSError):
+                    if proc.poll() is not None or time.monotonic() > deadline:
+                        raise RuntimeError(f"payloadd did not start (exit {proc.poll()})") from None
+                    time.sleep(0.05)
+        yield proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -1,0 +1,127 @@
+"""The clients without a daemon: argument checks before any I/O, error mapping, light import."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from payload_client import (
+    STATUS_BY_ERROR,
+    AsyncPayloadClient,
+    ConnectError,
+    FileGoneError,
+    FileMissingError,
+    InvalidRequestError,
+    InvalidSegmentError,
+    PayloadClient,
+    PayloadError,
+    PayloadSegment,
+    ServerError,
+    TransportError,
+)
+from payload_client._errors import error_from_wire, status_of
+
+
+def test_importing_the_client_loads_no_server_stack() -> None:
+    code = (
+        "import sys, payload_client\n"
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('fastapi', 'uvicorn', 'starlette', 'pydantic', 'pydantic_settings', 'payloadd'))\n"
+        "assert not heavy, heavy\n"
+        "from payload_client import (PayloadSegment, clip_segments, shift_segments,"
+        " merge_pd_segments, row_nbytes, PayloadClient, AsyncPayloadClient, PayloadError)\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.fixture
+def offline(tmp_path: Path) -> PayloadClient:
+    """A client of a socket nobody listens on: any I/O would raise ConnectError."""
+    return PayloadClient(tmp_path / "nobody.sock")
+
+
+def test_connect_error_names_the_socket(offline: PayloadClient) -> None:
+    with pytest.raises(ConnectError, match=r"nobody\.sock") as info:
+        offline.stats()
+    assert isinstance(info.value, TransportError)
+    assert info.value.__cause__ is not None  # translated once, with raise ... from
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        (("routed_experts", [[1, 2]], 0), "numpy.ndarray"),
+        (("routed_experts", np.zeros(4, np.uint8), 0), "row shape"),
+        (("routed_experts", np.zeros((4, 2), np.int64), 0), "dtype"),
+        (("routed_experts", np.zeros((4, 2), np.float64), 0), "dtype"),
+        (("routed_experts", np.zeros((4, 0), np.uint8), 0), "> 0"),
+        (("routed_experts", np.zeros((4, 2), np.uint8), -1), "pos"),
+        (("routed_experts", np.zeros((4, 2), np.uint8), 1.0), "pos"),
+        (("routed_experts", np.zeros((4, 2), np.uint8), 2**63 - 2), "overflow"),
+        (("bad/field", np.zeros((4, 2), np.uint8), 0), "field"),
+        (("", np.zeros((4, 2), np.uint8), 0), "field"),
+    ],
+)
+def test_bad_append_is_refused_before_any_io(
+    offline: PayloadClient, args: tuple[object, ...], match: str
+) -> None:
+    with pytest.raises(InvalidRequestError, match=match):
+        offline.append(*args, run="r", step=0)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("run", "step"),
+    [("..", 0), (".", 0), ("a/b", 0), ("x" * 129, 0), ("", 0), ("r", -1), ("r", 1.0)],
+)
+def test_bad_run_or_step_is_refused(offline: PayloadClient, run: str, step: int) -> None:
+    with pytest.raises(InvalidRequestError):
+        offline.append("f", np.zeros((1, 1), np.uint8), 0, run=run, step=step)
+
+
+def test_bad_read_is_refused_before_any_io(offline: PayloadClient) -> None:
+    s = PayloadSegment("f", "a.bin", 0, 0, 1, "uint8", [1])
+    with pytest.raises(InvalidRequestError, match="lo <= hi"):
+        offline.read_field([s], "f", 2, 1, 0)
+    with pytest.raises(InvalidSegmentError, match="pos"):
+        half = PayloadSegment("g", "a.bin", 0, 1.5, 1, "uint8", [1])  # type: ignore[arg-type]
+        offline.read_field([s, half], "f", 0, 1, 0)
+    absolute = PayloadSegment("f", "/abs", 0, 0, 1, "uint8", [1])
+    with pytest.raises(InvalidSegmentError, match="window 1: segment 0: file"):
+        offline.read_many([([s], "f", 0, 1, 0), ([absolute], "f", 0, 1, 0)])
+
+
+def test_reads_that_need_no_bytes_do_not_ask_the_daemon(offline: PayloadClient) -> None:
+    s = PayloadSegment("f", "a.bin", 0, 10, 1, "uint8", [3])
+    assert offline.read_field([s], "other", 0, 5, 0) is None
+    got = offline.read_field([s], "f", 0, 5, -1)  # no segment intersects [0, 5)
+    assert got is not None and got.shape == (5, 3) and (got == -1).all()
+
+
+def test_status_table_and_wire_errors() -> None:
+    assert STATUS_BY_ERROR[FileGoneError] == 410
+    assert STATUS_BY_ERROR[FileMissingError] == 404
+    assert status_of(InvalidSegmentError("x")) == 422
+    assert len(set(STATUS_BY_ERROR.values())) == len(STATUS_BY_ERROR)
+    err = error_from_wire(404, "FileMissingError", "payload file 'a' does not exist")
+    assert type(err) is FileMissingError and "'a'" in str(err) and "404" in str(err)
+    assert type(error_from_wire(410, None, "gone")) is FileGoneError
+    assert type(error_from_wire(418, "NoSuchError", "teapot")) is InvalidRequestError
+    assert type(error_from_wire(503, None, "busy")) is ServerError
+    assert all(issubclass(cls, PayloadError) for cls in STATUS_BY_ERROR)
+
+
+def test_socket_and_base_url_are_exclusive(tmp_path: Path) -> None:
+    with pytest.raises(InvalidRequestError, match="not both"):
+        PayloadClient(tmp_path / "s.sock", base_url="http://127.0.0.1:1")
+
+
+@pytest.mark.asyncio
+async def test_async_client_checks_before_io(tmp_path: Path) -> None:
+    async with AsyncPayloadClient(tmp_path / "nobody.sock") as c:
+        with pytest.raises(InvalidRequestError, match="numpy"):
+            await c.append("f", [1], 0, run="r", step=0)  # type: ignore[arg-type]
+        with pytest.raises(ConnectError):
+            await c.stats()

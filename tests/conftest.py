@@ -1,0 +1,54 @@
+"""Shared fixtures: a real ``payloadd serve`` process on a Unix socket in a temporary folder."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+from payload_client import AsyncPayloadClient, PayloadClient
+
+from payloadd._process import start_daemon
+
+
+@dataclass(frozen=True)
+class Daemon:
+    """A running daemon: its payload root and socket."""
+
+    root: Path
+    socket: Path
+
+
+@pytest.fixture(scope="session")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    """One real daemon for the session (default settings, node ``test``)."""
+    tmp = tmp_path_factory.mktemp("daemon")
+    d = Daemon(tmp / "root", tmp / "payloadd.sock")
+    with start_daemon(d.root, d.socket, "--node", "test"):
+        yield d
+
+
+@pytest.fixture(scope="session")
+def small_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    """A real daemon that rotates files at 4096 bytes and takes bodies of at most 1 MiB."""
+    tmp = tmp_path_factory.mktemp("small")
+    d = Daemon(tmp / "root", tmp / "payloadd.sock")
+    extra = ("--node", "small", "--max-file-bytes", "4096", "--max-request-bytes", str(1 << 20))
+    with start_daemon(d.root, d.socket, *extra):
+        yield d
+
+
+@pytest.fixture
+def client(daemon: Daemon) -> Iterator[PayloadClient]:
+    """A sync client of the session daemon."""
+    with PayloadClient(daemon.socket) as c:
+        yield c
+
+
+@pytest_asyncio.fixture
+async def aclient(daemon: Daemon) -> AsyncIterator[AsyncPayloadClient]:
+    """An async client of the session daemon."""
+    async with AsyncPayloadClient(daemon.socket) as c:
+        yield c

@@ -1,0 +1,99 @@
+"""The ``payloadd`` command: demo, serve's settings and its socket handling (real processes)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from payload_client import PayloadClient
+
+from payloadd._process import start_daemon
+from payloadd._settings import Settings
+
+PAYLOADD = [sys.executable, "-m", "payloadd"]
+
+
+def test_demo_small_run_checks_parity_for_every_cp_degree() -> None:
+    args = ["demo", "--samples", "6", "--max-tokens", "700", "--seq-len", "512", "--writers", "3"]
+    out = subprocess.run([*PAYLOADD, *args], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    for cp in (1, 2, 4):
+        line = next(ln for ln in out.stdout.splitlines() if ln.strip().startswith(f"CP {cp}:"))
+        assert "0 mismatches" in line and "parity OK" in line
+    assert "demo: OK" in out.stdout
+
+
+def test_demo_parity_check_can_fail() -> None:
+    from payloadd._demo import MASK_FILL, ROUTED_FILL, _same
+
+    a = np.zeros((4, 2, 3), np.int32)
+    b = a.copy()
+    assert _same(a, b, ROUTED_FILL)
+    b[2, 1, 0] = 1
+    assert not _same(a, b, ROUTED_FILL)
+    narrow = np.full((3, 2), MASK_FILL, np.int32)
+    wide = np.full((3, 5), MASK_FILL, np.int32)
+    assert _same(narrow, wide, MASK_FILL)  # only fill beyond the narrow width
+    wide[0, 4] = 9
+    assert not _same(narrow, wide, MASK_FILL)
+    assert not _same(None, wide, MASK_FILL)
+
+
+@pytest.mark.parametrize(
+    ("flags", "match"),
+    [
+        (["--max-file-bytes", "0"], "max_file_bytes"),
+        (["--node", "../x"], "node"),
+        (["--socket-mode", "9z"], "socket_mode"),
+        (["--fsync", "sometimes"], "fsync"),
+    ],
+)
+def test_serve_refuses_invalid_settings(tmp_path: Path, flags: list[str], match: str) -> None:
+    cmd = [
+        *PAYLOADD,
+        "serve",
+        "--root",
+        str(tmp_path / "r"),
+        "--socket",
+        str(tmp_path / "s"),
+        *flags,
+    ]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and match in out.stderr
+
+
+def test_settings_come_from_flags_then_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PAYLOADD_MAX_FILE_BYTES", "12345")
+    monkeypatch.setenv("PAYLOADD_SOCKET_MODE", "0600")
+    assert Settings().max_file_bytes == 12345
+    assert Settings().socket_mode == 0o600
+    assert Settings(max_file_bytes=99).max_file_bytes == 99
+
+
+def test_socket_mode_stale_socket_live_socket_and_clean_exit(tmp_path: Path) -> None:
+    sock_path = tmp_path / "payloadd.sock"
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(str(sock_path))  # a socket file nobody listens on: a killed daemon's leftover
+    stale.close()
+    with start_daemon(tmp_path / "root", sock_path) as proc:
+        assert stat.S_IMODE(os.stat(sock_path).st_mode) == 0o660
+        assert stat.S_IMODE(os.stat(tmp_path / "root").st_mode) == 0o750
+        with PayloadClient(sock_path) as c:
+            segs = c.append("f", np.ones((2, 2), np.uint8), 0, run="r", step=0)
+        second = subprocess.run(
+            [*PAYLOADD, "serve", "--root", str(tmp_path / "other"), "--socket", str(sock_path)],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert second.returncode == 1 and "already listens" in second.stderr
+        with PayloadClient(sock_path) as c:  # the live daemon is untouched
+            np.testing.assert_array_equal(c.read_field(segs, "f", 0, 2, 0), np.ones((2, 2)))
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    assert not sock_path.exists()

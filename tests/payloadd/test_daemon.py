@@ -1,0 +1,275 @@
+"""Through a real daemon on a real Unix socket: round trips, windows, errors, the OpenAPI document."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import httpx
+import msgspec
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from payload_client import (
+    FileMissingError,
+    PayloadClient,
+    PayloadTooLargeError,
+    SegmentFileError,
+    Window,
+    clip_segments,
+    shift_segments,
+)
+from payload_client._wire import APPEND_CONTENT_TYPE, FRAME_PREFIX, AppendItem, AppendRequest
+
+from tests.conftest import Daemon
+from tests.reference import dense_read
+
+R, M = "routed_experts", "sampling_mask"
+rng = np.random.default_rng(1234)
+
+
+@pytest.fixture
+def http(daemon: Daemon) -> Iterator[httpx.Client]:
+    """Raw HTTP to the daemon, for requests the client would never send."""
+    with httpx.Client(
+        transport=httpx.HTTPTransport(uds=str(daemon.socket)), base_url="http://d"
+    ) as c:
+        yield c
+
+
+@pytest.mark.parametrize(
+    ("dtype", "shape", "high"),
+    [("uint8", (48, 8), 256), ("uint16", (48, 8), 65536), ("int32", (64,), 2**31 - 1),
+     ("int8", (3,), 127), ("int16", (2, 2), 32767)],
+)  # fmt: skip
+def test_round_trip_integer_fields(client: PayloadClient, dtype: str, shape: tuple[int, ...],
+                                   high: int) -> None:  # fmt: skip
+    rows = rng.integers(0, high, (37, *shape)).astype(dtype)
+    segs = client.append(R, rows, 100, run="rt", step=1)
+    assert len(segs) == 1 and segs[0].pos == 100 and segs[0].rows == 37 and segs[0].dtype == dtype
+    got = client.read_field(segs, R, 100, 137, 0)
+    assert got is not None and got.dtype == np.int32 and got.shape == (37, *shape)
+    np.testing.assert_array_equal(got, rows.astype(np.int32))
+
+
+def test_float_field_reads_as_float32(client: PayloadClient) -> None:
+    rows = rng.standard_normal((5, 1)).astype(np.float16)
+    segs = client.append("weights", rows, 0, run="rt", step=1)
+    got = client.read_field(segs, "weights", 0, 6, 0.5)
+    assert got is not None and got.dtype == np.float32
+    np.testing.assert_array_equal(got[:5], rows.astype(np.float32))
+    assert got[5, 0] == 0.5
+
+
+def test_windows_inside_outside_straddling(client: PayloadClient) -> None:
+    rows = rng.integers(0, 128, (20, 48, 8)).astype(np.uint8)
+    segs = client.append(R, rows, 50, run="win", step=0)
+    inside = client.read_field(segs, R, 55, 60, 0)
+    assert inside is not None
+    np.testing.assert_array_equal(inside, rows[5:10])
+    outside = client.read_field(segs, R, 0, 10, 9)
+    assert outside is not None and outside.shape == (10, 48, 8) and (outside == 9).all()
+    straddle = client.read_field(segs, R, 45, 55, 3)
+    assert straddle is not None
+    assert (straddle[:5] == 3).all()
+    np.testing.assert_array_equal(straddle[5:], rows[:5])
+    tail = client.read_field(segs, R, 68, 75, 3)
+    assert tail is not None
+    np.testing.assert_array_equal(tail[:2], rows[18:])
+    assert (tail[2:] == 3).all()
+
+
+def test_ragged_widths_later_wins_absent_field_and_empty_window(client: PayloadClient) -> None:
+    wide = np.arange(4 * 6, dtype=np.int32).reshape(4, 6)
+    narrow = np.array([[70, 71]], dtype=np.int32)
+    a, b = client.append_many([(M, wide, 10), (M, narrow, 12)], run="ragged", step=0)
+    segs = a + b
+    got = client.read_field(segs, M, 9, 15, -1)
+    assert got is not None
+    expected = np.full((6, 6), -1, np.int32)
+    expected[1:5] = wide
+    expected[3] = [70, 71, -1, -1, -1, -1]  # the later, narrower row wins whole
+    np.testing.assert_array_equal(got, expected)
+    assert client.read_field(segs, R, 0, 10, 0) is None
+    empty = client.read_field(segs, M, 11, 11, -1)
+    assert empty is not None and empty.shape == (0, 6)
+    only_narrow = client.read_field(b, M, 12, 13, -1)
+    assert only_narrow is not None and only_narrow.shape == (1, 2)
+
+
+def test_byte_order_and_layout_are_normalised(client: PayloadClient, daemon: Daemon) -> None:
+    big = np.arange(12, dtype=">u2").reshape(4, 3)
+    strided = np.arange(40, dtype=np.int32).reshape(4, 10)[:, ::3]  # not contiguous
+    (s1,), (s2,) = client.append_many([(R, big, 0), (M, strided, 0)], run="order", step=0)
+    assert (daemon.root / s1.file).read_bytes()[s1.offset : s1.offset + 24] == big.astype(
+        "<u2"
+    ).tobytes()
+    np.testing.assert_array_equal(client.read_field([s1], R, 0, 4, 0), big)
+    np.testing.assert_array_equal(client.read_field([s2], M, 0, 4, 0), strided)
+
+
+def test_read_many_in_one_round_trip(client: PayloadClient) -> None:
+    routed = rng.integers(0, 128, (16, 48, 8)).astype(np.uint8)
+    mask = rng.integers(0, 1000, (16, 8)).astype(np.int32)
+    (r,), (m,) = client.append_many([(R, routed, 0), (M, mask, 0)], run="many", step=0)
+    segs = [r, m]
+    before = client.stats().reads
+    got = client.read_many(
+        [Window(segs, R, 4, 8, 0), Window(segs, M, 5, 9, -1), (segs, "x", 0, 1, 0)]
+    )
+    assert client.stats().reads == before + 1
+    np.testing.assert_array_equal(got[0], routed[4:8])
+    np.testing.assert_array_equal(got[1], mask[5:9])
+    assert got[2] is None
+
+
+def test_rotation_through_the_daemon(small_daemon: Daemon) -> None:
+    with PayloadClient(small_daemon.socket) as c:
+        one = c.append(R, np.zeros((10, 48, 8), np.uint8), 0, run="rot", step=0)  # 3840 <= 4096
+        assert len(one) == 1
+        rows = rng.integers(0, 128, (25, 48, 8)).astype(np.uint8)  # 9600 bytes > 4096
+        segs = c.append(R, rows, 1000, run="rot", step=0)
+        assert len(segs) > 1
+        assert [s.pos for s in segs] == list(np.cumsum([1000] + [s.rows for s in segs[:-1]]))
+        assert sum(s.rows for s in segs) == 25
+        assert all(os.path.getsize(small_daemon.root / s.file) <= 4096 for s in segs)
+        np.testing.assert_array_equal(c.read_field(segs, R, 1000, 1025, 0), rows)
+
+
+def test_files_live_under_node_run_step(client: PayloadClient, daemon: Daemon) -> None:
+    (s,) = client.append(R, np.ones((1, 2), np.uint8), 0, run="layout.run-1", step=42)
+    assert s.file.startswith("test/layout.run-1/42/")
+    assert (daemon.root / s.file).is_file()
+
+
+def test_stats_and_health(client: PayloadClient) -> None:
+    before = client.stats()
+    client.append(R, np.ones((3, 2), np.uint8), 0, run="stats", step=0)
+    after = client.stats()
+    assert after.appends == before.appends + 1
+    assert after.rows_appended == before.rows_appended + 3
+    assert after.bytes_appended == before.bytes_appended + 6
+    assert after.node == "test"
+    assert client.health().status == "ok"
+
+
+# -- bad input: a clear error naming the problem, and the daemon keeps serving -------------
+
+
+def test_bad_segments_get_clear_errors(client: PayloadClient, daemon: Daemon) -> None:
+    (s,) = client.append(R, np.ones((4, 2), np.uint8), 0, run="bad", step=0)
+    missing = msgspec.structs.replace(s, file="test/bad/0/never-written.bin")
+    with pytest.raises(FileMissingError, match=r"never-written\.bin"):
+        client.read_field([missing], R, 0, 1, 0)
+    longer = msgspec.structs.replace(s, rows=5)  # the file holds 4 rows
+    with pytest.raises(SegmentFileError, match="ends at byte"):
+        client.read_field([longer], R, 0, 1, 0)  # even though row 0 is there
+    (tmp := daemon.root.parent / "secret.bin").write_bytes(b"secret")
+    os.symlink(tmp, daemon.root / "test" / "bad" / "link.bin")
+    escape = msgspec.structs.replace(s, file="test/bad/link.bin", rows=1, shape=[1])
+    with pytest.raises(SegmentFileError, match="outside the payload root"):
+        client.read_field([escape], R, 0, 1, 0)
+    assert client.health().status == "ok"
+
+
+def _append_body(items: list[AppendItem], rows: bytes) -> bytes:
+    header = msgspec.msgpack.encode(AppendRequest(items))
+    return FRAME_PREFIX.pack(len(header)) + header + rows
+
+
+@pytest.mark.parametrize(
+    ("body", "ctype", "status", "match"),
+    [
+        (_append_body([AppendItem(R, "uint64", [1], 1, 0, "r", 0)], bytes(8)), None, 400, "dtype"),
+        (_append_body([AppendItem(R, "uint8", [1], 1, 0, "..", 0)], bytes(1)), None, 400, "run"),
+        (_append_body([AppendItem(R, "uint8", [1], 2, 0, "r", 0)], bytes(1)), None, 400, "announces"),
+        (_append_body([AppendItem(R, "uint8", [0], 1, 0, "r", 0)], b""), None, 400, "shape"),
+        (_append_body([], b""), None, 400, "at least one"),
+        (FRAME_PREFIX.pack(5) + b"\xc1\xc1\xc1\xc1\xc1", None, 400, "bad append header"),
+        (b"\x01", None, 400, "header"),
+        (_append_body([AppendItem(R, "uint8", [1], 1, 0, "r", 0)], b"x"), "application/json", 400, "Content-Type"),
+    ],
+)  # fmt: skip
+def test_bad_append_bodies(http: httpx.Client, body: bytes, ctype: str | None, status: int,
+                           match: str) -> None:  # fmt: skip
+    r = http.post(
+        "/v1/append", content=body, headers={"Content-Type": ctype or APPEND_CONTENT_TYPE}
+    )
+    assert r.status_code == status, r.text
+    err = r.json()
+    assert err["error"] == "InvalidRequestError" and match in err["message"]
+    assert http.get("/healthz").status_code == 200
+
+
+def test_negative_and_non_integer_metadata_over_http(http: httpx.Client) -> None:
+    for extents in ([["a.bin", -1, 1, 1]], [["a.bin", 0, 1.5, 2]], [["a.bin", 0, True, 1]],
+                    [["a.bin", 0, 2**64, 1]]):  # fmt: skip
+        r = http.post("/v1/read", json={"extents": extents})
+        assert r.status_code == 400 and "extents" in r.json()["message"], r.text
+    r = http.post("/v1/read", json={"extents": [["/etc/passwd", 0, 1, 1]]})
+    assert r.status_code == 422 and "relative" in r.json()["message"]
+    r = http.post("/v1/read", json={"extents": [["test/x/../../y", 0, 1, 1]]})
+    assert r.status_code == 422
+    r = http.post("/v1/read", json={"extents": [["test/nope.bin", 0, 1, 1]]})
+    assert r.status_code == 404 and r.json()["error"] == "FileMissingError"
+
+
+def test_too_large_body_is_413(small_daemon: Daemon) -> None:
+    with PayloadClient(small_daemon.socket) as c:
+        with pytest.raises(PayloadTooLargeError, match="above the limit"):
+            c.append(R, np.zeros((3000, 48, 8), np.uint8), 0, run="big", step=0)
+        assert c.health().status == "ok"
+
+
+def test_openapi_document_is_valid_and_complete(http: httpx.Client) -> None:
+    from openapi_spec_validator import validate
+
+    doc = http.get("/openapi.json").json()
+    validate(doc)
+    assert {"/healthz", "/v1/stats", "/v1/append", "/v1/read"} <= set(doc["paths"])
+    append = doc["paths"]["/v1/append"]["post"]
+    assert APPEND_CONTENT_TYPE in append["requestBody"]["content"]
+    assert append["responses"]["200"]["content"]["application/msgpack"]["schema"]["$ref"].endswith(
+        "/AppendResponse"
+    )
+    assert "410" in append["responses"] and "PayloadSegment" in doc["components"]["schemas"]
+
+
+# -- property: daemon reads equal the dense model, through clip and shift ---------------
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    blocks=st.lists(
+        st.tuples(
+            st.sampled_from([R, M]), st.integers(0, 6), st.integers(0, 30), st.integers(1, 5)
+        ),
+        min_size=1,
+        max_size=5,
+    ),
+    clip=st.tuples(st.integers(0, 40), st.integers(0, 40)),
+    delta=st.integers(0, 20),
+    window=st.tuples(st.integers(0, 60), st.integers(0, 15)),
+)
+def test_daemon_reads_match_dense_model(daemon: Daemon, blocks: list[tuple[str, int, int, int]],
+                                        clip: tuple[int, int], delta: int,
+                                        window: tuple[int, int]) -> None:  # fmt: skip
+    items = []
+    for field, n, pos, width in blocks:
+        shape = (n, 4, width) if field == R else (n, width)
+        dtype = np.uint16 if field == R else np.int32
+        items.append((field, rng.integers(0, 1000, shape).astype(dtype), pos))
+    with PayloadClient(daemon.socket) as c:
+        segs = [s for group in c.append_many(items, run="prop", step=0) for s in group]
+        segs = shift_segments(clip_segments(segs, min(clip), max(clip)), delta)
+        files = {s.file: (daemon.root / s.file).read_bytes() for s in segs}
+        lo, n = window
+        for field, fill in ((R, 0), (M, -1)):
+            got = c.read_field(segs, field, lo, lo + n, fill)
+            want = dense_read(files, segs, field, lo, lo + n, fill)
+            if want is None:
+                assert got is None
+            else:
+                assert got is not None and got.shape == want.shape
+                np.testing.assert_array_equal(got, want)

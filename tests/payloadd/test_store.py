@@ -1,0 +1,176 @@
+"""The storage core without HTTP: placement, rotation, concurrent writers, read checks."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+from payload_client import (
+    FileMissingError,
+    InvalidRequestError,
+    InvalidSegmentError,
+    PayloadSegment,
+    PayloadTooLargeError,
+    SegmentFileError,
+    assemble,
+    plan_window,
+)
+from payload_client._wire import AppendItem, Extent
+
+from payloadd import Store
+
+
+def item(rows: int, pos: int = 0, *, field: str = "routed_experts", shape: list[int] | None = None,
+         dtype: str = "uint8", run: str = "r", step: int = 0) -> AppendItem:  # fmt: skip
+    return AppendItem(field, dtype, [48, 8] if shape is None else shape, rows, pos, run, step)
+
+
+def test_layout_and_bytes_on_disk(tmp_path: Path) -> None:
+    store = Store(tmp_path / "root", "node-a")
+    data = np.arange(3 * 384, dtype=np.uint8) % 251
+    (segs,) = store.append([item(3, pos=7, run="run1", step=4)], data)
+    (s,) = segs
+    assert s.file.startswith("node-a/run1/4/routed_experts-")
+    assert (s.offset, s.pos, s.rows, s.dtype, s.shape) == (0, 7, 3, "uint8", [48, 8])
+    assert (tmp_path / "root" / s.file).read_bytes() == data.tobytes()
+    assert oct((tmp_path / "root").stat().st_mode & 0o777) == oct(0o750)
+
+
+def test_appends_share_a_file_until_rotation(tmp_path: Path) -> None:
+    store = Store(tmp_path, "n", max_file_bytes=1000)
+    a = store.append([item(1)], bytes(384))[0]  # 384 bytes
+    b = store.append([item(1)], bytes(384))[0]  # 768: same file
+    c = store.append([item(1)], bytes(384))[0]  # would be 1152: a new file
+    assert a[0].file == b[0].file != c[0].file
+    assert (a[0].offset, b[0].offset, c[0].offset) == (0, 384, 0)
+
+
+def test_append_larger_than_a_file_splits_into_contiguous_segments(tmp_path: Path) -> None:
+    store = Store(tmp_path, "n", max_file_bytes=1000)  # 2 rows of 384 bytes per file
+    data = np.random.default_rng(0).integers(0, 255, 7 * 384, dtype=np.uint8)
+    (segs,) = store.append([item(7, pos=100)], data)
+    assert [s.rows for s in segs] == [2, 2, 2, 1]
+    assert [s.pos for s in segs] == [100, 102, 104, 106]
+    assert len({s.file for s in segs}) == 4
+    plan = plan_window(segs, "routed_experts", 100, 107, 0)
+    assert plan is not None
+    got = assemble(
+        plan, store.read_extents([Extent(p.file, p.offset, p.nbytes, p.end) for p in plan.pieces])
+    )
+    np.testing.assert_array_equal(got, data.reshape(7, 48, 8))
+
+
+def test_a_restarted_store_never_appends_to_old_files(tmp_path: Path) -> None:
+    first = Store(tmp_path, "n").append([item(1)], bytes(384))[0][0]
+    second = Store(tmp_path, "n").append([item(1)], bytes(384))[0][0]
+    assert first.file != second.file and second.offset == 0
+    assert (tmp_path / first.file).stat().st_size == 384
+
+
+def test_concurrent_writers_get_disjoint_ranges(tmp_path: Path) -> None:
+    store = Store(tmp_path, "n", max_file_bytes=64 * 1024)
+    results: dict[int, list[tuple[np.ndarray, list[PayloadSegment]]]] = {}
+
+    def writer(w: int) -> None:
+        out = []
+        for k in range(40):
+            rows = np.full((3, 48, 8), (w * 40 + k) % 256, np.uint8)
+            out.append((rows, store.append([item(3, pos=k * 3, run="c")], rows)[0]))
+        results[w] = out
+
+    threads = [threading.Thread(target=writer, args=(w,)) for w in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    ranges = sorted(
+        (s.file, s.offset, s.offset + 3 * 384)
+        for out in results.values()
+        for _, segs in out
+        for s in segs
+    )
+    assert len(ranges) == 16 * 40
+    for (f1, _, end1), (f2, start2, _) in itertools.pairwise(ranges):
+        assert f1 != f2 or end1 <= start2
+    for out in results.values():
+        for rows, segs in out:
+            (s,) = segs
+            assert (tmp_path / s.file).read_bytes()[s.offset : s.offset + 1152] == rows.tobytes()
+
+
+def test_two_phase_append_writes_in_any_chunking(tmp_path: Path) -> None:
+    store = Store(tmp_path, "n")
+    rows_a = np.arange(2 * 384, dtype=np.uint8)
+    rows_b = np.arange(5 * 3, dtype="<i4")
+    pending = store.begin_append(
+        [item(2), item(5, field="sampling_mask", shape=[3], dtype="int32")]
+    )
+    stream = rows_a.tobytes() + rows_b.tobytes()
+    for i in range(0, len(stream), 7):
+        pending.write(stream[i : i + 7])
+    a, b = pending.commit()
+    assert (tmp_path / a[0].file).read_bytes() == rows_a.tobytes()
+    assert (tmp_path / b[0].file).read_bytes() == rows_b.tobytes()
+    assert store.stats().rows_appended == 7
+
+
+def test_short_or_long_bodies_are_refused(tmp_path: Path) -> None:
+    store = Store(tmp_path, "n")
+    with pytest.raises(InvalidRequestError, match="early"):
+        store.append([item(2)], bytes(383))
+    with pytest.raises(InvalidRequestError, match="more row bytes"):
+        store.append([item(1)], bytes(385))
+
+
+@pytest.mark.parametrize(
+    ("bad", "match"),
+    [
+        (item(1, run=".."), "run"),
+        (item(1, run="a/b"), "run"),
+        (item(1, field="a/b"), "field"),
+        (item(1, dtype="int64"), "dtype"),
+        (item(1, shape=[]), "shape"),
+        (item(1, shape=[0]), "shape"),
+        (item(1, shape=[2**62, 8]), "overflow"),
+        (item(2, pos=2**63 - 2), "overflow"),
+    ],
+)
+def test_bad_items_reserve_nothing(tmp_path: Path, bad: AppendItem, match: str) -> None:
+    store = Store(tmp_path, "n")
+    with pytest.raises(InvalidRequestError, match=match):
+        store.begin_append([item(1), bad])
+    assert not (tmp_path / "n").exists()
+
+
+def test_read_checks(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    store = Store(root, "n")
+    (s,) = store.append([item(2)], bytes(768))[0]
+    assert store.read_extents([Extent(s.file, 384, 384, 768)]) == bytes(384)
+    with pytest.raises(FileMissingError, match=r"nope\.bin"):
+        store.read_extents([Extent("n/nope.bin", 0, 1, 1)])
+    with pytest.raises(SegmentFileError, match="768 bytes but a segment ends at byte 1152"):
+        store.read_extents([Extent(s.file, 0, 384, 1152)])  # the range exists, the segment doesn't
+    with pytest.raises(SegmentFileError, match="not a regular file"):
+        store.read_extents([Extent("n", 0, 0, 0)])
+    (tmp_path / "outside.bin").write_bytes(bytes(10))
+    os.symlink(tmp_path / "outside.bin", root / "n" / "escape.bin")
+    with pytest.raises(SegmentFileError, match="outside the payload root"):
+        store.read_extents([Extent("n/escape.bin", 0, 1, 1)])
+    os.symlink(root / s.file, root / "n" / "inside.bin")  # a symlink inside the root is fine
+    assert len(store.read_extents([Extent("n/inside.bin", 0, 384, 768)])) == 384
+    with pytest.raises(InvalidSegmentError, match="file"):
+        store.read_extents([Extent("../outside.bin", 0, 1, 1)])
+    with pytest.raises(InvalidRequestError, match="past end"):
+        store.read_extents([Extent(s.file, 0, 800, 768)])
+
+
+def test_read_limit(tmp_path: Path) -> None:
+    store = Store(tmp_path, "n", max_read_bytes=100)
+    (s,) = store.append([item(1)], bytes(384))[0]
+    with pytest.raises(PayloadTooLargeError):
+        store.read_extents([Extent(s.file, 0, 384, 384)])
