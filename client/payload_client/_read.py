@@ -197,7 +197,13 @@ def assemble(plan: WindowPlan, data: Any) -> np.ndarray:
     view = memoryview(data).cast("B")
     if view.nbytes != plan.nbytes:
         raise InvalidRequestError(f"expected {plan.nbytes} bytes for the window, got {view.nbytes}")
-    out = np.full((plan.hi - plan.lo, *plan.row_shape), plan.fill, dtype=plan.dtype)
+    out = np.empty((plan.hi - plan.lo, *plan.row_shape), dtype=plan.dtype)
+    # every row a piece touches is written whole below; only the others start as fill
+    covered = np.zeros(plan.hi - plan.lo, dtype=bool)
+    for p in plan.pieces:
+        covered[p.dst : p.dst + p.rows] = True
+    if not covered.all():
+        out[~covered] = plan.fill
     at = 0
     for p in plan.pieces:
         rows = np.frombuffer(view[at : at + p.nbytes], dtype=np.dtype(p.dtype).newbyteorder("<"))
@@ -210,8 +216,3 @@ def assemble(plan: WindowPlan, data: Any) -> np.ndarray:
             dst[...] = plan.fill
             dst[(slice(None), *(slice(0, d) for d in p.shape))] = rows
     return out
-
-
-def plans_nbytes(plans: Sequence[WindowPlan | None]) -> int:
-    """Total bytes of several plans (``None`` plans need none)."""
-    return sum(p.nbytes for p in plans if p is not None)

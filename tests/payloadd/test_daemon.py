@@ -273,3 +273,16 @@ def test_daemon_reads_match_dense_model(daemon: Daemon, blocks: list[tuple[str, 
             else:
                 assert got is not None and got.shape == want.shape
                 np.testing.assert_array_equal(got, want)
+
+
+def test_zero_row_append_is_a_placeholder(client: PayloadClient) -> None:
+    (p,) = client.append(M, np.zeros((0, 5), np.int32), 7, run="zero", step=0)
+    assert (p.pos, p.rows, p.shape) == (7, 0, [5])
+    got = client.read_field([p], M, 0, 3, -1)
+    assert got is not None and got.shape == (3, 5) and (got == -1).all()
+
+
+def test_unknown_routes_and_methods_get_error_bodies(http: httpx.Client) -> None:
+    for method, path, status in (("GET", "/nope", 404), ("GET", "/v1/read", 405)):
+        r = http.request(method, path)
+        assert r.status_code == status and r.json()["error"] == "HTTPError"
