@@ -13,6 +13,10 @@ from typing import Any
 
 import msgspec
 from fastapi import FastAPI, Request, Response
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
+
 from payload_client import InvalidRequestError, PayloadError, PayloadTooLargeError
 from payload_client._errors import status_of
 from payload_client._wire import (
@@ -26,23 +30,20 @@ from payload_client._wire import (
     ReadRequest,
     Stats,
 )
-from starlette.concurrency import run_in_threadpool
-from starlette.exceptions import HTTPException
-from starlette.requests import ClientDisconnect
 
 from . import __version__
 from ._openapi import install_openapi, operation
 from ._settings import Settings
-from ._store import Store
+from ._store import Store, item_nbytes
 
 __all__ = ["create_app"]
 
 log = logging.getLogger("payloadd")
 
-MAX_HEADER_BYTES = 16 << 20
-"""Largest msgpack header of an append body."""
-THREAD_READ_BYTES = 1 << 20
-"""Reads larger than this run in the thread pool so the event loop keeps serving."""
+THREAD_BYTES = 1 << 20
+"""Reads of more bytes than this run in the thread pool, so the event loop keeps serving."""
+THREAD_PARTS = 64
+"""So do reads of more extents and appends of more items than this."""
 
 _msgpack = msgspec.msgpack.Encoder()
 _json = msgspec.json.Encoder()
@@ -58,8 +59,13 @@ def _answer(request: Request, obj: Any, status: int = 200) -> Response:
     return Response(_json.encode(obj), status, media_type="application/json")
 
 
-def _error(status: int, name: str, message: str) -> Response:
-    return Response(_json.encode(ErrorBody(name, message)), status, media_type="application/json")
+def _error(status: int, name: str, message: str, headers: dict[str, str] | None = None) -> Response:
+    body = _json.encode(ErrorBody(name, message))
+    return Response(body, status, headers=headers, media_type="application/json")
+
+
+def _media_type(request: Request) -> str:
+    return request.headers.get("content-type", "").split(";")[0].strip().lower()
 
 
 def _content_length(request: Request, limit: int) -> int:
@@ -98,6 +104,8 @@ def create_app(settings: Settings) -> FastAPI:
             max_file_bytes=settings.max_file_bytes,
             fsync=settings.fsync,
             max_read_bytes=settings.max_request_bytes,
+            max_append_bytes=settings.max_request_bytes,
+            max_append_items=settings.max_append_items,
         )
         log.info("payloadd %s: root %s, node %s", __version__, store.root, store.node)
         yield {"store": store, "settings": settings}
@@ -129,7 +137,9 @@ def create_app(settings: Settings) -> FastAPI:
     @app.exception_handler(Exception)
     async def server_error(request: Request, exc: Exception) -> Response:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return _error(500, "ServerError", f"internal error: {type(exc).__name__}")
+        # uvicorn drops the connection after an unhandled error: say so, so no client reuses it
+        message = f"internal error: {type(exc).__name__}"
+        return _error(500, "ServerError", message, headers={"Connection": "close"})
 
     @app.get("/healthz", **operation(200, Health, "Liveness and readiness."))
     async def healthz(request: Request) -> Response:
@@ -147,12 +157,13 @@ def create_app(settings: Settings) -> FastAPI:
             AppendResponse,
             "Append rows; answers with their segments.",
             body=(APPEND_CONTENT_TYPE, None),
+            errors=(400, 413, 500, 507),
         ),
     )
     async def append(request: Request) -> Response:
         store: Store = request.state.store
-        ctype = request.headers.get("content-type", "")
-        if not ctype.startswith(APPEND_CONTENT_TYPE):
+        ctype = _media_type(request)
+        if ctype != APPEND_CONTENT_TYPE:
             raise InvalidRequestError(
                 f"Content-Type must be {APPEND_CONTENT_TYPE}, got {ctype or 'none'}"
             )
@@ -167,19 +178,27 @@ def create_app(settings: Settings) -> FastAPI:
                 raise InvalidRequestError("append body ends inside its header") from None
             if len(head) >= FRAME_PREFIX.size and need == FRAME_PREFIX.size:
                 (hlen,) = FRAME_PREFIX.unpack_from(head)
-                if hlen > MAX_HEADER_BYTES:
-                    raise PayloadTooLargeError(f"append header of {hlen} bytes is too large")
+                if hlen > settings.max_control_bytes:
+                    raise PayloadTooLargeError(
+                        f"append header of {hlen} bytes is above the limit of "
+                        f"{settings.max_control_bytes}"
+                    )
                 need += hlen
         try:
             header = _append_header.decode(memoryview(head)[FRAME_PREFIX.size : need])
         except msgspec.DecodeError as exc:
             raise InvalidRequestError(f"bad append header: {exc}") from None
-        pending = store.begin_append(header.items)
+        items = header.items
+        announced = need + sum(item_nbytes(it, i)[1] for i, it in enumerate(items))
+        if length != announced:  # checked before anything is reserved
+            raise InvalidRequestError(
+                f"body is {length} bytes but its header announces {announced}"
+            )
+        if len(items) > THREAD_PARTS:
+            pending = await run_in_threadpool(store.begin_append, items)
+        else:
+            pending = store.begin_append(items)
         try:
-            if length != need + pending.remaining:
-                raise InvalidRequestError(
-                    f"body is {length} bytes but its header announces {need + pending.remaining}"
-                )
             pending.write(memoryview(head)[need:])
             async for chunk in chunks:
                 pending.write(chunk)
@@ -195,23 +214,25 @@ def create_app(settings: Settings) -> FastAPI:
             None,
             "Read byte extents; answers with their bytes concatenated in order.",
             body=(MSGPACK_CONTENT_TYPE, ReadRequest),
+            errors=(400, 404, 409, 410, 413, 422, 500),
         ),
     )
     async def read(request: Request) -> Response:
         store: Store = request.state.store
-        _content_length(request, settings.max_request_bytes)
+        _content_length(request, settings.max_control_bytes)
         body = await request.body()
         try:
-            if request.headers.get("content-type", "").startswith("application/json"):
+            if _media_type(request) == "application/json":
                 req = _read_json.decode(body)
             else:
                 req = _read_msgpack.decode(body)
         except msgspec.DecodeError as exc:
             raise InvalidRequestError(f"bad read request: {exc}") from None
-        if sum(e.nbytes for e in req.extents) > THREAD_READ_BYTES:
-            data = await run_in_threadpool(store.read_extents, req.extents)
+        extents = req.extents
+        if len(extents) > THREAD_PARTS or sum(e.nbytes for e in extents) > THREAD_BYTES:
+            data = await run_in_threadpool(store.read_extents, extents)
         else:
-            data = store.read_extents(req.extents)
+            data = store.read_extents(extents)
         return Response(memoryview(data), media_type="application/octet-stream")
 
     install_openapi(app)

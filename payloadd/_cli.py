@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import Literal, get_args, get_origin
 
 from pydantic import ValidationError
 
@@ -20,18 +21,16 @@ __all__ = ["main"]
 
 def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
     for name, info in Settings.model_fields.items():
-        default = (
-            "from the environment"
-            if info.is_required()
-            else info.get_default(call_default_factory=True)
-        )
+        default = info.get_default(call_default_factory=True)
         if name == "socket_mode":
             default = f"{default:o}"
+        choices = get_args(info.annotation) if get_origin(info.annotation) is Literal else None
         parser.add_argument(
             f"--{name.replace('_', '-')}",
             dest=name,
             default=argparse.SUPPRESS,
-            metavar=name.upper(),
+            choices=choices,
+            metavar=name.upper() if choices is None else None,
             help=f"{info.description} [env PAYLOADD_{name.upper()}; default {default}]",
         )
 
@@ -43,9 +42,20 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"payloadd {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="run the daemon on a Unix socket")
+    serve = sub.add_parser(
+        "serve",
+        help="run the daemon on a Unix socket",
+        description="Run the daemon: own the payload root, serve the HTTP API on a Unix socket. "
+        "Every flag is also a PAYLOADD_* environment variable; a flag wins. Sizes are in bytes.",
+    )
     _add_settings_flags(serve)
-    demo = sub.add_parser("demo", help="run one RL step end to end on a temporary root")
+    demo = sub.add_parser(
+        "demo",
+        help="run one RL step end to end on a temporary root",
+        description="Start a daemon on a temporary root and socket, write router-replay ids and "
+        "sampling masks, pack them into micro batches, read every DP x CP window and check it "
+        "bit for bit against the inline path. Exits 1 on any mismatch.",
+    )
     from ._demo import add_demo_flags
 
     add_demo_flags(demo)
@@ -66,7 +76,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         try:
             serve(settings)
-        except (SocketInUseError, FileExistsError, PermissionError) as exc:
+        except (SocketInUseError, OSError) as exc:
             print(f"payloadd serve: {exc}", file=sys.stderr)
             return 1
         return 0

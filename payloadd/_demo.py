@@ -25,6 +25,7 @@ from pathlib import Path
 
 import msgspec
 import numpy as np
+
 from payload_client import (
     AsyncPayloadClient,
     PayloadSegment,
@@ -68,7 +69,7 @@ def make_samples(n: int, max_tokens: int, seed: int) -> list[Sample]:
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(n):
-        tokens = int(rng.integers(max(2, max_tokens // 8), max_tokens + 1))
+        tokens = int(rng.integers(min(max(2, max_tokens // 8), max_tokens), max_tokens + 1))
         n_turns = int(rng.integers(1, 7))
         cuts = np.sort(
             rng.choice(np.arange(1, tokens), size=min(n_turns - 1, tokens - 1), replace=False)
@@ -228,19 +229,33 @@ async def train_step(
     return result
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _degrees(text: str) -> list[int]:
+    try:
+        return [_positive(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected CP degrees like 1,2,4, got {text!r}") from None
+
+
 def add_demo_flags(p: argparse.ArgumentParser) -> None:
     """Flags of ``payloadd demo``."""
-    p.add_argument("--samples", type=int, default=24, help="multi-turn samples [24]")
-    p.add_argument("--max-tokens", type=int, default=8192, help="tokens per sample, at most [8192]")
+    p.add_argument("--samples", type=_positive, default=24, help="multi-turn samples [24]")
     p.add_argument(
-        "--seq-len",
-        type=int,
-        default=8192,
-        help="micro batch length; longer samples are truncated [8192]",
+        "--max-tokens", type=_positive, default=8192, help="tokens per sample, at most [8192]"
     )
-    p.add_argument("--dp", type=int, default=2, help="data-parallel ranks [2]")
-    p.add_argument("--cp", default="1,2,4", help="context-parallel degrees to check [1,2,4]")
-    p.add_argument("--writers", type=int, default=8, help="concurrent inference writers [8]")
+    p.add_argument("--seq-len", type=_positive, default=8192,
+                   help="micro batch length in tokens; longer samples are truncated [8192]")  # fmt: skip
+    p.add_argument("--dp", type=_positive, default=2, help="data-parallel ranks [2]")
+    p.add_argument(
+        "--cp", type=_degrees, default=[1, 2, 4], help="context-parallel degrees to check [1,2,4]"
+    )
+    p.add_argument("--writers", type=_positive, default=8, help="concurrent inference writers [8]")
     p.add_argument("--seed", type=int, default=0, help="random seed [0]")
     p.add_argument(
         "--root", type=Path, help="payload root to use [a temporary folder, removed after]"
@@ -252,7 +267,7 @@ def _mb(n: float) -> str:
 
 
 async def _play(args: argparse.Namespace, socket: Path) -> int:
-    cps = [int(c) for c in str(args.cp).split(",")]
+    cps: list[int] = args.cp
     t0 = time.perf_counter()
     samples = make_samples(args.samples, args.max_tokens, args.seed)
     gen_s = time.perf_counter() - t0

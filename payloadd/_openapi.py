@@ -12,6 +12,7 @@ from typing import Any
 import msgspec
 from fastapi import FastAPI, Response
 from fastapi.openapi.utils import get_openapi
+
 from payload_client import STATUS_BY_ERROR
 from payload_client._wire import (
     APPEND_CONTENT_TYPE,
@@ -36,13 +37,14 @@ def _ref(typ: type) -> dict[str, str]:
     return {"$ref": _REF.format(name=typ.__name__)}
 
 
-_ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {
-        "description": ", ".join(c.__name__ for c, s in STATUS_BY_ERROR.items() if s == code),
-        "content": {"application/json": {"schema": _ref(ErrorBody)}},
+def _errors(codes: tuple[int, ...]) -> dict[int | str, dict[str, Any]]:
+    return {
+        code: {
+            "description": ", ".join(c.__name__ for c, s in STATUS_BY_ERROR.items() if s == code),
+            "content": {"application/json": {"schema": _ref(ErrorBody)}},
+        }
+        for code in sorted(codes)
     }
-    for code in sorted(set(STATUS_BY_ERROR.values()))
-}
 
 
 def operation(
@@ -51,6 +53,7 @@ def operation(
     summary: str,
     *,
     body: tuple[str, type | None] | None = None,
+    errors: tuple[int, ...] = (500,),
 ) -> dict[str, Any]:
     """Keyword arguments of a route decorator that document one operation.
 
@@ -64,6 +67,8 @@ def operation(
         One line for the document.
     body : (content type, Struct type or None), optional
         The request body; ``APPEND_CONTENT_TYPE`` documents the framed append body.
+    errors : tuple of int
+        Error statuses the route can answer with (bodies are `ErrorBody`).
     """
     if answer is None:
         content: dict[str, Any] = {
@@ -92,7 +97,7 @@ def operation(
         "summary": summary,
         "response_class": Response,
         "response_model": None,
-        "responses": {status: {"description": "OK", "content": content}, **_ERRORS},
+        "responses": {status: {"description": "OK", "content": content}, **_errors(errors)},
         "openapi_extra": extra,
     }
 

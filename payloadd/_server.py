@@ -14,6 +14,7 @@ import uvicorn
 
 from ._app import create_app
 from ._settings import Settings
+from ._store import Store
 
 __all__ = ["bind_unix_socket", "serve"]
 
@@ -66,10 +67,21 @@ def _exit_cleanly(signum: int, frame: object) -> None:
 
 
 def serve(settings: Settings) -> None:
-    """Serve ``settings`` until SIGINT/SIGTERM; remove the socket file on exit."""
+    """Serve ``settings`` until SIGINT/SIGTERM; remove the socket file on exit.
+
+    Raises
+    ------
+    OSError
+        The root cannot be created or written, or the socket cannot be bound.
+    SocketInUseError
+        Another daemon answers on the socket.
+    """
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(levelname)s %(name)s: %(message)s"
     )
+    Store.check_root(settings.root)  # fail here, with a clear message, not in the lifespan
+    if len(os.fsencode(settings.socket)) > 107:
+        raise OSError(f"socket path is longer than the 107 bytes AF_UNIX allows: {settings.socket}")
     sock = bind_unix_socket(settings.socket, settings.socket_mode)
     config = uvicorn.Config(
         create_app(settings),

@@ -49,7 +49,13 @@ class Settings(BaseSettings):
         1 * GiB, gt=0, description="A data file is rotated before it would exceed this size."
     )
     max_request_bytes: int = Field(
-        4 * GiB, gt=0, description="Largest request body (append) or read answer; above: 413."
+        4 * GiB, gt=0, description="Largest append body or read answer; above: 413."
+    )
+    max_control_bytes: int = Field(
+        16 << 20, gt=0, description="Largest append header or read request body; above: 413."
+    )
+    max_append_items: int = Field(
+        65536, gt=0, description="Most items (blocks of rows) in one append; above: 413."
     )
     fsync: Literal["never", "always"] = Field(
         "never",
@@ -68,6 +74,13 @@ class Settings(BaseSettings):
                 return int(value, 8)
             except ValueError:
                 raise ValueError(f"socket_mode must be octal like 0660, got {value!r}") from None
+        return value
+
+    @field_validator("socket_mode")
+    @classmethod
+    def _permission_bits(cls, value: int) -> int:
+        if not 0 <= value <= 0o777:
+            raise ValueError(f"socket_mode must be permission bits 0000..0777, got {value:o}")
         return value
 
     @field_validator("node")

@@ -11,25 +11,31 @@ segments once every byte is written (and fsync'd under ``fsync="always"``).
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import secrets
 import stat
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
+
 from payload_client import (
     SUPPORTED_DTYPES,
     FileMissingError,
     InvalidRequestError,
     InvalidSegmentError,
+    PayloadError,
     PayloadSegment,
     PayloadTooLargeError,
     SegmentFileError,
+    ServerError,
+    StorageFullError,
 )
 from payload_client._segment import INT64_MAX, check_name, check_relative_path
 from payload_client._wire import AppendItem, Extent, Stats
@@ -64,7 +70,22 @@ def item_nbytes(item: AppendItem, index: int = 0) -> tuple[int, int]:
             raise InvalidRequestError(f"{where} row size overflows int64")
     if item.pos + item.rows > INT64_MAX:
         raise InvalidRequestError(f"{where} pos + rows overflows int64")
+    if row_nb * item.rows > INT64_MAX:
+        raise InvalidRequestError(f"{where} rows * row size overflows int64")
     return row_nb, row_nb * item.rows
+
+
+@contextlib.contextmanager
+def os_errors(root: Path) -> Iterator[None]:
+    """Translate OS errors of the payload root: a full disk or quota is 507, others 500."""
+    try:
+        yield
+    except PayloadError:
+        raise
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise StorageFullError(f"payload root {root} is full: {exc.strerror}") from exc
+        raise ServerError(f"I/O error under the payload root {root}: {exc}") from exc
 
 
 @dataclass
@@ -119,6 +140,10 @@ class PendingAppend:
             If more bytes arrive than the items announce.
         """
         view = memoryview(data).cast("B")
+        with os_errors(self._store.root):
+            self._write(view)
+
+    def _write(self, view: memoryview) -> None:
         if view.nbytes > self.remaining:
             raise InvalidRequestError(
                 f"body carries more row bytes than its items announce ({self.remaining} left)"
@@ -149,8 +174,9 @@ class PendingAppend:
             raise InvalidRequestError(f"body ended {self.remaining} row bytes early")
         try:
             if self._store.fsync == "always":
-                for fd in self._fds.values():
-                    os.fsync(fd)
+                with os_errors(self._store.root):
+                    for fd in self._fds.values():
+                        os.fsync(fd)
         finally:
             self.close()
         out: list[list[PayloadSegment]] = [[] for _ in self._items]
@@ -186,6 +212,10 @@ class Store:
         Whether `PendingAppend.commit` fsyncs before returning segments.
     max_read_bytes : int
         Largest total of one `read_extents` call.
+    max_append_bytes : int
+        Largest total of the rows of one `begin_append` call.
+    max_append_items : int
+        Most items in one `begin_append` call.
     """
 
     def __init__(
@@ -196,13 +226,16 @@ class Store:
         max_file_bytes: int = 1 << 30,
         fsync: Literal["never", "always"] = "never",
         max_read_bytes: int = 4 << 30,
+        max_append_bytes: int = 4 << 30,
+        max_append_items: int = 65536,
     ) -> None:
         self.node = check_name(node, "node")
-        os.makedirs(root, mode=DIR_MODE, exist_ok=True)
-        self.root = Path(os.path.realpath(root))
+        self.root = self.check_root(root)
         self._root_prefix = str(self.root) + os.sep
         self.max_file_bytes = max_file_bytes
         self.max_read_bytes = max_read_bytes
+        self.max_append_bytes = max_append_bytes
+        self.max_append_items = max_append_items
         self.fsync = fsync
         self.instance = secrets.token_hex(4)
         self.started = time.monotonic()
@@ -211,6 +244,23 @@ class Store:
         self._seq = 0
         self._counts = {"appends": 0, "rows_appended": 0, "bytes_appended": 0}
         self._counts |= {"reads": 0, "bytes_read": 0}
+
+    @staticmethod
+    def check_root(root: str | os.PathLike[str]) -> Path:
+        """Create the payload root (mode 0750) if missing; return its real path.
+
+        Raises
+        ------
+        OSError
+            When it cannot be created, is not a directory, or is not writable.
+        """
+        if os.path.lexists(root) and not os.path.isdir(root):
+            raise NotADirectoryError(f"payload root {root} exists and is not a directory")
+        os.makedirs(root, mode=DIR_MODE, exist_ok=True)
+        real = Path(os.path.realpath(root))
+        if not os.access(real, os.W_OK | os.X_OK):
+            raise PermissionError(f"payload root {root} is not writable by this user")
+        return real
 
     # -- appends ------------------------------------------------------------------------
 
@@ -242,7 +292,8 @@ class Store:
         f = self._files.get(key) or self._new_file(*key)
         while True:
             nbytes = rows * row_nb
-            if f.size + nbytes <= self.max_file_bytes or (f.size == 0 and rows <= 1):
+            fits = f.size + nbytes <= self.max_file_bytes
+            if fits or rows == 0 or (f.size == 0 and rows == 1):
                 out.append(_Extent(index, f.rel, f.size, pos, rows, nbytes))
                 f.size += nbytes
                 return out
@@ -273,11 +324,24 @@ class Store:
         InvalidRequestError
             An item names a bad field, run, dtype or shape, or overflows int64; nothing is
             reserved then.
+        PayloadTooLargeError
+            More items or row bytes than the limits; nothing is reserved.
+        StorageFullError
+            The file system has no room for a new file or directory.
         """
         if not items:
             raise InvalidRequestError("an append needs at least one item")
+        if len(items) > self.max_append_items:
+            raise PayloadTooLargeError(
+                f"append of {len(items)} items is above the limit of {self.max_append_items}"
+            )
         sizes = [item_nbytes(item, i) for i, item in enumerate(items)]
-        with self._lock:
+        total = sum(n for _, n in sizes)
+        if total > self.max_append_bytes:
+            raise PayloadTooLargeError(
+                f"append of {total} row bytes is above the limit of {self.max_append_bytes}"
+            )
+        with self._lock, os_errors(self.root):
             extents = [e for i, it in enumerate(items) for e in self._place(i, it, sizes[i][0])]
         return PendingAppend(self, items, extents)
 
@@ -330,7 +394,7 @@ class Store:
         if not real.startswith(self._root_prefix):
             raise SegmentFileError(f"payload file {rel!r} resolves outside the payload root")
         try:
-            fd = os.open(real, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+            fd = os.open(real, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
         except (FileNotFoundError, NotADirectoryError):
             raise FileMissingError(f"payload file {rel!r} does not exist") from None
         except OSError as exc:
@@ -371,24 +435,27 @@ class Store:
             raise PayloadTooLargeError(
                 f"read of {total} bytes is above the limit of {self.max_read_bytes}"
             )
-        out = bytearray(total)
-        view = memoryview(out)
         fds: dict[str, int] = {}
         try:
-            for e in extents:  # check every file before reading any
+            for e in extents:  # check every file before allocating or reading anything
                 if e.file not in fds:
                     fds[e.file] = self.open_for_read(e.file, e.end)
                 elif e.end > os.fstat(fds[e.file]).st_size:
                     self.open_for_read(e.file, e.end)  # raises the size error
+            out = bytearray(total)  # bounded by the files' sizes now
+            view = memoryview(out)
             at = 0
-            for e in extents:
-                got = 0
-                while got < e.nbytes:
-                    n = os.preadv(fds[e.file], [view[at + got : at + e.nbytes]], e.offset + got)
-                    if n == 0:
-                        raise SegmentFileError(f"payload file {e.file!r} shrank during the read")
-                    got += n
-                at += e.nbytes
+            with os_errors(self.root):
+                for e in extents:
+                    got = 0
+                    while got < e.nbytes:
+                        n = os.preadv(fds[e.file], [view[at + got : at + e.nbytes]], e.offset + got)
+                        if n == 0:
+                            raise SegmentFileError(
+                                f"payload file {e.file!r} shrank during the read"
+                            )
+                        got += n
+                    at += e.nbytes
         finally:
             for fd in fds.values():
                 os.close(fd)

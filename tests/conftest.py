@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
-from payload_client import AsyncPayloadClient, PayloadClient
 
+from payload_client import AsyncPayloadClient, PayloadClient
 from payloadd._process import start_daemon
 
 

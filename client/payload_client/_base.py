@@ -282,18 +282,16 @@ class BaseClient:
             for p in plan.pieces
         ]
         total = sum(e.nbytes for e in extents)
+        outs = [None if plan is None else plan.new_output() for plan in plans]  # before any I/O
 
         def decode(data: Any) -> list[np.ndarray | None]:
             view = memoryview(data)
-            out: list[np.ndarray | None] = []
             at = 0
-            for plan in plans:
-                if plan is None:
-                    out.append(None)
-                    continue
-                out.append(assemble(plan, view[at : at + plan.nbytes]))
-                at += plan.nbytes
-            return out
+            for plan, out in zip(plans, outs, strict=True):
+                if plan is not None:
+                    assemble(plan, view[at : at + plan.nbytes], out)
+                    at += plan.nbytes
+            return outs
 
         body = _encoder.encode(ReadRequest(extents)) if extents else b""
         return Call(

@@ -86,6 +86,22 @@ class WindowPlan:
         """Total bytes the pieces need."""
         return sum(p.nbytes for p in self.pieces)
 
+    def new_output(self) -> np.ndarray:
+        """Allocate the (uninitialised) output array ``[hi - lo, *row_shape]``.
+
+        Raises
+        ------
+        InvalidRequestError
+            If it cannot be allocated.
+        """
+        shape = (self.hi - self.lo, *self.row_shape)
+        try:
+            return np.empty(shape, dtype=self.dtype)
+        except (MemoryError, ValueError) as exc:
+            raise InvalidRequestError(
+                f"the window's output {list(shape)} {self.dtype} cannot be allocated: {exc}"
+            ) from None
+
 
 def _check_fill(fill: Any, dtype: np.dtype[Any]) -> int | float:
     if isinstance(fill, bool) or not isinstance(fill, int | float | np.integer | np.floating):
@@ -172,7 +188,7 @@ def plan_window(
     return WindowPlan(lo, hi, row_shape, dtype, fill, tuple(pieces))
 
 
-def assemble(plan: WindowPlan, data: Any) -> np.ndarray:
+def assemble(plan: WindowPlan, data: Any, out: np.ndarray | None = None) -> np.ndarray:
     """Lay the fetched bytes of ``plan`` into a fresh output array.
 
     Parameters
@@ -181,6 +197,8 @@ def assemble(plan: WindowPlan, data: Any) -> np.ndarray:
         The plan the bytes were fetched for.
     data : bytes-like
         The pieces' bytes concatenated in plan order (``plan.nbytes`` bytes, little-endian).
+    out : numpy.ndarray, optional
+        The array from ``plan.new_output()`` to fill; a new one by default.
 
     Returns
     -------
@@ -197,7 +215,8 @@ def assemble(plan: WindowPlan, data: Any) -> np.ndarray:
     view = memoryview(data).cast("B")
     if view.nbytes != plan.nbytes:
         raise InvalidRequestError(f"expected {plan.nbytes} bytes for the window, got {view.nbytes}")
-    out = np.empty((plan.hi - plan.lo, *plan.row_shape), dtype=plan.dtype)
+    if out is None:
+        out = plan.new_output()
     # every row a piece touches is written whole below; only the others start as fill
     covered = np.zeros(plan.hi - plan.lo, dtype=bool)
     for p in plan.pieces:

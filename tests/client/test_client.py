@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from payload_client import (
     STATUS_BY_ERROR,
     AsyncPayloadClient,
@@ -125,3 +126,9 @@ async def test_async_client_checks_before_io(tmp_path: Path) -> None:
             await c.append("f", [1], 0, run="r", step=0)  # type: ignore[arg-type]
         with pytest.raises(ConnectError):
             await c.stats()
+
+
+def test_a_window_too_large_to_allocate_fails_before_io(offline: PayloadClient) -> None:
+    s = PayloadSegment("f", "a.bin", 0, 0, 1, "uint8", [48, 8])
+    with pytest.raises(InvalidRequestError, match="cannot be allocated"):
+        offline.read_field([s], "f", 0, 2**50, 0)

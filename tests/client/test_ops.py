@@ -6,6 +6,7 @@ import msgspec
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+
 from payload_client import (
     InvalidRequestError,
     InvalidSegmentError,

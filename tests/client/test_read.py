@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+
 from payload_client import (
     InvalidRequestError,
     InvalidSegmentError,
@@ -13,7 +14,6 @@ from payload_client import (
     assemble,
     plan_window,
 )
-
 from tests.reference import dense_read
 
 # field -> (dtypes it may be written in, rank of its rows)

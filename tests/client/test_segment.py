@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import msgspec
 import pytest
+
 from payload_client import InvalidSegmentError, PayloadSegment, row_nbytes, validate_segment
 
 GOOD = PayloadSegment("routed_experts", "n/r/0/f.bin", 128, 5, 3, "uint8", [48, 8])

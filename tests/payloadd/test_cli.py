@@ -12,8 +12,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from payload_client import PayloadClient
 
+from payload_client import PayloadClient
 from payloadd._process import start_daemon
 from payloadd._settings import Settings
 

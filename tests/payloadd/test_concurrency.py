@@ -7,8 +7,8 @@ import itertools
 
 import numpy as np
 import pytest
-from payload_client import AsyncPayloadClient, PayloadSegment, Window
 
+from payload_client import AsyncPayloadClient, PayloadSegment, Window
 from tests.conftest import Daemon
 
 R, M = "routed_experts", "sampling_mask"

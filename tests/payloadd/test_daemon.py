@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from payload_client import (
     FileMissingError,
     PayloadClient,
@@ -21,7 +22,6 @@ from payload_client import (
     shift_segments,
 )
 from payload_client._wire import APPEND_CONTENT_TYPE, FRAME_PREFIX, AppendItem, AppendRequest
-
 from tests.conftest import Daemon
 from tests.reference import dense_read
 
@@ -233,7 +233,9 @@ def test_openapi_document_is_valid_and_complete(http: httpx.Client) -> None:
     assert append["responses"]["200"]["content"]["application/msgpack"]["schema"]["$ref"].endswith(
         "/AppendResponse"
     )
-    assert "410" in append["responses"] and "PayloadSegment" in doc["components"]["schemas"]
+    assert "507" in append["responses"] and "404" not in append["responses"]
+    assert "410" in doc["paths"]["/v1/read"]["post"]["responses"]
+    assert "PayloadSegment" in doc["components"]["schemas"]
 
 
 # -- property: daemon reads equal the dense model, through clip and shift ---------------
@@ -286,3 +288,32 @@ def test_unknown_routes_and_methods_get_error_bodies(http: httpx.Client) -> None
     for method, path, status in (("GET", "/nope", 404), ("GET", "/v1/read", 405)):
         r = http.request(method, path)
         assert r.status_code == status and r.json()["error"] == "HTTPError"
+
+
+def test_huge_row_counts_are_refused_before_anything_is_reserved(
+    http: httpx.Client, daemon: Daemon
+) -> None:
+    for rows in (2**63 - 1, 2**42):
+        body = _append_body([AppendItem(R, "uint8", [1], rows, 0, "huge", 0)], b"")
+        r = http.post("/v1/append", content=body, headers={"Content-Type": APPEND_CONTENT_TYPE})
+        assert r.status_code == 400 and "announces" in r.json()["message"]
+    assert not (daemon.root / "test" / "huge").exists()
+
+
+def test_media_types_are_matched_case_insensitively(http: httpx.Client) -> None:
+    r = http.post(
+        "/v1/read",
+        content=b'{"extents": [["test/nope.bin", 0, 1, 1]]}',
+        headers={"Content-Type": "Application/JSON; charset=utf-8"},
+    )
+    assert r.status_code == 404 and "nope.bin" in r.json()["message"]
+    body = _append_body([AppendItem(R, "uint8", [1], 1, 0, "r", 0)], b"x")
+    r = http.post("/v1/append", content=body, headers={"Content-Type": APPEND_CONTENT_TYPE + "FOO"})
+    assert r.status_code == 400
+
+
+def test_too_many_items_is_413(http: httpx.Client) -> None:
+    items = [AppendItem(R, "uint8", [1], 0, 0, "many", 0)] * 65537
+    r = http.post("/v1/append", content=_append_body(items, b""),
+                  headers={"Content-Type": APPEND_CONTENT_TYPE})  # fmt: skip
+    assert r.status_code == 413 and "items" in r.json()["message"]

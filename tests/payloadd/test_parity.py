@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
+
 from payload_client import PayloadClient, PayloadSegment, Window, clip_segments, shift_segments
 
 SEQ_LEN = 32

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from payload_client import (
     FileMissingError,
     InvalidRequestError,
@@ -20,7 +21,6 @@ from payload_client import (
     plan_window,
 )
 from payload_client._wire import AppendItem, Extent
-
 from payloadd import Store
 
 
@@ -174,3 +174,30 @@ def test_read_limit(tmp_path: Path) -> None:
     (s,) = store.append([item(1)], bytes(384))[0]
     with pytest.raises(PayloadTooLargeError):
         store.read_extents([Extent(s.file, 0, 384, 384)])
+
+
+def test_checks_come_before_any_allocation_or_reservation(tmp_path: Path) -> None:
+    store = Store(tmp_path, "n", max_read_bytes=2**62, max_append_bytes=1 << 20)
+    (s,) = store.append([item(1)], bytes(384))[0]
+    with pytest.raises(SegmentFileError, match="ends at byte"):  # no 1 TiB buffer first
+        store.read_extents([Extent(s.file, 0, 2**40, 2**40)])
+    with pytest.raises(PayloadTooLargeError, match="row bytes"):
+        store.begin_append([item(2**40)])
+    with pytest.raises(InvalidRequestError, match="overflows"):
+        store.begin_append([item(2**63 - 1, shape=[2])])
+    assert len(list((tmp_path / "n" / "r" / "0").iterdir())) == 1
+
+
+def test_zero_row_items_never_open_a_new_file(tmp_path: Path) -> None:
+    store = Store(tmp_path, "n", max_file_bytes=384)
+    (full,) = store.append([item(1)], bytes(384))[0]
+    (placeholder,) = store.append([item(0, pos=9)], b"")[0]
+    assert placeholder.file == full.file and placeholder.rows == 0
+    assert len(list((tmp_path / "n" / "r" / "0").iterdir())) == 1
+
+
+def test_a_fifo_in_the_root_is_refused_without_blocking(tmp_path: Path) -> None:
+    store = Store(tmp_path, "n")
+    os.mkfifo(tmp_path / "n.fifo")
+    with pytest.raises(SegmentFileError, match="not a regular file"):
+        store.read_extents([Extent("n.fifo", 0, 1, 1)])
