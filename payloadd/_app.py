@@ -121,7 +121,10 @@ def create_app(settings: Settings) -> FastAPI:
 
     @app.exception_handler(PayloadError)
     async def payload_error(request: Request, exc: PayloadError) -> Response:
-        return _error(status_of(exc), type(exc).__name__, str(exc))
+        status = status_of(exc)
+        if status >= 500:  # a full disk or an I/O error: the operator must see it
+            log.error("%s %s: %s: %s", request.method, request.url.path, type(exc).__name__, exc)
+        return _error(status, type(exc).__name__, str(exc))
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> Response:

@@ -28,7 +28,8 @@ class SocketInUseError(RuntimeError):
 def bind_unix_socket(path: Path, mode: int = 0o660, backlog: int = 1024) -> socket.socket:
     """Bind and listen on a Unix stream socket at ``path`` with file mode ``mode``.
 
-    A socket file left by a dead daemon is replaced; one a live process accepts on is not.
+    A socket file left by a dead daemon (connecting is refused) is replaced; one a live
+    process accepts on is not, nor one this user may not connect to.
 
     Raises
     ------
@@ -36,6 +37,8 @@ def bind_unix_socket(path: Path, mode: int = 0o660, backlog: int = 1024) -> sock
         When something accepts connections on ``path``.
     FileExistsError
         When ``path`` exists and is not a socket.
+    PermissionError
+        When ``path`` exists and this user may not connect to it.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -45,8 +48,8 @@ def bind_unix_socket(path: Path, mode: int = 0o660, backlog: int = 1024) -> sock
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             probe.connect(os.fspath(path))
-        except OSError:
-            path.unlink()  # stale: nobody listens
+        except ConnectionRefusedError:
+            path.unlink()  # stale: the file is there but nobody listens
         else:
             raise SocketInUseError(f"a live daemon already listens on {path}")
         finally:

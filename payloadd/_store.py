@@ -127,7 +127,13 @@ class PendingAppend:
     def _fd(self, rel: str) -> int:
         fd = self._fds.get(rel)
         if fd is None:
-            fd = os.open(self._store.root / rel, os.O_WRONLY | os.O_CLOEXEC)
+            try:
+                fd = os.open(self._store.root / rel, os.O_WRONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                self._store._forget(rel)
+                raise ServerError(
+                    f"data file {rel!r} vanished under the daemon; the next append opens a new one"
+                ) from None
             self._fds[rel] = fd
         return fd
 
@@ -256,7 +262,9 @@ class Store:
         """
         if os.path.lexists(root) and not os.path.isdir(root):
             raise NotADirectoryError(f"payload root {root} exists and is not a directory")
-        os.makedirs(root, mode=DIR_MODE, exist_ok=True)
+        if not os.path.lexists(root):
+            os.makedirs(root, mode=DIR_MODE, exist_ok=True)
+            os.chmod(root, DIR_MODE)  # a root we create is 0750; an existing one keeps its mode
         real = Path(os.path.realpath(root))
         if not os.access(real, os.W_OK | os.X_OK):
             raise PermissionError(f"payload root {root} is not writable by this user")
@@ -264,10 +272,28 @@ class Store:
 
     # -- appends ------------------------------------------------------------------------
 
+    def _forget(self, rel: str) -> None:
+        """Stop appending to ``rel`` (it vanished): the next append of its key starts a file."""
+        with self._lock:
+            for key, f in list(self._files.items()):
+                if f.rel == rel:
+                    del self._files[key]
+
+    def _mkdirs(self, rel_dir: str) -> None:
+        """Create ``rel_dir`` and its parents under the root, each with mode 0750."""
+        path = self.root
+        for part in rel_dir.split("/"):
+            path = path / part
+            try:
+                os.mkdir(path, DIR_MODE)
+            except FileExistsError:
+                continue
+            os.chmod(path, DIR_MODE)  # exact mode, whatever the umask
+
     def _new_file(self, run: str, step: int, field: str) -> _File:
         """Create the next data file of ``(run, step, field)``; caller holds the lock."""
         d = f"{self.node}/{run}/{step}"
-        os.makedirs(self.root / d, mode=DIR_MODE, exist_ok=True)
+        self._mkdirs(d)
         self._seq += 1
         rel = f"{d}/{field}-{self.instance}-{self._seq:06d}.bin"
         fd = os.open(

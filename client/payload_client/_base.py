@@ -272,9 +272,9 @@ class BaseClient:
             try:
                 plans.append(plan_window(segments, fld, lo, hi, fill))
             except PayloadError as exc:
-                if len(windows) == 1:
-                    raise
-                raise type(exc)(f"window {i}: {exc}") from None
+                if len(windows) > 1:  # name the window, keep the error's class and attributes
+                    exc.args = (f"window {i}: {exc}",)
+                raise
         extents = [
             Extent(p.file, p.offset, p.nbytes, p.end)
             for plan in plans

@@ -151,10 +151,11 @@ def error_from_wire(status: int, name: str | None, message: str) -> PayloadError
     Returns
     -------
     PayloadError
-        An instance of the named class when it is known, else of the class the status
-        maps to (`InvalidRequestError` for other 4xx, `ServerError` for other 5xx).
+        An instance of the named class when the name is known; without a name, of the
+        class the status maps to; otherwise `InvalidRequestError` for 4xx and
+        `ServerError` for 5xx.
     """
-    cls = _BY_NAME.get(name or "") or _BY_STATUS.get(status)
-    if cls is None:
+    cls = _BY_NAME.get(name) if name else _BY_STATUS.get(status)
+    if cls is None:  # an unknown name (e.g. "HTTPError" for an unknown route) or status
         cls = InvalidRequestError if 400 <= status < 500 else ServerError
     return cls(f"{message} (HTTP {status})")

@@ -90,8 +90,9 @@ def test_bad_read_is_refused_before_any_io(offline: PayloadClient) -> None:
         half = PayloadSegment("g", "a.bin", 0, 1.5, 1, "uint8", [1])  # type: ignore[arg-type]
         offline.read_field([s, half], "f", 0, 1, 0)
     absolute = PayloadSegment("f", "/abs", 0, 0, 1, "uint8", [1])
-    with pytest.raises(InvalidSegmentError, match="window 1: segment 0: file"):
+    with pytest.raises(InvalidSegmentError, match="window 1: segment 0: file") as info:
         offline.read_many([([s], "f", 0, 1, 0), ([absolute], "f", 0, 1, 0)])
+    assert (info.value.index, info.value.field) == (0, "file")
 
 
 def test_reads_that_need_no_bytes_do_not_ask_the_daemon(offline: PayloadClient) -> None:
@@ -110,6 +111,7 @@ def test_status_table_and_wire_errors() -> None:
     assert type(err) is FileMissingError and "'a'" in str(err) and "404" in str(err)
     assert type(error_from_wire(410, None, "gone")) is FileGoneError
     assert type(error_from_wire(418, "NoSuchError", "teapot")) is InvalidRequestError
+    assert type(error_from_wire(404, "HTTPError", "Not Found")) is InvalidRequestError  # a route
     assert type(error_from_wire(503, None, "busy")) is ServerError
     assert all(issubclass(cls, PayloadError) for cls in STATUS_BY_ERROR)
 

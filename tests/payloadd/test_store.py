@@ -17,6 +17,7 @@ from payload_client import (
     PayloadSegment,
     PayloadTooLargeError,
     SegmentFileError,
+    ServerError,
     assemble,
     plan_window,
 )
@@ -201,3 +202,25 @@ def test_a_fifo_in_the_root_is_refused_without_blocking(tmp_path: Path) -> None:
     os.mkfifo(tmp_path / "n.fifo")
     with pytest.raises(SegmentFileError, match="not a regular file"):
         store.read_extents([Extent("n.fifo", 0, 1, 1)])
+
+
+def test_directories_are_0750_whatever_the_umask(tmp_path: Path) -> None:
+    old = os.umask(0o022)
+    try:
+        store = Store(tmp_path / "root", "n")
+        (s,) = store.append([item(1, run="modes", step=3)], bytes(384))[0]
+    finally:
+        os.umask(old)
+    for d in ("", "n", "n/modes", "n/modes/3"):
+        assert (tmp_path / "root" / d).stat().st_mode & 0o777 == 0o750, d
+    assert (tmp_path / "root" / s.file).stat().st_mode & 0o777 == 0o640
+
+
+def test_a_vanished_data_file_fails_one_append_not_all(tmp_path: Path) -> None:
+    store = Store(tmp_path, "n")
+    (s,) = store.append([item(1)], bytes(384))[0]
+    os.unlink(tmp_path / s.file)
+    with pytest.raises(ServerError, match="vanished"):
+        store.append([item(1)], bytes(384))
+    (t,) = store.append([item(1)], bytes(384))[0]
+    assert t.file != s.file and (tmp_path / t.file).stat().st_size == 384
