@@ -16,7 +16,7 @@ import msgspec
 import numpy as np
 
 from ._errors import InvalidRequestError, PayloadError, ProtocolError, error_from_wire
-from ._read import WindowPlan, assemble, plan_window
+from ._read import WindowPlan, place, plan_window, prepare_output
 from ._segment import (
     INT64_MAX,
     SUPPORTED_DTYPES,
@@ -63,6 +63,10 @@ class Window(NamedTuple):
         Token positions ``[lo, hi)`` (end exclusive).
     fill : int or float
         Value of entries no row covers.
+    out : numpy.ndarray, optional
+        Array to read into (see `PayloadClient.read_field`).
+    dtype : numpy dtype, optional
+        Output dtype (see `PayloadClient.read_field`).
     """
 
     segments: Sequence[PayloadSegment]
@@ -70,6 +74,8 @@ class Window(NamedTuple):
     lo: int
     hi: int
     fill: int | float
+    out: np.ndarray | None = None
+    dtype: Any = None
 
 
 WindowLike = Window | tuple[Sequence[PayloadSegment], str, int, int, int | float]
@@ -262,15 +268,20 @@ class BaseClient:
         if isinstance(windows, tuple) or not isinstance(windows, Sequence):
             raise InvalidRequestError("windows must be a list of Window")
         plans: list[WindowPlan | None] = []
+        outs: list[np.ndarray | None] = []
         for i, w in enumerate(windows):
             try:
-                segments, fld, lo, hi, fill = w
+                segments, fld, lo, hi, fill, *rest = w
+                w = Window(segments, fld, lo, hi, fill, *rest)
             except (TypeError, ValueError):
                 raise InvalidRequestError(
-                    f"window {i} must be (segments, field, lo, hi, fill)"
+                    f"window {i} must be (segments, field, lo, hi, fill[, out, dtype])"
                 ) from None
             try:
-                plans.append(plan_window(segments, fld, lo, hi, fill))
+                dtype = w.out.dtype if w.dtype is None and w.out is not None else w.dtype
+                plan = plan_window(w.segments, w.field, w.lo, w.hi, w.fill, dtype)
+                plans.append(plan)
+                outs.append(None if plan is None else prepare_output(plan, w.out))  # before I/O
             except PayloadError as exc:
                 if len(windows) > 1:  # name the window, keep the error's class and attributes
                     exc.args = (f"window {i}: {exc}",)
@@ -282,15 +293,15 @@ class BaseClient:
             for p in plan.pieces
         ]
         total = sum(e.nbytes for e in extents)
-        outs = [None if plan is None else plan.new_output() for plan in plans]  # before any I/O
 
         def decode(data: Any) -> list[np.ndarray | None]:
             view = memoryview(data)
             at = 0
             for plan, out in zip(plans, outs, strict=True):
-                if plan is not None:
-                    assemble(plan, view[at : at + plan.nbytes], out)
-                    at += plan.nbytes
+                if plan is not None and out is not None:
+                    for p in plan.pieces:
+                        place(plan, out, p, view[at : at + p.nbytes])
+                        at += p.nbytes
             return outs
 
         body = _encoder.encode(ReadRequest(extents)) if extents else b""

@@ -163,6 +163,9 @@ class PayloadClient(BaseClient):
         lo: int,
         hi: int,
         fill: int | float,
+        *,
+        out: np.ndarray | None = None,
+        dtype: Any = None,
     ) -> np.ndarray | None:
         """Read ``field`` over token positions ``[lo, hi)`` (DESIGN §4).
 
@@ -175,18 +178,28 @@ class PayloadClient(BaseClient):
         lo, hi : int
             Window of token positions, ``0 <= lo <= hi``, end exclusive.
         fill : int or float
-            Value of entries no row covers (an int32 for integer fields).
+            Value of entries no row covers; must fit the output dtype.
+        out : numpy.ndarray, optional
+            Array to read into instead of a new one, e.g. a view of a pinned buffer reused
+            every step: shape ``[hi - lo, *dims]`` with ``dims`` at least the row shape
+            (entries beyond it are set to ``fill``), dtype that of the read.
+        dtype : numpy dtype, optional
+            Output dtype instead of ``int32``/``float32``: any integer or float dtype that
+            holds every stored dtype of the field without loss, e.g. the stored ``uint8``
+            (compact transfer to the GPU) or ``int64`` (indexing). Default: ``out.dtype``
+            when ``out`` is given.
 
         Returns
         -------
         numpy.ndarray or None
-            ``[hi - lo, *row_shape]``, ``int32`` (``float32`` for float fields), fresh and
-            C-contiguous; ``None`` when no segment has ``field``.
+            ``out``, or a fresh C-contiguous ``[hi - lo, *row_shape]`` array, ``int32``
+            (``float32`` for float fields) unless ``dtype`` says otherwise; ``None`` when no
+            segment has ``field``.
 
         Raises
         ------
         InvalidRequestError
-            ``lo > hi``, ``lo < 0``, bad ``fill``.
+            ``lo > hi``, ``lo < 0``; a ``fill``, ``dtype`` or ``out`` that does not fit.
         InvalidSegmentError
             Any invalid segment in the list.
         FileMissingError, FileGoneError, SegmentFileError
@@ -195,14 +208,15 @@ class PayloadClient(BaseClient):
         TransportError
             The daemon cannot be reached or answered badly.
         """
-        return self._send(self._read_call([Window(segments, field, lo, hi, fill)]))[0]
+        window = Window(segments, field, lo, hi, fill, out, dtype)
+        return self._send(self._read_call([window]))[0]
 
     def read_many(self, windows: Sequence[WindowLike]) -> list[np.ndarray | None]:
         """Read several windows in one round trip (e.g. a rank's routing and mask windows).
 
         Parameters
         ----------
-        windows : sequence of Window or (segments, field, lo, hi, fill)
+        windows : sequence of Window or (segments, field, lo, hi, fill[, out, dtype])
             As the arguments of `read_field`.
 
         Returns
@@ -309,9 +323,13 @@ class AsyncPayloadClient(BaseClient):
         lo: int,
         hi: int,
         fill: int | float,
+        *,
+        out: np.ndarray | None = None,
+        dtype: Any = None,
     ) -> np.ndarray | None:
         """Awaitable `PayloadClient.read_field`."""
-        return (await self._send(self._read_call([Window(segments, field, lo, hi, fill)])))[0]
+        window = Window(segments, field, lo, hi, fill, out, dtype)
+        return (await self._send(self._read_call([window])))[0]
 
     async def read_many(self, windows: Sequence[WindowLike]) -> list[np.ndarray | None]:
         """Awaitable `PayloadClient.read_many`."""

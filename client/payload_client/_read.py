@@ -7,6 +7,8 @@ output array. The semantics live here once, whatever carries the bytes.
 
 from __future__ import annotations
 
+import math
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -17,9 +19,17 @@ from ._errors import InvalidRequestError, InvalidSegmentError
 from ._ops import _check_window
 from ._segment import PayloadSegment, _row_nbytes, segment_end, validate_segments
 
-__all__ = ["Piece", "WindowPlan", "assemble", "plan_window"]
+__all__ = [
+    "Piece",
+    "WindowPlan",
+    "assemble",
+    "direct_view",
+    "place",
+    "plan_window",
+    "prepare_output",
+]
 
-_INT32 = np.iinfo(np.int32)
+_BIG_ENDIAN = sys.byteorder == "big"
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,7 +77,8 @@ class WindowPlan:
     row_shape : tuple of int
         Shape of one output row.
     dtype : numpy.dtype
-        ``int32`` for integer fields, ``float32`` for float fields.
+        Output dtype: ``int32`` for integer fields, ``float32`` for float fields, unless
+        the reader asked for another.
     fill : int or float
         Value of every entry no row covers.
     pieces : tuple of Piece
@@ -106,15 +117,42 @@ class WindowPlan:
 def _check_fill(fill: Any, dtype: np.dtype[Any]) -> int | float:
     if isinstance(fill, bool) or not isinstance(fill, int | float | np.integer | np.floating):
         raise InvalidRequestError(f"fill must be a number, got {type(fill).__name__}")
-    if dtype.kind == "i":
-        if not float(fill).is_integer() or not _INT32.min <= fill <= _INT32.max:
-            raise InvalidRequestError(f"fill must be an int32 for an integer field, got {fill!r}")
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        if not float(fill).is_integer() or not info.min <= fill <= info.max:
+            raise InvalidRequestError(f"fill {fill!r} does not fit the output dtype {dtype}")
         return int(fill)
     return float(fill)
 
 
+def _output_dtype(field: str, stored: set[str], dtype: Any) -> np.dtype[Any]:
+    """The output dtype: int32/float32 by default (DESIGN §4), else ``dtype`` if it holds
+    every stored dtype of the field without loss."""
+    float_field = any(np.dtype(d).kind == "f" for d in stored)
+    if dtype is None:
+        return np.dtype(np.float32 if float_field else np.int32)
+    try:
+        out = np.dtype(dtype)
+    except TypeError:
+        raise InvalidRequestError(f"dtype {dtype!r} is not a numpy dtype") from None
+    if out.kind not in "iuf":
+        raise InvalidRequestError(f"dtype must be an integer or float dtype, got {out}")
+    narrow = sorted(d for d in stored if not np.can_cast(d, out, "safe"))
+    if narrow:
+        raise InvalidRequestError(
+            f"dtype {out} cannot hold the {', '.join(narrow)} rows of field {field!r}"
+        )
+    native: np.dtype[Any] = out.newbyteorder("=")
+    return native
+
+
 def plan_window(
-    segments: Sequence[PayloadSegment], field: str, lo: int, hi: int, fill: int | float
+    segments: Sequence[PayloadSegment],
+    field: str,
+    lo: int,
+    hi: int,
+    fill: int | float,
+    dtype: Any = None,
 ) -> WindowPlan | None:
     """Plan the read of ``field`` over token positions ``[lo, hi)``.
 
@@ -127,7 +165,11 @@ def plan_window(
     lo, hi : int
         Window of absolute token positions, ``0 <= lo <= hi`` (end exclusive).
     fill : int or float
-        Value of entries no row covers; an int32 for integer fields.
+        Value of entries no row covers; must fit the output dtype.
+    dtype : numpy dtype, optional
+        Output dtype. Default ``int32`` for integer fields, ``float32`` for float fields
+        (DESIGN §4); any integer or float dtype that holds every stored dtype of the field
+        without loss (e.g. the stored ``uint8``, or ``int64`` for indexing).
 
     Returns
     -------
@@ -137,7 +179,7 @@ def plan_window(
     Raises
     ------
     InvalidRequestError
-        ``lo > hi``, ``lo < 0``, a bad ``fill``; checked first.
+        ``lo > hi``, ``lo < 0`` (checked first); a ``fill`` or ``dtype`` that does not fit.
     InvalidSegmentError
         Any invalid segment in the list, of any field (checked before the field filter);
         segments of ``field`` with row shapes of different ranks, or mixing integer and
@@ -164,8 +206,8 @@ def plan_window(
         raise InvalidSegmentError(
             f"segments of field {field!r} mix integer and float dtypes", field="dtype"
         )
-    dtype = np.dtype(np.float32 if "f" in kinds else np.int32)
-    fill = _check_fill(fill, dtype)
+    out_dtype = _output_dtype(field, {s.dtype for s in mine}, dtype)
+    fill = _check_fill(fill, out_dtype)
     hits = [s for s in mine if max(s.pos, lo) < min(s.pos + s.rows, hi)]
     shapes = [s.shape for s in (hits or mine)]
     row_shape = tuple(max(dims) for dims in zip(*shapes, strict=True))
@@ -185,11 +227,92 @@ def plan_window(
                 shape=tuple(s.shape),
             )
         )
-    return WindowPlan(lo, hi, row_shape, dtype, fill, tuple(pieces))
+    return WindowPlan(lo, hi, row_shape, out_dtype, fill, tuple(pieces))
+
+
+def prepare_output(plan: WindowPlan, out: np.ndarray | None = None) -> np.ndarray:
+    """Return the array a window is read into, with every entry no piece writes set to fill.
+
+    Parameters
+    ----------
+    plan : WindowPlan
+        The window.
+    out : numpy.ndarray, optional
+        A caller's array to fill (e.g. a view of a pinned buffer reused every step): dtype
+        ``plan.dtype``, shape ``[hi - lo, *dims]`` with each of ``dims`` at least the
+        matching ``row_shape`` entry; entries beyond ``row_shape`` are set to fill. Default: a
+        new array ``[hi - lo, *row_shape]``.
+
+    Raises
+    ------
+    InvalidRequestError
+        ``out`` has another dtype, too few rows or columns, another rank, or is read-only.
+    """
+    if out is None:
+        out = plan.new_output()
+        wider = False
+    else:
+        if not isinstance(out, np.ndarray):
+            raise InvalidRequestError(f"out must be a numpy.ndarray, got {type(out).__name__}")
+        want = (plan.hi - plan.lo, *plan.row_shape)
+        if out.dtype != plan.dtype:
+            raise InvalidRequestError(f"out has dtype {out.dtype}, the read gives {plan.dtype}")
+        if (
+            out.ndim != len(want)
+            or out.shape[0] != want[0]
+            or any(o < w for o, w in zip(out.shape[1:], want[1:], strict=True))
+        ):
+            raise InvalidRequestError(f"out has shape {out.shape}, the window needs {want}")
+        if not out.flags.writeable:
+            raise InvalidRequestError("out is read-only")
+        wider = out.shape != want
+    if wider:
+        out[...] = plan.fill
+        return out
+    # every row a piece touches is written whole; only the others start as fill
+    covered = np.zeros(plan.hi - plan.lo, dtype=bool)
+    for p in plan.pieces:
+        covered[p.dst : p.dst + p.rows] = True
+    if not covered.all():
+        out[~covered] = plan.fill
+    return out
+
+
+def direct_view(plan: WindowPlan, out: np.ndarray, piece: Piece) -> memoryview | None:
+    """The bytes of ``out`` a piece's rows can be read straight into, or ``None``.
+
+    Possible when ``out`` is C-contiguous, little-endian, has the piece's dtype and row shape:
+    then the stored bytes are the output bytes (a stored-dtype read needs no copy).
+    """
+    if (
+        piece.shape != out.shape[1:]
+        or np.dtype(piece.dtype).newbyteorder("<") != out.dtype.newbyteorder("<")
+        or not out.flags.c_contiguous
+        or (out.dtype.byteorder == ">" or (out.dtype.byteorder == "=" and _BIG_ENDIAN))
+    ):
+        return None
+    row = out.itemsize * math.prod(piece.shape)
+    return out.data.cast("B")[piece.dst * row : (piece.dst + piece.rows) * row]
+
+
+def place(plan: WindowPlan, out: np.ndarray, piece: Piece, data: Any) -> None:
+    """Write one piece's rows (its stored bytes ``data``) over its output rows, whole.
+
+    Values go to the leading entries, ``fill`` to the rest of each row; numpy converts the
+    dtype in one pass.
+    """
+    rows = np.frombuffer(data, dtype=np.dtype(piece.dtype).newbyteorder("<"))
+    rows = rows.reshape(piece.rows, *piece.shape)
+    dst = out[piece.dst : piece.dst + piece.rows]
+    if piece.shape == dst.shape[1:]:
+        dst[...] = rows
+    else:
+        dst[...] = plan.fill
+        dst[(slice(None), *(slice(0, d) for d in piece.shape))] = rows
 
 
 def assemble(plan: WindowPlan, data: Any, out: np.ndarray | None = None) -> np.ndarray:
-    """Lay the fetched bytes of ``plan`` into a fresh output array.
+    """Lay the fetched bytes of ``plan`` into the output array.
 
     Parameters
     ----------
@@ -198,40 +321,26 @@ def assemble(plan: WindowPlan, data: Any, out: np.ndarray | None = None) -> np.n
     data : bytes-like
         The pieces' bytes concatenated in plan order (``plan.nbytes`` bytes, little-endian).
     out : numpy.ndarray, optional
-        The array from ``plan.new_output()`` to fill; a new one by default.
+        See `prepare_output`; a new array by default.
 
     Returns
     -------
     numpy.ndarray
-        Shape ``[hi - lo, *row_shape]``, dtype ``plan.dtype``; fresh, writeable,
-        C-contiguous. Every entry starts as ``fill``; each piece's rows overwrite their
+        ``out``, or a fresh, writeable, C-contiguous ``[hi - lo, *row_shape]`` array of
+        ``plan.dtype``. Every entry starts as ``fill``; each piece's rows overwrite their
         output rows whole, values in the leading entries and ``fill`` in the rest.
 
     Raises
     ------
     InvalidRequestError
-        If ``data`` is not exactly ``plan.nbytes`` long.
+        If ``data`` is not exactly ``plan.nbytes`` long, or ``out`` does not fit.
     """
     view = memoryview(data).cast("B")
     if view.nbytes != plan.nbytes:
         raise InvalidRequestError(f"expected {plan.nbytes} bytes for the window, got {view.nbytes}")
-    if out is None:
-        out = plan.new_output()
-    # every row a piece touches is written whole below; only the others start as fill
-    covered = np.zeros(plan.hi - plan.lo, dtype=bool)
-    for p in plan.pieces:
-        covered[p.dst : p.dst + p.rows] = True
-    if not covered.all():
-        out[~covered] = plan.fill
+    out = prepare_output(plan, out)
     at = 0
     for p in plan.pieces:
-        rows = np.frombuffer(view[at : at + p.nbytes], dtype=np.dtype(p.dtype).newbyteorder("<"))
-        rows = rows.reshape(p.rows, *p.shape)
+        place(plan, out, p, view[at : at + p.nbytes])
         at += p.nbytes
-        dst = out[p.dst : p.dst + p.rows]
-        if p.shape == plan.row_shape:
-            dst[...] = rows
-        else:
-            dst[...] = plan.fill
-            dst[(slice(None), *(slice(0, d) for d in p.shape))] = rows
     return out

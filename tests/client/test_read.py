@@ -25,12 +25,13 @@ FIELDS = {
 
 
 def local_read(files: dict[str, bytes], segs: list[PayloadSegment], field: str, lo: int, hi: int,
-               fill: int | float) -> np.ndarray | None:  # fmt: skip
-    plan = plan_window(segs, field, lo, hi, fill)
+               fill: int | float, dtype: object = None,
+               out: np.ndarray | None = None) -> np.ndarray | None:  # fmt: skip
+    plan = plan_window(segs, field, lo, hi, fill, dtype)
     if plan is None:
         return None
     data = b"".join(files[p.file][p.offset : p.offset + p.nbytes] for p in plan.pieces)
-    return assemble(plan, data)
+    return assemble(plan, data, out)
 
 
 @st.composite
@@ -136,3 +137,60 @@ def test_only_window_rows_are_planned() -> None:
     assert plan is not None
     (p,) = plan.pieces
     assert (p.offset, p.nbytes, p.end, p.dst) == (1000 + 50 * 384, 10 * 384, 1000 + 1000 * 384, 0)
+
+
+@given(stored(), st.sampled_from(["routed", "mask"]), st.integers(0, 40), st.integers(0, 12),
+       st.integers(-3, 3), st.integers(0, 3))  # fmt: skip
+def test_other_dtypes_and_wider_out_arrays_keep_the_semantics(
+    data: tuple[dict[str, bytes], list[PayloadSegment]], field: str, lo: int, n: int, fill: int,
+    extra: int,
+) -> None:  # fmt: skip
+    files, segs = data
+    want = dense_read(files, segs, field, lo, lo + n, fill)
+    if want is None:
+        return
+    wide = local_read(files, segs, field, lo, lo + n, fill, dtype=np.int64)
+    assert wide is not None and wide.dtype == np.int64
+    np.testing.assert_array_equal(wide, want)
+    out = np.full((n, *(d + extra for d in want.shape[1:])), 99, np.int32)
+    got = local_read(files, segs, field, lo, lo + n, fill, out=out)
+    assert got is out
+    np.testing.assert_array_equal(out[(slice(None), *(slice(0, d) for d in want.shape[1:]))], want)
+    assert (out.sum() - want.sum()) == fill * (out.size - want.size)  # the rest is fill
+
+
+def test_stored_dtype_reads_need_a_wide_enough_dtype() -> None:
+    files = {"a.bin": np.array([[200], [7]], "<u1").tobytes() + np.array([[300]], "<u2").tobytes()}
+    u8 = [seg("r", 0, 2, [1], dtype="uint8")]
+    got = local_read(files, u8, "r", 0, 3, 0, dtype=np.uint8)
+    assert got is not None and got.dtype == np.uint8
+    np.testing.assert_array_equal(got[:, 0], [200, 7, 0])
+    both = [*u8, seg("r", 2, 1, [1], offset=2, dtype="uint16")]
+    with pytest.raises(InvalidRequestError, match="cannot hold the uint16"):
+        plan_window(both, "r", 0, 3, 0, np.uint8)
+    with pytest.raises(InvalidRequestError, match="cannot hold"):
+        plan_window(u8, "r", 0, 3, 0, np.int8)
+    with pytest.raises(InvalidRequestError, match="fill -1 does not fit"):
+        plan_window(u8, "r", 0, 3, -1, np.uint8)
+    with pytest.raises(InvalidRequestError, match="integer or float"):
+        plan_window(u8, "r", 0, 3, 0, np.bool_)
+
+
+def test_out_arrays_that_do_not_fit_are_refused() -> None:
+    files = {"a.bin": bytes(8)}
+    segs = [seg("m", 0, 2, [4], dtype="uint8")]
+    plan = plan_window(segs, "m", 0, 2, -1)
+    assert plan is not None
+    for bad, match in [
+        (np.zeros((2, 4), np.int64), "dtype"),
+        (np.zeros((3, 4), np.int32), "shape"),
+        (np.zeros((2, 3), np.int32), "shape"),
+        (np.zeros((2, 4, 1), np.int32), "shape"),
+        ([[0] * 4] * 2, "numpy"),
+    ]:
+        with pytest.raises(InvalidRequestError, match=match):
+            assemble(plan, files["a.bin"], bad)  # type: ignore[arg-type]
+    frozen = np.zeros((2, 4), np.int32)
+    frozen.flags.writeable = False
+    with pytest.raises(InvalidRequestError, match="read-only"):
+        assemble(plan, files["a.bin"], frozen)

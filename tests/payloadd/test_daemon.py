@@ -317,3 +317,21 @@ def test_too_many_items_is_413(http: httpx.Client) -> None:
     r = http.post("/v1/append", content=_append_body(items, b""),
                   headers={"Content-Type": APPEND_CONTENT_TYPE})  # fmt: skip
     assert r.status_code == 413 and "items" in r.json()["message"]
+
+
+def test_reads_into_caller_arrays_and_other_dtypes(client: PayloadClient) -> None:
+    rows = rng.integers(0, 256, (30, 48, 8)).astype(np.uint8)
+    mask = rng.integers(0, 9, (30, 5)).astype(np.int32)
+    (r,), (m,) = client.append_many([(R, rows, 10), (M, mask, 10)], run="out", step=0)
+    stored = client.read_field([r], R, 10, 40, 0, dtype=np.uint8)
+    assert stored is not None and stored.dtype == np.uint8
+    np.testing.assert_array_equal(stored, rows)
+    pinned = np.empty((64, 48, 8), np.int64)  # reused every step; a view per window
+    mask_buf = np.full((20, 64), 7, np.int32)
+    got = client.read_many(
+        [Window([r, m], R, 20, 30, 0, pinned[:10]), Window([r, m], M, 25, 45, -1, mask_buf)]
+    )
+    assert got[0] is not None and got[0].base is pinned and got[1] is mask_buf
+    np.testing.assert_array_equal(pinned[:10], rows[10:20])
+    np.testing.assert_array_equal(mask_buf[:15, :5], mask[15:])
+    assert (mask_buf[15:] == -1).all() and (mask_buf[:, 5:] == -1).all()
