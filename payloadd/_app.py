@@ -21,6 +21,7 @@ from payload_client import InvalidRequestError, PayloadError, PayloadTooLargeErr
 from payload_client._errors import status_of
 from payload_client._wire import (
     APPEND_CONTENT_TYPE,
+    DATA_SOCKET_SUFFIX,
     FRAME_PREFIX,
     MSGPACK_CONTENT_TYPE,
     AppendRequest,
@@ -32,6 +33,7 @@ from payload_client._wire import (
 )
 
 from . import __version__
+from ._dataplane import DataPlaneServer
 from ._openapi import install_openapi, operation
 from ._settings import Settings
 from ._store import Store, item_nbytes
@@ -108,7 +110,16 @@ def create_app(settings: Settings) -> FastAPI:
             max_append_items=settings.max_append_items,
         )
         log.info("payloadd %s: root %s, node %s", __version__, store.root, store.node)
-        yield {"store": store, "settings": settings}
+        data_plane = None
+        if settings.data_plane:
+            path = f"{settings.socket}{DATA_SOCKET_SUFFIX}"
+            data_plane = DataPlaneServer(store, path, settings.socket_mode)
+            data_plane.start()
+        try:
+            yield {"store": store, "settings": settings}
+        finally:
+            if data_plane is not None:
+                data_plane.stop()
 
     app = FastAPI(
         title="payloadd",

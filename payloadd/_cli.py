@@ -72,7 +72,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ValidationError as exc:
             print(f"payloadd serve: invalid settings:\n{exc}", file=sys.stderr)
             return 2
-        from ._server import SocketInUseError, serve
+        from ._server import serve
+        from ._sockets import SocketInUseError
 
         try:
             serve(settings)

@@ -57,6 +57,11 @@ class Settings(BaseSettings):
     max_append_items: int = Field(
         65536, gt=0, description="Most items (blocks of rows) in one append; above: 413."
     )
+    data_plane: bool = Field(
+        True,
+        description="Also serve file descriptors on <socket>.data, so clients on this node "
+        "pread/pwrite rows themselves instead of sending them over HTTP.",
+    )
     fsync: Literal["never", "always"] = Field(
         "never",
         description="never: bytes reach the page cache before a segment is returned (survives "

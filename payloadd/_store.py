@@ -168,6 +168,15 @@ class PendingAppend:
                 self._cursor += 1
                 self._done = 0
 
+    @property
+    def extents(self) -> list[tuple[str, int, int]]:
+        """The reserved ranges in row-stream order: ``(file, offset, nbytes)``."""
+        return [(e.rel, e.offset, e.nbytes) for e in self._extents]
+
+    def written_elsewhere(self) -> None:
+        """Declare every reserved byte written by the client (data plane) and not here."""
+        self.remaining = 0
+
     def commit(self) -> list[list[PayloadSegment]]:
         """Return the segments of every item, once all their bytes are written.
 
@@ -181,8 +190,8 @@ class PendingAppend:
         try:
             if self._store.fsync == "always":
                 with os_errors(self._store.root):
-                    for fd in self._fds.values():
-                        os.fsync(fd)
+                    for e in self._extents:
+                        os.fsync(self._fd(e.rel))
         finally:
             self.close()
         out: list[list[PayloadSegment]] = [[] for _ in self._items]
@@ -249,7 +258,8 @@ class Store:
         self._files: dict[tuple[str, int, str], _File] = {}
         self._seq = 0
         self._counts = {"appends": 0, "rows_appended": 0, "bytes_appended": 0}
-        self._counts |= {"reads": 0, "bytes_read": 0}
+        self._counts |= {"reads": 0, "bytes_read": 0, "data_plane_requests": 0}
+        self._counts["data_plane_fds"] = 0
 
     @staticmethod
     def check_root(root: str | os.PathLike[str]) -> Path:
@@ -438,6 +448,11 @@ class Store:
             raise
         return fd
 
+    def open_for_write(self, rel: str) -> int:
+        """Open a data file this store placed rows in, write-only (for the data plane)."""
+        with os_errors(self.root):
+            return os.open(self.root / rel, os.O_WRONLY | os.O_CLOEXEC)
+
     def read_extents(self, extents: Sequence[Extent]) -> bytearray:
         """Read byte ranges with pread; return them concatenated in order.
 
@@ -491,6 +506,11 @@ class Store:
         return out
 
     # -- state --------------------------------------------------------------------------
+
+    def count(self, name: str, n: int = 1) -> None:
+        """Add ``n`` to the counter ``name`` of `Stats`."""
+        with self._lock:
+            self._counts[name] += n
 
     def stats(self) -> Stats:
         """Counters since start (bytes in bytes, uptime in seconds)."""

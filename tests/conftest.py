@@ -40,15 +40,20 @@ def small_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
         yield d
 
 
-@pytest.fixture
-def client(daemon: Daemon) -> Iterator[PayloadClient]:
-    """A sync client of the session daemon."""
-    with PayloadClient(daemon.socket) as c:
+TRANSPORTS = ["data-plane", "http"]
+
+
+@pytest.fixture(params=TRANSPORTS)
+def client(daemon: Daemon, request: pytest.FixtureRequest) -> Iterator[PayloadClient]:
+    """A sync client of the session daemon: rows by descriptor (data plane), or over HTTP."""
+    with PayloadClient(daemon.socket, data_plane=request.param == "data-plane") as c:
         yield c
 
 
-@pytest_asyncio.fixture
-async def aclient(daemon: Daemon) -> AsyncIterator[AsyncPayloadClient]:
-    """An async client of the session daemon."""
-    async with AsyncPayloadClient(daemon.socket) as c:
+@pytest_asyncio.fixture(params=TRANSPORTS)
+async def aclient(
+    daemon: Daemon, request: pytest.FixtureRequest
+) -> AsyncIterator[AsyncPayloadClient]:
+    """An async client of the session daemon, on either transport."""
+    async with AsyncPayloadClient(daemon.socket, data_plane=request.param == "data-plane") as c:
         yield c

@@ -7,6 +7,7 @@ that decides what to send and what an answer means lives here, once.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, NamedTuple, TypeVar
@@ -15,6 +16,7 @@ import httpx
 import msgspec
 import numpy as np
 
+from ._dataplane import Steps, append_steps, read_steps
 from ._errors import InvalidRequestError, PayloadError, ProtocolError, error_from_wire
 from ._read import WindowPlan, place, plan_window, prepare_output
 from ._segment import (
@@ -26,6 +28,7 @@ from ._segment import (
 )
 from ._wire import (
     APPEND_CONTENT_TYPE,
+    DATA_SOCKET_SUFFIX,
     FRAME_PREFIX,
     MSGPACK_CONTENT_TYPE,
     AppendItem,
@@ -96,6 +99,9 @@ class Call(Generic[T]):
         Body, sent in order without joining; ``Content-Length`` is set from them.
     local : bool
         True when the answer is known without asking the daemon (``decode(b"")`` is it).
+    fast : callable, optional
+        The same exchange on the data plane: ``fast(data_plane)`` gives the steps whose
+        result is the call's result.
     expected : int or None
         Exact length of a successful answer's body when known in advance; the body is then
         received into one preallocated buffer.
@@ -110,6 +116,7 @@ class Call(Generic[T]):
     chunks: list[Any] = field(default_factory=list)
     expected: int | None = None
     local: bool = False
+    fast: Callable[[Any], Steps[T]] | None = None
 
     def __post_init__(self) -> None:
         if self.chunks:
@@ -177,6 +184,11 @@ def _rows_for_wire(rows: Any) -> np.ndarray:
     return np.ascontiguousarray(rows, dtype=rows.dtype.newbyteorder("<"))
 
 
+def _then(steps: Steps[None], result: T) -> Steps[T]:
+    yield from steps
+    return result
+
+
 class BaseClient:
     """Request building and answer decoding shared by the sync and async clients.
 
@@ -190,6 +202,9 @@ class BaseClient:
         Admin/TCP token, sent as ``Authorization: Bearer``.
     timeout : float or httpx.Timeout, default 60.0
         Seconds for connect, read, write and pool waits.
+    data_plane : bool, default True
+        Move row bytes through file descriptors the daemon passes over ``<socket>.data``
+        when it serves one (same node); else, and always over TCP, over HTTP.
 
     Raises
     ------
@@ -204,6 +219,7 @@ class BaseClient:
         base_url: str | None = None,
         token: str | None = None,
         timeout: float | httpx.Timeout = 60.0,
+        data_plane: bool = True,
     ) -> None:
         if socket_path is not None and base_url is not None:
             raise InvalidRequestError("give socket_path or base_url, not both")
@@ -212,9 +228,24 @@ class BaseClient:
         self.socket_path = os.fspath(socket_path) if socket_path is not None else None
         self.base_url = base_url or "http://payloadd"
         self.timeout = timeout if isinstance(timeout, httpx.Timeout) else httpx.Timeout(timeout)
+        self.data_socket = (
+            self.socket_path + DATA_SOCKET_SUFFIX if data_plane and self.socket_path else None
+        )
         self.headers = {"User-Agent": "payload-client", "Accept": MSGPACK_CONTENT_TYPE}
         if token:
             self.headers["Authorization"] = f"Bearer {token}"
+
+    # -- data plane ---------------------------------------------------------------------
+
+    _retry_data_plane_at = 0.0
+    DATA_PLANE_RETRY_S = 5.0
+    """After the data plane fails, HTTP carries the bytes for this many seconds."""
+
+    def _data_plane_due(self) -> bool:
+        return time.monotonic() >= self._retry_data_plane_at
+
+    def _data_plane_failed(self) -> None:
+        self._retry_data_plane_at = time.monotonic() + self.DATA_PLANE_RETRY_S
 
     # -- append -------------------------------------------------------------------------
 
@@ -250,6 +281,7 @@ class BaseClient:
             decode=lambda body: self._decode_append(body, len(headers)),
             headers={"Content-Type": APPEND_CONTENT_TYPE},
             chunks=chunks,
+            fast=lambda dp: append_steps(headers, bodies),
         )
 
     @staticmethod
@@ -313,6 +345,7 @@ class BaseClient:
             chunks=[body] if extents else [],
             expected=total,
             local=not extents,
+            fast=lambda dp: _then(read_steps(plans, outs, dp.cache, dp.scratch), outs),
         )
 
     # -- small calls --------------------------------------------------------------------

@@ -16,6 +16,7 @@ import httpx
 import numpy as np
 
 from ._base import BaseClient, Call, Window, WindowLike
+from ._dataplane import AsyncDataPlane, DataPlaneDownError, SyncDataPlane
 from ._errors import ConnectError, ProtocolError, TimeoutError, TransportError
 from ._segment import PayloadSegment
 from ._wire import Health, Stats
@@ -72,8 +73,12 @@ class PayloadClient(BaseClient):
         base_url: str | None = None,
         token: str | None = None,
         timeout: float | httpx.Timeout = 60.0,
+        data_plane: bool = True,
     ) -> None:
-        super().__init__(socket_path, base_url=base_url, token=token, timeout=timeout)
+        super().__init__(
+            socket_path, base_url=base_url, token=token, timeout=timeout, data_plane=data_plane
+        )
+        self._dp = SyncDataPlane(self.data_socket) if self.data_socket else None
         transport = httpx.HTTPTransport(uds=self.socket_path) if self.socket_path else None
         self._http = httpx.Client(
             transport=transport, base_url=self.base_url, headers=self.headers, timeout=self.timeout
@@ -82,6 +87,11 @@ class PayloadClient(BaseClient):
     def _send(self, call: Call[T]) -> T:
         if call.local:
             return call.decode(b"")
+        if call.fast is not None and self._dp is not None and self._data_plane_due():
+            try:
+                return self._dp.run(call.fast(self._dp))
+            except DataPlaneDownError:
+                self._data_plane_failed()
         content = iter(call.chunks) if call.chunks else None
         where = self.socket_path or self.base_url
         with (
@@ -239,7 +249,9 @@ class PayloadClient(BaseClient):
         return self._send(self._health_call())
 
     def close(self) -> None:
-        """Close the connection pool."""
+        """Close the connection pool, the data plane and its cached descriptors."""
+        if self._dp is not None:
+            self._dp.close()
         self._http.close()
 
     def __enter__(self) -> PayloadClient:
@@ -281,8 +293,12 @@ class AsyncPayloadClient(BaseClient):
         base_url: str | None = None,
         token: str | None = None,
         timeout: float | httpx.Timeout = 60.0,
+        data_plane: bool = True,
     ) -> None:
-        super().__init__(socket_path, base_url=base_url, token=token, timeout=timeout)
+        super().__init__(
+            socket_path, base_url=base_url, token=token, timeout=timeout, data_plane=data_plane
+        )
+        self._adp = AsyncDataPlane(self.data_socket) if self.data_socket else None
         transport = httpx.AsyncHTTPTransport(uds=self.socket_path) if self.socket_path else None
         self._http = httpx.AsyncClient(
             transport=transport, base_url=self.base_url, headers=self.headers, timeout=self.timeout
@@ -291,6 +307,11 @@ class AsyncPayloadClient(BaseClient):
     async def _send(self, call: Call[T]) -> T:
         if call.local:
             return call.decode(b"")
+        if call.fast is not None and self._adp is not None and self._data_plane_due():
+            try:
+                return await self._adp.run(call.fast(self._adp))
+            except DataPlaneDownError:
+                self._data_plane_failed()
         content = _aiter(call.chunks) if call.chunks else None
         where = self.socket_path or self.base_url
         async with (
@@ -344,7 +365,9 @@ class AsyncPayloadClient(BaseClient):
         return await self._send(self._health_call())
 
     async def close(self) -> None:
-        """Close the connection pool."""
+        """Close the connection pool, the data plane and its cached descriptors."""
+        if self._adp is not None:
+            self._adp.close()
         await self._http.aclose()
 
     async def __aenter__(self) -> AsyncPayloadClient:

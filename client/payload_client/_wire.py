@@ -104,7 +104,11 @@ class ReadRequest(msgspec.Struct):
 
 
 class Stats(msgspec.Struct):
-    """Counters of a running daemon (``GET /v1/stats``); bytes in bytes, times in seconds."""
+    """Counters of a running daemon (``GET /v1/stats``); bytes in bytes, times in seconds.
+
+    ``reads`` and ``bytes_read`` count HTTP reads; on the data plane clients pread
+    themselves, so the daemon counts the requests and the descriptors it handed out.
+    """
 
     node: str
     root: str
@@ -116,6 +120,8 @@ class Stats(msgspec.Struct):
     bytes_read: int
     files_open_for_append: int
     max_file_bytes: int
+    data_plane_requests: int = 0
+    data_plane_fds: int = 0
 
 
 class Health(msgspec.Struct):
@@ -131,3 +137,76 @@ class ErrorBody(msgspec.Struct):
 
     error: str
     message: str
+
+
+# -- the data plane: the second Unix socket, ``<socket>.data`` ------------------------------
+#
+# Frames are ``u32 little-endian N | N bytes of msgpack``; one request, then one reply, on a
+# connection at a time. Replies that hand out file descriptors carry them as SCM_RIGHTS
+# ancillary data of the reply's first byte, in the order the reply lists them.
+
+DATA_SOCKET_SUFFIX = ".data"
+"""The data plane listens on the control socket's path plus this suffix."""
+
+
+class OpenRequest(msgspec.Struct, tag="open", array_like=True):
+    """Ask for read-only descriptors of ``files`` (each must be at least ``end`` bytes)."""
+
+    files: list[tuple[str, NonNegInt]]
+
+
+class OpenReply(msgspec.Struct, tag="opened", array_like=True):
+    """One read-only descriptor per requested file, in order, as SCM_RIGHTS."""
+
+    count: int
+
+
+class ReserveRequest(msgspec.Struct, tag="reserve", array_like=True):
+    """Reserve room for the rows of ``items`` (as in an append body's header)."""
+
+    items: list[AppendItem]
+
+
+class ReservedExtent(msgspec.Struct, array_like=True):
+    """Where the client writes: ``nbytes`` of the row stream at ``offset`` of ``files[file]``."""
+
+    file: int
+    offset: int
+    nbytes: int
+
+
+class ReserveReply(msgspec.Struct, tag="reserved", array_like=True):
+    """Reserved ranges in row-stream order, and one write-only descriptor per file."""
+
+    txn: int
+    files: list[str]
+    extents: list[ReservedExtent]
+
+
+class CommitRequest(msgspec.Struct, tag="commit", array_like=True):
+    """The rows of reservation ``txn`` are written: return their segments."""
+
+    txn: int
+
+
+class AbortRequest(msgspec.Struct, tag="abort", array_like=True):
+    """Give up reservation ``txn`` (its bytes stay unreferenced)."""
+
+    txn: int
+
+
+class CommitReply(msgspec.Struct, tag="committed", array_like=True):
+    """Segments of each item of the committed reservation."""
+
+    segments: list[list[PayloadSegment]]
+
+
+class ErrorReply(msgspec.Struct, tag="error", array_like=True):
+    """The request failed: the error class name (see `STATUS_BY_ERROR`) and a message."""
+
+    error: str
+    message: str
+
+
+DataRequest = OpenRequest | ReserveRequest | CommitRequest | AbortRequest
+DataReply = OpenReply | ReserveReply | CommitReply | ErrorReply

@@ -1,0 +1,489 @@
+"""The data plane: row bytes by file descriptor, for clients on the daemon's node.
+
+The daemon keeps naming, placement, permissions and lifecycle; the client never opens a
+payload path. Over a second Unix socket (``<socket>.data``) it asks the daemon to reserve
+room for an append and gets write-only descriptors of the files (SCM_RIGHTS), pwrites the rows
+itself, then commits and gets the segments. For a read it gets read-only descriptors (cached,
+one per file) and preads exactly the window's byte ranges, straight into the output array
+when the stored dtype is the output dtype, else into a reused buffer that numpy widens from.
+
+Each operation is written once, as a generator of steps (`Exchange`: a request and its reply
+with descriptors; `Blocking`: file I/O); `SyncDataPlane` and `AsyncDataPlane` only run them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import socket
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import msgspec
+import numpy as np
+
+from ._errors import (
+    ProtocolError,
+    SegmentFileError,
+    StorageFullError,
+    TransportError,
+    error_from_wire,
+)
+from ._read import WindowPlan, direct_view, place
+from ._segment import PayloadSegment
+from ._wire import (
+    FRAME_PREFIX,
+    AbortRequest,
+    AppendItem,
+    CommitReply,
+    CommitRequest,
+    DataReply,
+    DataRequest,
+    ErrorReply,
+    OpenReply,
+    OpenRequest,
+    ReserveReply,
+    ReserveRequest,
+)
+
+__all__ = ["AsyncDataPlane", "DataPlaneDownError", "SyncDataPlane", "append_steps", "read_steps"]
+
+T = TypeVar("T")
+MAX_FDS = 256
+"""Most descriptors one reply may carry."""
+CACHE_FDS = 128
+"""Read-only descriptors a client keeps open (least recently used ones are closed)."""
+THREAD_BYTES = 1 << 20
+"""The async data plane moves more bytes than this in a worker thread."""
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(DataReply)
+
+
+class DataPlaneDownError(Exception):
+    """The data plane cannot be used right now; the caller falls back to HTTP."""
+
+
+@dataclass
+class Exchange:
+    """Step: send ``request``; the generator receives ``(reply, fds)``."""
+
+    request: DataRequest
+
+
+@dataclass
+class Blocking:
+    """Step: run ``fn()`` (file I/O of ``nbytes``); the generator receives its result."""
+
+    fn: Callable[[], Any]
+    nbytes: int
+
+
+Steps = Generator[Exchange | Blocking, Any, T]
+
+
+def _raise_for(reply: DataReply, fds: list[int], expect: type) -> None:
+    if isinstance(reply, expect):
+        return
+    for fd in fds:
+        os.close(fd)
+    if isinstance(reply, ErrorReply):
+        raise error_from_wire(0, reply.error, reply.message)
+    raise ProtocolError(f"data plane answered {type(reply).__name__}, expected {expect.__name__}")
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    while data.nbytes:
+        n = os.pwrite(fd, data, offset)
+        data, offset = data[n:], offset + n
+
+
+def _pread_into(fd: int, dest: memoryview, offset: int, file: str) -> None:
+    got = 0
+    while got < dest.nbytes:
+        n = os.preadv(fd, [dest[got:]], offset + got)
+        if n == 0:
+            raise SegmentFileError(f"payload file {file!r} ended during the read")
+        got += n
+
+
+def append_steps(
+    items: Sequence[AppendItem], bodies: Sequence[memoryview]
+) -> Steps[list[list[PayloadSegment]]]:
+    """Reserve, pwrite the rows through the daemon's descriptors, commit.
+
+    ``bodies`` are the items' rows as little-endian bytes, in item order.
+    """
+    reply, fds = yield Exchange(ReserveRequest(list(items)))
+    _raise_for(reply, fds, ReserveReply)
+    assert isinstance(reply, ReserveReply)
+    try:
+        if len(fds) != len(reply.files):
+            raise ProtocolError(f"reserve sent {len(fds)} descriptors for {len(reply.files)} files")
+        stream = [b for b in bodies if b.nbytes]
+        total = sum(e.nbytes for e in reply.extents)
+        if total != sum(b.nbytes for b in stream):
+            raise ProtocolError("reserved bytes differ from the rows sent")
+
+        def write() -> None:
+            chunks = iter(stream)
+            chunk = memoryview(b"")
+            for e in reply.extents:
+                done = 0
+                while done < e.nbytes:
+                    if not chunk.nbytes:
+                        chunk = next(chunks)
+                    take = min(e.nbytes - done, chunk.nbytes)
+                    _pwrite_all(fds[e.file], chunk[:take], e.offset + done)
+                    chunk, done = chunk[take:], done + take
+
+        try:
+            yield Blocking(write, total)
+        except OSError as exc:
+            yield Exchange(AbortRequest(reply.txn))
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise StorageFullError(f"payload file system is full: {exc.strerror}") from exc
+            raise TransportError(f"writing rows through the data plane failed: {exc}") from exc
+    finally:
+        for fd in fds:
+            os.close(fd)
+    try:
+        done, more = yield Exchange(CommitRequest(reply.txn))
+    except DataPlaneDownError as exc:  # the rows are written but unacknowledged: never retried
+        raise TransportError(f"commit of an append was lost: {exc}") from exc
+    _raise_for(done, more, CommitReply)
+    assert isinstance(done, CommitReply)
+    return done.segments
+
+
+class ReadCache:
+    """Read-only descriptors by file, least recently used closed first.
+
+    A descriptor evicted while reads are in flight is closed when the last of them ends,
+    so no read ever uses a closed (or reused) descriptor number.
+    """
+
+    def __init__(self, size: int = CACHE_FDS) -> None:
+        self.size = size
+        self.fds: OrderedDict[str, int] = OrderedDict()
+        self.inflight = 0
+        self.retired: list[int] = []
+
+    def get(self, file: str) -> int | None:
+        fd = self.fds.get(file)
+        if fd is not None:
+            self.fds.move_to_end(file)
+        return fd
+
+    def put(self, file: str, fd: int) -> None:
+        old = self.fds.pop(file, None)
+        if old is not None:
+            self.retired.append(old)
+        self.fds[file] = fd
+        while len(self.fds) > self.size:
+            self.retired.append(self.fds.popitem(last=False)[1])
+        self._sweep()
+
+    def begin(self) -> None:
+        self.inflight += 1
+
+    def end(self) -> None:
+        self.inflight -= 1
+        self._sweep()
+
+    def _sweep(self) -> None:
+        if self.inflight == 0:
+            for fd in self.retired:
+                os.close(fd)
+            self.retired.clear()
+
+    def close(self) -> None:
+        self.retired.extend(self.fds.values())
+        self.fds.clear()
+        self._sweep()
+
+
+class _Scratch:
+    """Reused byte buffers for rows that numpy converts (no re-faulting of fresh memory)."""
+
+    def __init__(self) -> None:
+        self.free: list[bytearray] = []
+        self.lock = threading.Lock()
+
+    def take(self, n: int) -> bytearray:
+        with self.lock:
+            for i, b in enumerate(self.free):
+                if len(b) >= n:
+                    return self.free.pop(i)
+        return bytearray(max(n, 1 << 16))
+
+    def give(self, b: bytearray) -> None:
+        with self.lock:
+            if len(self.free) < 4:
+                self.free.append(b)
+
+
+def read_steps(
+    plans: Sequence[WindowPlan | None],
+    outs: Sequence[np.ndarray | None],
+    cache: ReadCache,
+    scratch: _Scratch,
+) -> Steps[None]:
+    """Get descriptors for the files not cached yet, then pread every piece into its output."""
+    ends: dict[str, int] = {}
+    for plan in plans:
+        for p in plan.pieces if plan is not None else ():
+            ends[p.file] = max(ends.get(p.file, 0), p.end)
+    if not ends:
+        return
+    missing = [(f, e) for f, e in ends.items() if cache.get(f) is None]
+    for start in range(0, len(missing), MAX_FDS):
+        batch = missing[start : start + MAX_FDS]
+        reply, fds = yield Exchange(OpenRequest(batch))
+        _raise_for(reply, fds, OpenReply)
+        if len(fds) != len(batch):
+            for fd in fds:
+                os.close(fd)
+            raise ProtocolError(f"open sent {len(fds)} descriptors for {len(batch)} files")
+        for (f, _), fd in zip(batch, fds, strict=True):
+            cache.put(f, fd)
+    cache.begin()
+    try:
+        fds_by_file = {f: cache.fds[f] for f in ends}
+        for f, end in ends.items():  # a cached descriptor is re-checked: the same rule as HTTP
+            size = os.fstat(fds_by_file[f]).st_size
+            if size < end:
+                raise SegmentFileError(
+                    f"payload file {f!r} has {size} bytes but a segment ends at byte {end}"
+                )
+        total = sum(plan.nbytes for plan in plans if plan is not None)
+
+        def read() -> None:
+            for plan, out in zip(plans, outs, strict=True):
+                if plan is None or out is None:
+                    continue
+                for p in plan.pieces:
+                    fd = fds_by_file[p.file]
+                    view = direct_view(plan, out, p)
+                    if view is not None:
+                        _pread_into(fd, view, p.offset, p.file)
+                        continue
+                    buf = scratch.take(p.nbytes)
+                    try:
+                        dest = memoryview(buf)[: p.nbytes]
+                        _pread_into(fd, dest, p.offset, p.file)
+                        place(plan, out, p, dest)
+                    finally:
+                        scratch.give(buf)
+
+        yield Blocking(read, total)
+    finally:
+        cache.end()
+
+
+# -- drivers -----------------------------------------------------------------------------
+
+
+def _frame(request: DataRequest) -> bytes:
+    body = _encoder.encode(request)
+    return FRAME_PREFIX.pack(len(body)) + body
+
+
+def _parse(head: bytes | bytearray) -> int:
+    if len(head) < FRAME_PREFIX.size:
+        raise ProtocolError("data plane frame too short")
+    (n,) = FRAME_PREFIX.unpack_from(head)
+    return int(n)
+
+
+def _fds_of(ancdata: list[tuple[int, int, bytes]]) -> list[int]:
+    fds: list[int] = []
+    for level, kind, data in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            usable = len(data) - len(data) % 4
+            fds += list(np.frombuffer(data[:usable], dtype=np.int32).tolist())
+    return fds
+
+
+def _decode(body: bytes | bytearray | memoryview, fds: list[int]) -> DataReply:
+    try:
+        reply: DataReply = _decoder.decode(body)
+        return reply
+    except msgspec.DecodeError as exc:
+        for fd in fds:
+            os.close(fd)
+        raise ProtocolError(f"malformed data plane reply: {exc}") from exc
+
+
+_ANCILLARY = socket.CMSG_SPACE(MAX_FDS * 4)
+
+
+class SyncDataPlane:
+    """Runs data-plane steps with blocking sockets; thread-safe (exchanges are serialised).
+
+    Parameters
+    ----------
+    path : str
+        The daemon's data socket.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.sock: socket.socket | None = None
+        self.lock = threading.Lock()
+        self.cache = ReadCache()
+        self.scratch = _Scratch()
+
+    def _connect(self) -> socket.socket:
+        if self.sock is None:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.connect(self.path)
+            except OSError as exc:
+                sock.close()
+                raise DataPlaneDownError(f"no data plane at {self.path}: {exc}") from exc
+            self.sock = sock
+        return self.sock
+
+    def _exchange(self, request: DataRequest) -> tuple[DataReply, list[int]]:
+        with self.lock:
+            sock = self._connect()
+            try:
+                sock.sendall(_frame(request))
+                msg, anc, _flags, _addr = sock.recvmsg(1 << 16, _ANCILLARY)
+                fds = _fds_of(anc)
+                if not msg:
+                    raise ConnectionResetError("data plane closed the connection")
+                buf = bytearray(msg)
+                need = FRAME_PREFIX.size + _parse(buf) if len(buf) >= 4 else 4
+                while len(buf) < need:
+                    more = sock.recv(max(need - len(buf), 1 << 16))
+                    if not more:
+                        raise ConnectionResetError("data plane closed the connection")
+                    buf += more
+                    need = FRAME_PREFIX.size + _parse(buf)
+            except OSError as exc:
+                self._drop()
+                raise DataPlaneDownError(f"data plane at {self.path} failed: {exc}") from exc
+        return _decode(memoryview(buf)[FRAME_PREFIX.size : need], fds), fds
+
+    def _drop(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+        self.cache.close()
+
+    def run(self, steps: Steps[T]) -> T:
+        """Drive ``steps`` to its result; a step's failure is raised inside ``steps``."""
+        resume: Callable[[Any], Exchange | Blocking] = steps.send
+        value: Any = None
+        while True:
+            try:
+                step = resume(value)
+            except StopIteration as stop:
+                return stop.value  # type: ignore[no-any-return]
+            try:
+                value = self._exchange(step.request) if isinstance(step, Exchange) else step.fn()
+                resume = steps.send
+            except Exception as exc:
+                value, resume = exc, steps.throw
+
+    def close(self) -> None:
+        """Close the socket and every cached descriptor."""
+        with self.lock:
+            self._drop()
+
+
+class AsyncDataPlane:
+    """Runs data-plane steps on the event loop; file I/O above 1 MiB goes to a thread."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.sock: socket.socket | None = None
+        self.lock: asyncio.Lock | None = None
+        self.cache = ReadCache()
+        self.scratch = _Scratch()
+
+    async def _connect(self) -> socket.socket:
+        if self.sock is None:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.setblocking(False)
+            try:
+                await asyncio.get_running_loop().sock_connect(sock, self.path)
+            except OSError as exc:
+                sock.close()
+                raise DataPlaneDownError(f"no data plane at {self.path}: {exc}") from exc
+            self.sock = sock
+        return self.sock
+
+    async def _recvmsg(self, sock: socket.socket) -> tuple[bytes, list[int]]:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                msg, anc, _flags, _addr = sock.recvmsg(1 << 16, _ANCILLARY)
+                return msg, _fds_of(anc)
+            except BlockingIOError:
+                ready = loop.create_future()
+                loop.add_reader(sock.fileno(), ready.set_result, None)
+                try:
+                    await ready
+                finally:
+                    loop.remove_reader(sock.fileno())
+
+    async def _exchange(self, request: DataRequest) -> tuple[DataReply, list[int]]:
+        if self.lock is None:
+            self.lock = asyncio.Lock()
+        async with self.lock:
+            sock = await self._connect()
+            loop = asyncio.get_running_loop()
+            try:
+                await loop.sock_sendall(sock, _frame(request))
+                msg, fds = await self._recvmsg(sock)
+                if not msg:
+                    raise ConnectionResetError("data plane closed the connection")
+                buf = bytearray(msg)
+                need = FRAME_PREFIX.size + _parse(buf) if len(buf) >= 4 else 4
+                while len(buf) < need:
+                    more = await loop.sock_recv(sock, max(need - len(buf), 1 << 16))
+                    if not more:
+                        raise ConnectionResetError("data plane closed the connection")
+                    buf += more
+                    need = FRAME_PREFIX.size + _parse(buf)
+            except OSError as exc:
+                self._drop()
+                raise DataPlaneDownError(f"data plane at {self.path} failed: {exc}") from exc
+        return _decode(memoryview(buf)[FRAME_PREFIX.size : need], fds), fds
+
+    def _drop(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+        self.cache.close()
+
+    async def run(self, steps: Steps[T]) -> T:
+        """Drive ``steps`` to its result; a step's failure is raised inside ``steps``."""
+        resume: Callable[[Any], Exchange | Blocking] = steps.send
+        value: Any = None
+        while True:
+            try:
+                step = resume(value)
+            except StopIteration as stop:
+                return stop.value  # type: ignore[no-any-return]
+            try:
+                if isinstance(step, Exchange):
+                    value = await self._exchange(step.request)
+                elif step.nbytes > THREAD_BYTES:
+                    value = await asyncio.to_thread(step.fn)
+                else:
+                    value = step.fn()
+                resume = steps.send
+            except Exception as exc:
+                value, resume = exc, steps.throw
+
+    def close(self) -> None:
+        """Close the socket and every cached descriptor."""
+        self._drop()

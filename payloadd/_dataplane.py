@@ -1,0 +1,188 @@
+"""The data plane server: hands out file descriptors over ``<socket>.data`` (SCM_RIGHTS).
+
+One thread per connection, blocking sockets: a request, its reply, the next request. The
+`Store` does all placement and checking, exactly as for HTTP; this module only moves
+descriptors and frames. A reservation a client never commits (it died, or aborted) leaves
+unreferenced bytes in its file, as an unfinished HTTP append does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import os
+import socket
+import threading
+from pathlib import Path
+
+import msgspec
+
+from payload_client import PayloadError
+from payload_client._wire import (
+    FRAME_PREFIX,
+    AbortRequest,
+    CommitReply,
+    CommitRequest,
+    DataReply,
+    DataRequest,
+    ErrorReply,
+    OpenReply,
+    OpenRequest,
+    ReservedExtent,
+    ReserveReply,
+    ReserveRequest,
+)
+
+from ._sockets import bind_unix_socket
+from ._store import PendingAppend, Store
+
+__all__ = ["DataPlaneServer"]
+
+log = logging.getLogger("payloadd.dataplane")
+
+MAX_FRAME = 64 << 20
+"""Largest request frame (a reservation's header or an open request)."""
+
+_decoder = msgspec.msgpack.Decoder(DataRequest)
+_encoder = msgspec.msgpack.Encoder()
+
+
+def _recv_exact(conn: socket.socket, n: int) -> bytes | None:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = conn.recv(n - len(buf))
+        if not chunk:
+            return None
+        buf += chunk
+    return bytes(buf)
+
+
+class DataPlaneServer:
+    """Serve descriptors of ``store``'s files on the Unix socket ``path``.
+
+    Parameters
+    ----------
+    store : Store
+        The storage core (placement, checks, counters).
+    path : path
+        The data socket; bound with ``mode`` like the control socket.
+    mode : int
+        File mode of the socket.
+    """
+
+    def __init__(self, store: Store, path: str | os.PathLike[str], mode: int = 0o660) -> None:
+        self.store = store
+        self.path = Path(path)
+        self.mode = mode
+        self._txns = itertools.count(1)
+        self._conns: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._listener: socket.socket | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Bind the socket and accept connections in a background thread."""
+        self._listener = bind_unix_socket(self.path, self.mode)
+        self._thread = threading.Thread(target=self._accept, name="payloadd-dataplane", daemon=True)
+        self._thread.start()
+        log.info("data plane on %s", self.path)
+
+    def stop(self) -> None:
+        """Stop accepting, end every connection, remove the socket file."""
+        if self._listener is not None:
+            with contextlib.suppress(OSError):
+                self._listener.shutdown(socket.SHUT_RDWR)
+            self._listener.close()
+        with self._lock:
+            for conn in self._conns:
+                with contextlib.suppress(OSError):
+                    conn.shutdown(socket.SHUT_RDWR)
+        if self._thread is not None:
+            self._thread.join(5)
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+
+    def _accept(self) -> None:
+        assert self._listener is not None
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            with self._lock:
+                self._conns.add(conn)
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        pending: dict[int, PendingAppend] = {}
+        try:
+            while True:
+                head = _recv_exact(conn, FRAME_PREFIX.size)
+                if head is None:
+                    return
+                (n,) = FRAME_PREFIX.unpack(head)
+                body = _recv_exact(conn, n) if n <= MAX_FRAME else None
+                if body is None:
+                    return  # gone, or a frame no client sends: drop the connection
+                reply, fds = self._handle(body, pending)
+                self.store.count("data_plane_requests")
+                self.store.count("data_plane_fds", len(fds))
+                try:
+                    frame = _encoder.encode(reply)
+                    data = FRAME_PREFIX.pack(len(frame)) + frame
+                    sent = socket.send_fds(conn, [data], fds) if fds else 0
+                    conn.sendall(data[sent:])
+                finally:
+                    for fd in fds:
+                        os.close(fd)
+        except OSError:
+            return
+        finally:
+            for p in pending.values():
+                p.close()
+            with self._lock:
+                self._conns.discard(conn)
+            conn.close()
+
+    def _handle(
+        self, body: bytes, pending: dict[int, PendingAppend]
+    ) -> tuple[DataReply, list[int]]:
+        fds: list[int] = []
+        try:
+            req = _decoder.decode(body)
+            if isinstance(req, OpenRequest):
+                for rel, end in req.files:
+                    fds.append(self.store.open_for_read(rel, end))
+                return OpenReply(len(fds)), fds
+            if isinstance(req, ReserveRequest):
+                p = self.store.begin_append(req.items)
+                files: list[str] = []
+                extents = []
+                for rel, offset, nbytes in p.extents:
+                    if rel not in files:
+                        files.append(rel)
+                        fds.append(self.store.open_for_write(rel))
+                    extents.append(ReservedExtent(files.index(rel), offset, nbytes))
+                txn = next(self._txns)
+                pending[txn] = p
+                return ReserveReply(txn, files, extents), fds
+            if isinstance(req, CommitRequest | AbortRequest):
+                p = pending.pop(req.txn)
+                if isinstance(req, AbortRequest):
+                    p.close()
+                    return CommitReply([]), []
+                p.written_elsewhere()
+                return CommitReply(p.commit()), []
+            raise AssertionError(f"unhandled request {req!r}")
+        except Exception as exc:
+            for fd in fds:
+                os.close(fd)
+            if isinstance(exc, PayloadError):
+                return ErrorReply(type(exc).__name__, str(exc)), []
+            if isinstance(exc, msgspec.DecodeError):
+                return ErrorReply("InvalidRequestError", f"bad data plane request: {exc}"), []
+            if isinstance(exc, KeyError):
+                return ErrorReply("InvalidRequestError", f"no open reservation {exc}"), []
+            log.exception("data plane request failed")
+            return ErrorReply("ServerError", f"internal error: {type(exc).__name__}"), []
