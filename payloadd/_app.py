@@ -120,6 +120,7 @@ def create_app(settings: Settings) -> FastAPI:
         finally:
             if data_plane is not None:
                 data_plane.stop()
+            store.close()
 
     app = FastAPI(
         title="payloadd",

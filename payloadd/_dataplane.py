@@ -157,13 +157,10 @@ class DataPlaneServer:
                 return OpenReply(len(fds)), fds
             if isinstance(req, ReserveRequest):
                 p = self.store.begin_append(req.items)
-                files: list[str] = []
-                extents = []
-                for rel, offset, nbytes in p.extents:
-                    if rel not in files:
-                        files.append(rel)
-                        fds.append(self.store.open_for_write(rel))
-                    extents.append(ReservedExtent(files.index(rel), offset, nbytes))
+                files = [rel for rel, _ in p.files]
+                fds = [os.dup(fd) for _, fd in p.files]  # the store keeps its own
+                index = {rel: i for i, rel in enumerate(files)}
+                extents = [ReservedExtent(index[rel], off, n) for rel, off, n in p.extents]
                 txn = next(self._txns)
                 pending[txn] = p
                 return ReserveReply(txn, files, extents), fds

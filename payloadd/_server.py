@@ -45,6 +45,8 @@ def serve(settings: Settings) -> None:
         log_level=settings.log_level,
         access_log=False,
         lifespan="on",
+        loop="uvloop",
+        http="httptools",
         timeout_graceful_shutdown=30,
     )
     # uvicorn drains in-flight requests on SIGTERM/SIGINT, then re-raises the signal with the

@@ -18,6 +18,7 @@ import secrets
 import stat
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +45,8 @@ __all__ = ["PendingAppend", "Store"]
 
 DIR_MODE = 0o750
 FILE_MODE = 0o640
+READ_CACHE = 256
+"""Read-only descriptors the store keeps open, least recently used closed first."""
 
 
 def item_nbytes(item: AppendItem, index: int = 0) -> tuple[int, int]:
@@ -88,12 +91,16 @@ def os_errors(root: Path) -> Iterator[None]:
         raise ServerError(f"I/O error under the payload root {root}: {exc}") from exc
 
 
-@dataclass
+@dataclass(eq=False)
 class _File:
-    """A data file open for appends: ``size`` is the end of what has been reserved."""
+    """A data file open for appends. ``size`` is the end of what has been reserved; ``fd``
+    stays open while the file takes appends or a pending append still writes to it."""
 
     rel: str
     size: int
+    fd: int
+    users: int = 0
+    sealed: bool = False
 
 
 @dataclass(frozen=True)
@@ -101,7 +108,7 @@ class _Extent:
     """A reserved byte range of one file for rows ``[pos, pos + rows)`` of one item."""
 
     item: int
-    rel: str
+    file: _File
     offset: int
     pos: int
     rows: int
@@ -112,30 +119,20 @@ class PendingAppend:
     """Reserved byte ranges waiting for their rows; fill with `write`, finish with `commit`.
 
     The rows arrive as one byte stream: item 0's rows, then item 1's, ... in any chunking.
+    The files stay open (the store's descriptors) until `commit` or `close`.
     """
 
-    def __init__(self, store: Store, items: Sequence[AppendItem], extents: list[_Extent]):
+    def __init__(
+        self, store: Store, items: Sequence[AppendItem], extents: list[_Extent], files: list[_File]
+    ) -> None:
         self._store = store
         self._items = items
         self._extents = extents
-        self._fds: dict[str, int] = {}
+        self._files = files
         self._cursor = 0  # index into extents
         self._done = 0  # bytes of extents[cursor] written
         self.remaining = sum(e.nbytes for e in extents)
         self._closed = False
-
-    def _fd(self, rel: str) -> int:
-        fd = self._fds.get(rel)
-        if fd is None:
-            try:
-                fd = os.open(self._store.root / rel, os.O_WRONLY | os.O_CLOEXEC)
-            except FileNotFoundError:
-                self._store._forget(rel)
-                raise ServerError(
-                    f"data file {rel!r} vanished under the daemon; the next append opens a new one"
-                ) from None
-            self._fds[rel] = fd
-        return fd
 
     def write(self, data: Any) -> None:
         """Write the next bytes of the row stream (pwrite into the reserved ranges).
@@ -157,10 +154,9 @@ class PendingAppend:
         while view.nbytes:
             ext = self._extents[self._cursor]
             take = min(ext.nbytes - self._done, view.nbytes)
-            fd = self._fd(ext.rel)
             at = 0
             while at < take:
-                at += os.pwrite(fd, view[at:take], ext.offset + self._done + at)
+                at += os.pwrite(ext.file.fd, view[at:take], ext.offset + self._done + at)
             view = view[take:]
             self._done += take
             self.remaining -= take
@@ -169,9 +165,14 @@ class PendingAppend:
                 self._done = 0
 
     @property
+    def files(self) -> list[tuple[str, int]]:
+        """The files written to, with the store's descriptors: ``(file, fd)`` (borrowed)."""
+        return [(f.rel, f.fd) for f in self._files]
+
+    @property
     def extents(self) -> list[tuple[str, int, int]]:
         """The reserved ranges in row-stream order: ``(file, offset, nbytes)``."""
-        return [(e.rel, e.offset, e.nbytes) for e in self._extents]
+        return [(e.file.rel, e.offset, e.nbytes) for e in self._extents]
 
     def written_elsewhere(self) -> None:
         """Declare every reserved byte written by the client (data plane) and not here."""
@@ -190,26 +191,26 @@ class PendingAppend:
         try:
             if self._store.fsync == "always":
                 with os_errors(self._store.root):
-                    for e in self._extents:
-                        os.fsync(self._fd(e.rel))
+                    for f in self._files:
+                        os.fsync(f.fd)
         finally:
             self.close()
         out: list[list[PayloadSegment]] = [[] for _ in self._items]
         for e in self._extents:
             it = self._items[e.item]
             out[e.item].append(
-                PayloadSegment(it.field, e.rel, e.offset, e.pos, e.rows, it.dtype, list(it.shape))
+                PayloadSegment(
+                    it.field, e.file.rel, e.offset, e.pos, e.rows, it.dtype, list(it.shape)
+                )
             )
         self._store._count_append(self._items)
         return out
 
     def close(self) -> None:
-        """Release the file descriptors (an uncommitted append leaves unreferenced bytes)."""
+        """Let go of the files (an uncommitted append leaves unreferenced bytes)."""
         if not self._closed:
             self._closed = True
-            for fd in self._fds.values():
-                os.close(fd)
-            self._fds.clear()
+            self._store._release(self._files)
 
 
 class Store:
@@ -256,6 +257,7 @@ class Store:
         self.started = time.monotonic()
         self._lock = threading.Lock()
         self._files: dict[tuple[str, int, str], _File] = {}
+        self._readers: OrderedDict[str, tuple[int, int, int]] = OrderedDict()
         self._seq = 0
         self._counts = {"appends": 0, "rows_appended": 0, "bytes_appended": 0}
         self._counts |= {"reads": 0, "bytes_read": 0, "data_plane_requests": 0}
@@ -282,12 +284,26 @@ class Store:
 
     # -- appends ------------------------------------------------------------------------
 
-    def _forget(self, rel: str) -> None:
-        """Stop appending to ``rel`` (it vanished): the next append of its key starts a file."""
+    def _seal(self, f: _File) -> None:
+        """No more appends to ``f``; close it once no pending append uses it. Lock held."""
+        f.sealed = True
+        if f.users == 0 and f.fd >= 0:
+            os.close(f.fd)
+            f.fd = -1
+
+    @staticmethod
+    def _hold(f: _File, held: dict[int, _File]) -> None:
+        if id(f) not in held:
+            held[id(f)] = f
+            f.users += 1
+
+    def _release(self, files: list[_File]) -> None:
         with self._lock:
-            for key, f in list(self._files.items()):
-                if f.rel == rel:
-                    del self._files[key]
+            for f in files:
+                f.users -= 1
+                if f.sealed and f.users == 0 and f.fd >= 0:
+                    os.close(f.fd)
+                    f.fd = -1
 
     def _mkdirs(self, rel_dir: str) -> None:
         """Create ``rel_dir`` and its parents under the root, each with mode 0750."""
@@ -309,28 +325,35 @@ class Store:
         fd = os.open(
             self.root / rel, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE
         )
-        os.close(fd)
         if self.fsync == "always":
             dfd = os.open(self.root / d, os.O_RDONLY | os.O_DIRECTORY)
             try:
                 os.fsync(dfd)
             finally:
                 os.close(dfd)
-        f = _File(rel, 0)
+        old = self._files.get((run, step, field))
+        if old is not None:
+            self._seal(old)
+        f = _File(rel, 0, fd)
         self._files[(run, step, field)] = f
         return f
 
-    def _place(self, index: int, item: AppendItem, row_nb: int) -> list[_Extent]:
+    def _place(
+        self, index: int, item: AppendItem, row_nb: int, held: dict[int, _File]
+    ) -> list[_Extent]:
         """Reserve room for one item's rows; caller holds the lock."""
         key = (item.run, item.step, item.field)
         out: list[_Extent] = []
         rows, pos = item.rows, item.pos
-        f = self._files.get(key) or self._new_file(*key)
+        f = self._files.get(key)
+        if f is None or os.fstat(f.fd).st_nlink == 0:  # none yet, or removed under us
+            f = self._new_file(*key)
         while True:
             nbytes = rows * row_nb
             fits = f.size + nbytes <= self.max_file_bytes
             if fits or rows == 0 or (f.size == 0 and rows == 1):
-                out.append(_Extent(index, f.rel, f.size, pos, rows, nbytes))
+                self._hold(f, held)
+                out.append(_Extent(index, f, f.size, pos, rows, nbytes))
                 f.size += nbytes
                 return out
             if f.size > 0:
@@ -338,7 +361,8 @@ class Store:
                 continue
             # an empty file and more rows than fit: fill it, then go on in the next one
             take = max(1, self.max_file_bytes // row_nb)
-            out.append(_Extent(index, f.rel, 0, pos, take, take * row_nb))
+            self._hold(f, held)
+            out.append(_Extent(index, f, 0, pos, take, take * row_nb))
             f.size = take * row_nb
             rows, pos = rows - take, pos + take
 
@@ -377,9 +401,12 @@ class Store:
             raise PayloadTooLargeError(
                 f"append of {total} row bytes is above the limit of {self.max_append_bytes}"
             )
+        held: dict[int, _File] = {}  # files this append writes to, kept open until it is done
         with self._lock, os_errors(self.root):
-            extents = [e for i, it in enumerate(items) for e in self._place(i, it, sizes[i][0])]
-        return PendingAppend(self, items, extents)
+            extents = [
+                e for i, it in enumerate(items) for e in self._place(i, it, sizes[i][0], held)
+            ]
+        return PendingAppend(self, items, extents, list(held.values()))
 
     def append(self, items: Sequence[AppendItem], data: Any) -> list[list[PayloadSegment]]:
         """Append ``items`` whose rows are ``data`` (concatenated); return their segments."""
@@ -411,7 +438,7 @@ class Store:
         Returns
         -------
         int
-            A read-only file descriptor; the caller closes it.
+            A read-only file descriptor of its own; the caller closes it.
 
         Raises
         ------
@@ -421,7 +448,49 @@ class Store:
             The file does not exist.
         SegmentFileError
             It resolves outside the root, is not a regular file, or is shorter than ``end``.
+
+        Notes
+        -----
+        Descriptors of recently read files are kept open (`READ_CACHE` of them). A cached one
+        is used only while ``rel`` still names the same file (one ``stat``), so a removed or
+        replaced file is never served from the cache.
         """
+        with self._lock:
+            hit = self._readers.get(rel)
+            if hit is not None:
+                self._readers.move_to_end(rel)
+                fd = os.dup(hit[0])
+        if hit is not None:
+            try:
+                st = os.stat(self.root / rel)
+                same = (st.st_dev, st.st_ino) == hit[1:]
+            except OSError:
+                same = False
+            if same:
+                if st.st_size < end:
+                    os.close(fd)
+                    raise SegmentFileError(
+                        f"payload file {rel!r} has {st.st_size} bytes but a segment ends at "
+                        f"byte {end}"
+                    )
+                return fd
+            os.close(fd)
+            self._drop_reader(rel)
+        fd = self._open_checked(rel, end)
+        st = os.fstat(fd)
+        with self._lock:
+            self._readers[rel] = (os.dup(fd), st.st_dev, st.st_ino)
+            while len(self._readers) > READ_CACHE:
+                os.close(self._readers.popitem(last=False)[1][0])
+        return fd
+
+    def _drop_reader(self, rel: str) -> None:
+        with self._lock:
+            hit = self._readers.pop(rel, None)
+        if hit is not None:
+            os.close(hit[0])
+
+    def _open_checked(self, rel: str, end: int) -> int:
         try:
             check_relative_path(rel)
         except ValueError as exc:
@@ -447,11 +516,6 @@ class Store:
             os.close(fd)
             raise
         return fd
-
-    def open_for_write(self, rel: str) -> int:
-        """Open a data file this store placed rows in, write-only (for the data plane)."""
-        with os_errors(self.root):
-            return os.open(self.root / rel, os.O_WRONLY | os.O_CLOEXEC)
 
     def read_extents(self, extents: Sequence[Extent]) -> bytearray:
         """Read byte ranges with pread; return them concatenated in order.
@@ -504,6 +568,18 @@ class Store:
             self._counts["reads"] += 1
             self._counts["bytes_read"] += total
         return out
+
+    def close(self) -> None:
+        """Close every descriptor the store holds (at shutdown)."""
+        with self._lock:
+            for f in self._files.values():
+                if f.fd >= 0:
+                    os.close(f.fd)
+                    f.fd = -1
+            self._files.clear()
+            for fd, _, _ in self._readers.values():
+                os.close(fd)
+            self._readers.clear()
 
     # -- state --------------------------------------------------------------------------
 

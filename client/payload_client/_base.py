@@ -47,6 +47,8 @@ DEFAULT_SOCKET = "/run/payloadd/payloadd.sock"
 """Socket path used when neither ``socket_path``, ``base_url`` nor ``PAYLOADD_SOCKET`` is given."""
 
 T = TypeVar("T")
+HTTP_CHUNK = 256 << 10
+"""Row bytes go to the HTTP stack in memoryview slices of at most this many bytes."""
 
 _encoder = msgspec.msgpack.Encoder()
 _append_response = msgspec.msgpack.Decoder(AppendResponse)
@@ -274,7 +276,8 @@ class BaseClient:
             bodies.append(arr.data.cast("B") if arr.size else memoryview(b""))
         header = _encoder.encode(AppendRequest(headers))
         chunks: list[Any] = [FRAME_PREFIX.pack(len(header)), header]
-        chunks += [b for b in bodies if b.nbytes]
+        # bounded chunks: the HTTP stack copies what a send leaves over, per chunk
+        chunks += [b[i : i + HTTP_CHUNK] for b in bodies for i in range(0, b.nbytes, HTTP_CHUNK)]
         return Call(
             "POST",
             "/v1/append",

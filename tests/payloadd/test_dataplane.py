@@ -36,7 +36,10 @@ def test_rows_move_by_descriptor_not_over_http(daemon: Daemon) -> None:
 
 def test_a_held_descriptor_reads_a_removed_file_intact_never_fill(daemon: Daemon) -> None:
     rows = np.arange(40 * 3, dtype=np.int32).reshape(40, 3)
-    with PayloadClient(daemon.socket) as fast, PayloadClient(daemon.socket, data_plane=False) as http:
+    with (
+        PayloadClient(daemon.socket) as fast,
+        PayloadClient(daemon.socket, data_plane=False) as http,
+    ):
         segs = fast.append("sampling_mask", rows, 0, run="held", step=0)
         np.testing.assert_array_equal(fast.read_field(segs, "sampling_mask", 0, 40, -1), rows)
         os.unlink(daemon.root / segs[0].file)  # as GC would: the client still holds it open

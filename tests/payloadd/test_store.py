@@ -17,7 +17,6 @@ from payload_client import (
     PayloadSegment,
     PayloadTooLargeError,
     SegmentFileError,
-    ServerError,
     assemble,
     plan_window,
 )
@@ -216,11 +215,37 @@ def test_directories_are_0750_whatever_the_umask(tmp_path: Path) -> None:
     assert (tmp_path / "root" / s.file).stat().st_mode & 0o777 == 0o640
 
 
-def test_a_vanished_data_file_fails_one_append_not_all(tmp_path: Path) -> None:
+def test_appends_never_go_to_a_removed_file(tmp_path: Path) -> None:
     store = Store(tmp_path, "n")
     (s,) = store.append([item(1)], bytes(384))[0]
-    os.unlink(tmp_path / s.file)
-    with pytest.raises(ServerError, match="vanished"):
-        store.append([item(1)], bytes(384))
+    os.unlink(tmp_path / s.file)  # by hand, under the daemon
     (t,) = store.append([item(1)], bytes(384))[0]
     assert t.file != s.file and (tmp_path / t.file).stat().st_size == 384
+
+
+def test_cached_read_descriptors_never_serve_a_removed_or_replaced_file(tmp_path: Path) -> None:
+    store = Store(tmp_path, "n")
+    (s,) = store.append([item(2)], bytes(768))[0]
+    assert store.read_extents([Extent(s.file, 0, 384, 768)]) == bytes(384)  # now cached
+    os.unlink(tmp_path / s.file)
+    with pytest.raises(FileMissingError):
+        store.read_extents([Extent(s.file, 0, 384, 768)])
+    (tmp_path / s.file).write_bytes(b"\x07" * 100)  # another file under the same name
+    with pytest.raises(SegmentFileError, match="100 bytes"):
+        store.read_extents([Extent(s.file, 0, 384, 768)])
+
+
+def test_files_are_closed_when_sealed_and_unused(tmp_path: Path) -> None:
+    store = Store(tmp_path, "n", max_file_bytes=384)
+    before = len(os.listdir("/proc/self/fd"))
+    pending = store.begin_append([item(1)])
+    first = pending.files[0][1]
+    for _ in range(5):  # each append rotates: the earlier files are sealed
+        store.append([item(1)], bytes(384))
+    os.fstat(first)  # still open: a pending append writes to it
+    pending.write(bytes(384))
+    pending.commit()
+    with pytest.raises(OSError):
+        os.fstat(first)  # closed now that nobody uses it
+    assert len(os.listdir("/proc/self/fd")) <= before + 1  # only the current file's
+    store.close()
