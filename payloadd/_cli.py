@@ -59,6 +59,17 @@ def _parser() -> argparse.ArgumentParser:
     from ._demo import add_demo_flags
 
     add_demo_flags(demo)
+    bench = sub.add_parser(
+        "bench",
+        help="measure throughput and latency against raw I/O on this machine",
+        description="Start a daemon on a temporary root and measure append and window-read "
+        "throughput (data plane and HTTP), one-row round trips and concurrent writers, as "
+        "ratios to raw os.pwrite/os.preadv on the same file system. Prints a table; writes "
+        "bench.json and bench.png.",
+    )
+    from ._bench import add_bench_flags
+
+    add_bench_flags(bench)
     return parser
 
 
@@ -81,6 +92,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"payloadd serve: {exc}", file=sys.stderr)
             return 1
         return 0
+    if args.command == "bench":
+        from ._bench import run_bench
+
+        return run_bench(args)
     from ._demo import run_demo
 
     return run_demo(args)
