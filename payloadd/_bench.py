@@ -104,50 +104,54 @@ class Bench:
             PayloadClient(self.socket, data_plane=False) as http,
         ):
             for label, nbytes in sizes.items():
-                rows = _rows(nbytes)
-                n = rows.nbytes
-                k = _calls_for(n, self.quick)
-                (seg,) = fast.append(FIELD, rows, 0, run="bench", step=0)
-                path = self.root / seg.file
-                out32 = np.empty((len(rows), *ROW), np.int32)
-                out8 = np.empty((len(rows), *ROW), np.uint8)
-                buf = bytearray(n)
-                rfd = os.open(path, os.O_RDONLY)
-                wfd = os.open(self.scratch / f"pwrite-{label}.bin", os.O_WRONLY | os.O_CREAT)
-                end = [0]
-                data = rows.tobytes()
+                self._throughput(label, _rows(nbytes), fast, http)
 
-                def pwrite() -> None:
-                    os.pwrite(wfd, data, end[0])
-                    end[0] += n
+    def _throughput(
+        self, label: str, rows: np.ndarray, fast: PayloadClient, http: PayloadClient
+    ) -> None:
+        n = rows.nbytes
+        k = _calls_for(n, self.quick)
+        (seg,) = fast.append(FIELD, rows, 0, run="bench", step=0)
+        out32 = np.empty((len(rows), *ROW), np.int32)
+        out8 = np.empty((len(rows), *ROW), np.uint8)
+        buf = bytearray(n)
+        raw = self.scratch / f"pwrite-{label}.bin"
+        rfd = os.open(self.root / seg.file, os.O_RDONLY)  # baseline: the very bytes stored
+        wfd = os.open(raw, os.O_WRONLY | os.O_CREAT)
+        end = [0]
+        data = rows.tobytes()
 
-                def preadv() -> None:
-                    os.preadv(rfd, [buf], seg.offset)
+        def pwrite() -> None:
+            os.pwrite(wfd, data, end[0])
+            end[0] += n
 
-                def ideal() -> None:
-                    os.preadv(rfd, [buf], seg.offset)
-                    out32[...] = np.frombuffer(buf, np.uint8).reshape(out32.shape)
+        def preadv() -> None:
+            os.preadv(rfd, [buf], seg.offset)
 
-                ops: list[tuple[str, Callable[[], Any], str | None]] = [
-                    ("raw pwrite", pwrite, None),
-                    ("raw preadv", preadv, None),
-                    ("ideal int32 reader", ideal, None),
-                ]
-                for name, c in (("data plane", fast), ("http", http)):
-                    ops += [
-                        (f"append ({name})", _append(c, rows), "raw pwrite"),
-                        (f"read int32 out= ({name})", _read(c, seg, out32), "ideal int32 reader"),
-                        (f"read uint8 out= ({name})", _read(c, seg, out8), "raw preadv"),
-                    ]
-                try:
-                    for _ in range(self.repeat):
-                        for name, op, base in ops:
-                            op()  # warm: descriptors, caches, the file's pages
-                            self.add(name, label, "GB/s", n / _timed(op, k) / 1e9, base)
-                finally:
-                    os.close(rfd)
-                    os.close(wfd)
-                    os.unlink(self.scratch / f"pwrite-{label}.bin")
+        def ideal() -> None:
+            os.preadv(rfd, [buf], seg.offset)
+            out32[...] = np.frombuffer(buf, np.uint8).reshape(out32.shape)
+
+        ops: list[tuple[str, Callable[[], Any], str | None]] = [
+            ("raw pwrite", pwrite, None),
+            ("raw preadv", preadv, None),
+            ("ideal int32 reader", ideal, None),
+        ]
+        for name, c in (("data plane", fast), ("http", http)):
+            ops += [
+                (f"append ({name})", _append(c, rows), "raw pwrite"),
+                (f"read int32 out= ({name})", _read(c, seg, out32), "ideal int32 reader"),
+                (f"read uint8 out= ({name})", _read(c, seg, out8), "raw preadv"),
+            ]
+        try:
+            for _ in range(self.repeat):
+                for name, op, base in ops:
+                    op()  # warm: descriptors, caches, the file's pages
+                    self.add(name, label, "GB/s", n / _timed(op, k) / 1e9, base)
+        finally:
+            os.close(rfd)
+            os.close(wfd)
+            raw.unlink()
 
     # -- latency ---------------------------------------------------------------------
 
@@ -170,33 +174,35 @@ class Bench:
 
     def writers(self, counts: tuple[int, ...] = (1, 4, 8)) -> None:
         rows = _rows(1 << 20)
-        per_writer = 8 if self.quick else 32
         for _ in range(self.repeat):
             for w in counts:
-                clients = [PayloadClient(self.socket) for _ in range(w)]
-                try:
-                    for c in clients:
-                        c.append(FIELD, rows, 0, run="bench", step=2)
-                    barrier = threading.Barrier(w + 1)
-
-                    def work(c: PayloadClient) -> None:
-                        barrier.wait()
-                        for _ in range(per_writer):
-                            c.append(FIELD, rows, 0, run="bench", step=2)
-
-                    threads = [threading.Thread(target=work, args=(c,)) for c in clients]
-                    for t in threads:
-                        t.start()
-                    barrier.wait()
-                    t0 = time.perf_counter()
-                    for t in threads:
-                        t.join()
-                    seconds = time.perf_counter() - t0
-                finally:
-                    for c in clients:
-                        c.close()
-                gbps = w * per_writer * rows.nbytes / seconds / 1e9
+                gbps = self._writers(w, rows, 8 if self.quick else 32)
                 self.add(f"append, {w} writers (data plane)", "1MiB", "GB/s", gbps, None)
+
+    def _writers(self, w: int, rows: np.ndarray, per_writer: int) -> float:
+        clients = [PayloadClient(self.socket) for _ in range(w)]
+        barrier = threading.Barrier(w + 1)
+
+        def work(c: PayloadClient) -> None:
+            barrier.wait()
+            for _ in range(per_writer):
+                c.append(FIELD, rows, 0, run="bench", step=2)
+
+        try:
+            for c in clients:
+                c.append(FIELD, rows, 0, run="bench", step=2)  # connected, descriptors held
+            threads = [threading.Thread(target=work, args=(c,)) for c in clients]
+            for t in threads:
+                t.start()
+            barrier.wait()
+            t0 = time.perf_counter()
+            for t in threads:
+                t.join()
+            seconds = time.perf_counter() - t0
+        finally:
+            for c in clients:
+                c.close()
+        return w * per_writer * rows.nbytes / seconds / 1e9
 
 
 def _append(c: PayloadClient, rows: np.ndarray) -> Callable[[], Any]:
