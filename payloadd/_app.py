@@ -113,7 +113,7 @@ def create_app(settings: Settings) -> FastAPI:
         data_plane = None
         if settings.data_plane:
             path = f"{settings.socket}{DATA_SOCKET_SUFFIX}"
-            data_plane = DataPlaneServer(store, path, settings.socket_mode)
+            data_plane = DataPlaneServer(store, path, settings.socket_mode, settings.lease_bytes)
             data_plane.start()
         try:
             yield {"store": store, "settings": settings}

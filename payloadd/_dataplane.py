@@ -18,7 +18,7 @@ from pathlib import Path
 
 import msgspec
 
-from payload_client import PayloadError
+from payload_client import InvalidRequestError, PayloadError
 from payload_client._wire import (
     FRAME_PREFIX,
     AbortRequest,
@@ -27,6 +27,9 @@ from payload_client._wire import (
     DataReply,
     DataRequest,
     ErrorReply,
+    LeaseReply,
+    LeaseRequest,
+    NoteRequest,
     OpenReply,
     OpenRequest,
     ReservedExtent,
@@ -35,7 +38,7 @@ from payload_client._wire import (
 )
 
 from ._sockets import bind_unix_socket
-from ._store import PendingAppend, Store
+from ._store import Lease, PendingAppend, Store
 
 __all__ = ["DataPlaneServer"]
 
@@ -45,6 +48,7 @@ MAX_FRAME = 64 << 20
 """Largest request frame (a reservation's header or an open request)."""
 
 _decoder = msgspec.msgpack.Decoder(DataRequest)
+_note_decoder = msgspec.msgpack.Decoder(NoteRequest)
 _encoder = msgspec.msgpack.Encoder()
 
 
@@ -69,10 +73,19 @@ class DataPlaneServer:
         The data socket; bound with ``mode`` like the control socket.
     mode : int
         File mode of the socket.
+    lease_bytes : int
+        Size of the byte ranges clients lease for small appends.
     """
 
-    def __init__(self, store: Store, path: str | os.PathLike[str], mode: int = 0o660) -> None:
+    def __init__(
+        self,
+        store: Store,
+        path: str | os.PathLike[str],
+        mode: int = 0o660,
+        lease_bytes: int = 16 << 20,
+    ) -> None:
         self.store = store
+        self.lease_bytes = lease_bytes
         self.path = Path(path)
         self.mode = mode
         self._txns = itertools.count(1)
@@ -116,6 +129,7 @@ class DataPlaneServer:
 
     def _serve(self, conn: socket.socket) -> None:
         pending: dict[int, PendingAppend] = {}
+        leases: dict[tuple[str, int, str], Lease] = {}
         try:
             while True:
                 head = _recv_exact(conn, FRAME_PREFIX.size)
@@ -125,8 +139,14 @@ class DataPlaneServer:
                 body = _recv_exact(conn, n) if n <= MAX_FRAME else None
                 if body is None:
                     return  # gone, or a frame no client sends: drop the connection
-                reply, fds = self._handle(body, pending)
                 self.store.count("data_plane_requests")
+                note = self._note(body)
+                if note is not None:  # counters only; notes get no reply
+                    self.store.count("appends", note.appends)
+                    self.store.count("rows_appended", note.rows)
+                    self.store.count("bytes_appended", note.nbytes)
+                    continue
+                reply, fds = self._handle(body, pending, leases)
                 self.store.count("data_plane_fds", len(fds))
                 try:
                     frame = _encoder.encode(reply)
@@ -141,16 +161,38 @@ class DataPlaneServer:
         finally:
             for p in pending.values():
                 p.close()
+            for lease in leases.values():
+                lease.release()
             with self._lock:
                 self._conns.discard(conn)
             conn.close()
 
+    @staticmethod
+    def _note(body: bytes) -> NoteRequest | None:
+        try:
+            return _note_decoder.decode(body)
+        except msgspec.DecodeError:
+            return None
+
     def _handle(
-        self, body: bytes, pending: dict[int, PendingAppend]
+        self,
+        body: bytes,
+        pending: dict[int, PendingAppend],
+        leases: dict[tuple[str, int, str], Lease],
     ) -> tuple[DataReply, list[int]]:
         fds: list[int] = []
         try:
             req = _decoder.decode(body)
+            if isinstance(req, LeaseRequest):
+                key = (req.run, req.step, req.field)
+                lease = self.store.lease(*key, req.nbytes, self.lease_bytes)
+                old = leases.pop(key, None)  # this client moves on to the new range
+                if old is not None:
+                    old.release()
+                leases[key] = lease
+                fds.append(os.dup(lease.fd))
+                fsync = self.store.fsync == "always"
+                return LeaseReply(lease.file, lease.offset, lease.nbytes, fsync), fds
             if isinstance(req, OpenRequest):
                 for rel, end in req.files:
                     fds.append(self.store.open_for_read(rel, end))
@@ -171,7 +213,7 @@ class DataPlaneServer:
                     return CommitReply([]), []
                 p.written_elsewhere()
                 return CommitReply(p.commit()), []
-            raise AssertionError(f"unhandled request {req!r}")
+            raise InvalidRequestError(f"unexpected request {type(req).__name__}")
         except Exception as exc:
             for fd in fds:
                 os.close(fd)

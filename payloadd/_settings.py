@@ -62,6 +62,12 @@ class Settings(BaseSettings):
         description="Also serve file descriptors on <socket>.data, so clients on this node "
         "pread/pwrite rows themselves instead of sending them over HTTP.",
     )
+    lease_bytes: int = Field(
+        16 << 20,
+        gt=0,
+        description="Bytes a data-plane client leases at a time: it places appends in its "
+        "lease itself, without a round trip, until the lease is used up.",
+    )
     fsync: Literal["never", "always"] = Field(
         "never",
         description="never: bytes reach the page cache before a segment is returned (survives "

@@ -41,7 +41,7 @@ from payload_client import (
 from payload_client._segment import INT64_MAX, check_name, check_relative_path
 from payload_client._wire import AppendItem, Extent, Stats
 
-__all__ = ["PendingAppend", "Store"]
+__all__ = ["Lease", "PendingAppend", "Store"]
 
 DIR_MODE = 0o750
 FILE_MODE = 0o640
@@ -213,6 +213,21 @@ class PendingAppend:
             self._store._release(self._files)
 
 
+class Lease:
+    """A private byte range of a data file, handed to one client; see `Store.lease`."""
+
+    def __init__(self, store: Store, f: _File, offset: int, nbytes: int) -> None:
+        self._store, self._file = store, f
+        self.file, self.fd, self.offset, self.nbytes = f.rel, f.fd, offset, nbytes
+        self._released = False
+
+    def release(self) -> None:
+        """The client is done with the range (its unused tail stays a hole)."""
+        if not self._released:
+            self._released = True
+            self._store._release([self._file])
+
+
 class Store:
     """Owns the payload root: places, writes and reads rows; sync and thread-safe.
 
@@ -261,7 +276,7 @@ class Store:
         self._seq = 0
         self._counts = {"appends": 0, "rows_appended": 0, "bytes_appended": 0}
         self._counts |= {"reads": 0, "bytes_read": 0, "data_plane_requests": 0}
-        self._counts["data_plane_fds"] = 0
+        self._counts |= {"data_plane_fds": 0, "leases": 0, "leased_bytes": 0}
 
     @staticmethod
     def check_root(root: str | os.PathLike[str]) -> Path:
@@ -407,6 +422,41 @@ class Store:
                 e for i, it in enumerate(items) for e in self._place(i, it, sizes[i][0], held)
             ]
         return PendingAppend(self, items, extents, list(held.values()))
+
+    def lease(self, run: str, step: int, field: str, nbytes: int, size: int) -> Lease:
+        """Reserve a private byte range of the current file of ``(run, step, field)``.
+
+        The range is at least ``nbytes`` and at most ``max(nbytes, size)`` bytes; it never
+        crosses the rotation size. The file stays open (and counts as appended to) until the
+        lease is released.
+
+        Raises
+        ------
+        InvalidRequestError
+            A bad run or field name.
+        PayloadTooLargeError
+            ``nbytes`` is above the rotation size (use `begin_append`, which splits).
+        """
+        check_name(run, "run")
+        check_name(field, "field")
+        if nbytes > self.max_file_bytes:
+            raise PayloadTooLargeError(
+                f"lease of {nbytes} bytes is above the rotation size {self.max_file_bytes}"
+            )
+        key = (run, step, field)
+        with self._lock, os_errors(self.root):
+            f = self._files.get(key)
+            if f is None or os.fstat(f.fd).st_nlink == 0:
+                f = self._new_file(*key)
+            if f.size + nbytes > self.max_file_bytes and f.size > 0:
+                f = self._new_file(*key)
+            granted = max(nbytes, min(size, self.max_file_bytes - f.size))
+            offset = f.size
+            f.size += granted
+            f.users += 1
+            self._counts["leases"] += 1
+            self._counts["leased_bytes"] += granted
+        return Lease(self, f, offset, granted)
 
     def append(self, items: Sequence[AppendItem], data: Any) -> list[list[PayloadSegment]]:
         """Append ``items`` whose rows are ``data`` (concatenated); return their segments."""

@@ -284,7 +284,7 @@ class BaseClient:
             decode=lambda body: self._decode_append(body, len(headers)),
             headers={"Content-Type": APPEND_CONTENT_TYPE},
             chunks=chunks,
-            fast=lambda dp: append_steps(headers, bodies),
+            fast=lambda dp: append_steps(headers, bodies, dp.leases),
         )
 
     @staticmethod

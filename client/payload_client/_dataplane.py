@@ -21,7 +21,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 import msgspec
 import numpy as np
@@ -44,13 +44,23 @@ from ._wire import (
     DataReply,
     DataRequest,
     ErrorReply,
+    LeaseReply,
+    LeaseRequest,
+    NoteRequest,
     OpenReply,
     OpenRequest,
     ReserveReply,
     ReserveRequest,
 )
 
-__all__ = ["AsyncDataPlane", "DataPlaneDownError", "SyncDataPlane", "append_steps", "read_steps"]
+__all__ = [
+    "AsyncDataPlane",
+    "DataPlaneDownError",
+    "SyncDataPlane",
+    "append_steps",
+    "read_steps",
+    "reserve_steps",
+]
 
 T = TypeVar("T")
 MAX_FDS = 256
@@ -70,9 +80,11 @@ class DataPlaneDownError(Exception):
 
 @dataclass
 class Exchange:
-    """Step: send ``request``; the generator receives ``(reply, fds)``."""
+    """Step: send ``request``; the generator receives ``(reply, fds)``, or ``None`` when
+    ``reply`` is false (a note the daemon does not answer)."""
 
     request: DataRequest
+    reply: bool = True
 
 
 @dataclass
@@ -111,10 +123,11 @@ def _pread_into(fd: int, dest: memoryview, offset: int, file: str) -> None:
         got += n
 
 
-def append_steps(
+def reserve_steps(
     items: Sequence[AppendItem], bodies: Sequence[memoryview]
 ) -> Steps[list[list[PayloadSegment]]]:
-    """Reserve, pwrite the rows through the daemon's descriptors, commit.
+    """Reserve, pwrite the rows through the daemon's descriptors, commit (two round trips;
+    for items larger than a lease, which the daemon splits across files).
 
     ``bodies`` are the items' rows as little-endian bytes, in item order.
     """
@@ -160,51 +173,155 @@ def append_steps(
     return done.segments
 
 
-class ReadCache:
-    """Read-only descriptors by file, least recently used closed first.
+K = TypeVar("K")
+V = TypeVar("V")
 
-    A descriptor evicted while reads are in flight is closed when the last of them ends,
-    so no read ever uses a closed (or reused) descriptor number.
+
+class _Cache(Generic[K, V]):
+    """Descriptors (or leases holding one) by key, least recently used closed first.
+
+    Thread-safe. A descriptor evicted while I/O is in flight (between `begin` and `end`)
+    is closed when the last of it ends, so nobody ever uses a closed or reused number.
     """
 
-    def __init__(self, size: int = CACHE_FDS) -> None:
+    def __init__(self, size: int, fd_of: Callable[[V], int]) -> None:
         self.size = size
-        self.fds: OrderedDict[str, int] = OrderedDict()
+        self.fd_of = fd_of
+        self.lock = threading.Lock()
+        self.items: OrderedDict[K, V] = OrderedDict()
         self.inflight = 0
         self.retired: list[int] = []
 
-    def get(self, file: str) -> int | None:
-        fd = self.fds.get(file)
-        if fd is not None:
-            self.fds.move_to_end(file)
-        return fd
+    def get(self, key: K) -> V | None:
+        with self.lock:
+            value = self.items.get(key)
+            if value is not None:
+                self.items.move_to_end(key)
+            return value
 
-    def put(self, file: str, fd: int) -> None:
-        old = self.fds.pop(file, None)
-        if old is not None:
-            self.retired.append(old)
-        self.fds[file] = fd
-        while len(self.fds) > self.size:
-            self.retired.append(self.fds.popitem(last=False)[1])
-        self._sweep()
+    def put(self, key: K, value: V) -> None:
+        with self.lock:
+            old = self.items.pop(key, None)
+            if old is not None:
+                self.retired.append(self.fd_of(old))
+            self.items[key] = value
+            while len(self.items) > self.size:
+                self.retired.append(self.fd_of(self.items.popitem(last=False)[1]))
+            self._sweep()
 
     def begin(self) -> None:
-        self.inflight += 1
+        with self.lock:
+            self.inflight += 1
 
     def end(self) -> None:
-        self.inflight -= 1
-        self._sweep()
+        with self.lock:
+            self.inflight -= 1
+            self._sweep()
 
-    def _sweep(self) -> None:
+    def _sweep(self) -> None:  # lock held
         if self.inflight == 0:
             for fd in self.retired:
                 os.close(fd)
             self.retired.clear()
 
-    def close(self) -> None:
-        self.retired.extend(self.fds.values())
-        self.fds.clear()
-        self._sweep()
+    def clear(self) -> None:
+        """Forget every entry (their descriptors close once no I/O uses them)."""
+        with self.lock:
+            self.retired.extend(self.fd_of(v) for v in self.items.values())
+            self.items.clear()
+            self._sweep()
+
+
+class ReadCache(_Cache[str, int]):
+    """Read-only descriptors by file."""
+
+    def __init__(self, size: int = CACHE_FDS) -> None:
+        super().__init__(size, lambda fd: fd)
+
+
+@dataclass
+class _Lease:
+    """A byte range of ``file`` this client places rows in: ``[next, end)`` is still free."""
+
+    file: str
+    fd: int
+    next: int
+    end: int
+    fsync: bool
+
+
+class LeaseCache(_Cache[tuple[str, int, str], _Lease]):
+    """The client's current lease of each ``(run, step, field)``."""
+
+    def __init__(self, size: int = 32) -> None:
+        super().__init__(size, lambda lease: lease.fd)
+
+    def claim(self, key: tuple[str, int, str], nbytes: int) -> tuple[_Lease, int] | None:
+        """Take ``nbytes`` of the key's lease: ``(lease, offset)``, or ``None`` if it has
+        no lease or too little room left. Call between `begin` and `end`."""
+        with self.lock:
+            lease = self.items.get(key)
+            if lease is None or lease.next + nbytes > lease.end:
+                return None
+            offset = lease.next
+            lease.next += nbytes
+            return lease, offset
+
+
+def append_steps(
+    items: Sequence[AppendItem], bodies: Sequence[memoryview], leases: LeaseCache
+) -> Steps[list[list[PayloadSegment]]]:
+    """Place each item in the client's lease of its ``(run, step, field)`` and pwrite it.
+
+    No round trip while the leases have room; a new lease costs one. Items the daemon will
+    not lease (larger than its rotation size) go through `reserve_steps` instead.
+    """
+    sizes = [b.nbytes for b in bodies]
+    places: list[tuple[_Lease, int]] = []
+    leases.begin()  # no lease descriptor is closed while this append writes
+    try:
+        for item, n in zip(items, sizes, strict=True):
+            key = (item.run, item.step, item.field)
+            got = leases.claim(key, n)
+            if got is None:
+                reply, fds = yield Exchange(LeaseRequest(item.run, item.step, item.field, n))
+                if isinstance(reply, ErrorReply) and reply.error == "PayloadTooLargeError":
+                    for fd in fds:
+                        os.close(fd)
+                    return (yield from reserve_steps(items, bodies))
+                _raise_for(reply, fds, LeaseReply)
+                assert isinstance(reply, LeaseReply)
+                if len(fds) != 1:
+                    for fd in fds:
+                        os.close(fd)
+                    raise ProtocolError(f"lease sent {len(fds)} descriptors, expected 1")
+                end = reply.offset + reply.nbytes
+                leases.put(key, _Lease(reply.file, fds[0], reply.offset, end, reply.fsync))
+                got = leases.claim(key, n)
+                if got is None:
+                    raise ProtocolError(f"lease of {reply.nbytes} bytes cannot hold {n}")
+            places.append(got)
+
+        def write() -> None:
+            for (lease, offset), body in zip(places, bodies, strict=True):
+                _pwrite_all(lease.fd, body, offset)
+            for fd in {lease.fd for lease, _ in places if lease.fsync}:
+                os.fsync(fd)
+
+        try:
+            yield Blocking(write, sum(sizes))
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise StorageFullError(f"payload file system is full: {exc.strerror}") from exc
+            raise TransportError(f"writing rows through the data plane failed: {exc}") from exc
+    finally:
+        leases.end()
+    rows = sum(it.rows for it in items)
+    yield Exchange(NoteRequest(1, rows, sum(sizes)), reply=False)
+    return [
+        [PayloadSegment(it.field, lease.file, offset, it.pos, it.rows, it.dtype, list(it.shape))]
+        for it, (lease, offset) in zip(items, places, strict=True)
+    ]
 
 
 class _Scratch:
@@ -240,20 +357,21 @@ def read_steps(
             ends[p.file] = max(ends.get(p.file, 0), p.end)
     if not ends:
         return
-    missing = [(f, e) for f, e in ends.items() if cache.get(f) is None]
-    for start in range(0, len(missing), MAX_FDS):
-        batch = missing[start : start + MAX_FDS]
-        reply, fds = yield Exchange(OpenRequest(batch))
-        _raise_for(reply, fds, OpenReply)
-        if len(fds) != len(batch):
-            for fd in fds:
-                os.close(fd)
-            raise ProtocolError(f"open sent {len(fds)} descriptors for {len(batch)} files")
-        for (f, _), fd in zip(batch, fds, strict=True):
-            cache.put(f, fd)
-    cache.begin()
+    cache.begin()  # nothing this read uses is closed before it ends
     try:
-        fds_by_file = {f: cache.fds[f] for f in ends}
+        fds_by_file = {f: fd for f in ends if (fd := cache.get(f)) is not None}
+        missing = [(f, e) for f, e in ends.items() if f not in fds_by_file]
+        for start in range(0, len(missing), MAX_FDS):
+            batch = missing[start : start + MAX_FDS]
+            reply, fds = yield Exchange(OpenRequest(batch))
+            _raise_for(reply, fds, OpenReply)
+            if len(fds) != len(batch):
+                for fd in fds:
+                    os.close(fd)
+                raise ProtocolError(f"open sent {len(fds)} descriptors for {len(batch)} files")
+            for (f, _), fd in zip(batch, fds, strict=True):
+                cache.put(f, fd)
+                fds_by_file[f] = fd
         for f, end in ends.items():  # a cached descriptor is re-checked: the same rule as HTTP
             size = os.fstat(fds_by_file[f]).st_size
             if size < end:
@@ -322,6 +440,18 @@ def _decode(body: bytes | bytearray | memoryview, fds: list[int]) -> DataReply:
 _ANCILLARY = socket.CMSG_SPACE(MAX_FDS * 4)
 
 
+def _closed_by_peer(sock: socket.socket | None) -> bool:
+    """Whether the daemon closed ``sock`` (it restarted): one non-blocking peek."""
+    if sock is None:
+        return False
+    try:
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""  # end of stream
+    except BlockingIOError:
+        return False  # open, nothing pending: the normal case
+    except OSError:
+        return True
+
+
 class SyncDataPlane:
     """Runs data-plane steps with blocking sockets; thread-safe (exchanges are serialised).
 
@@ -336,6 +466,7 @@ class SyncDataPlane:
         self.sock: socket.socket | None = None
         self.lock = threading.Lock()
         self.cache = ReadCache()
+        self.leases = LeaseCache()
         self.scratch = _Scratch()
 
     def _connect(self) -> socket.socket:
@@ -349,11 +480,13 @@ class SyncDataPlane:
             self.sock = sock
         return self.sock
 
-    def _exchange(self, request: DataRequest) -> tuple[DataReply, list[int]]:
+    def _exchange(self, request: DataRequest, reply: bool = True) -> Any:
         with self.lock:
             sock = self._connect()
             try:
                 sock.sendall(_frame(request))
+                if not reply:
+                    return None
                 msg, anc, _flags, _addr = sock.recvmsg(1 << 16, _ANCILLARY)
                 fds = _fds_of(anc)
                 if not msg:
@@ -375,10 +508,18 @@ class SyncDataPlane:
         if self.sock is not None:
             self.sock.close()
             self.sock = None
-        self.cache.close()
+        self.cache.clear()
+        self.leases.clear()
 
     def run(self, steps: Steps[T]) -> T:
-        """Drive ``steps`` to its result; a step's failure is raised inside ``steps``."""
+        """Drive ``steps`` to its result; a step's failure is raised inside ``steps``.
+
+        Leases and descriptors of a daemon that went away are dropped first: a restarted
+        daemon hands out new ones.
+        """
+        with self.lock:
+            if _closed_by_peer(self.sock):
+                self._drop()
         resume: Callable[[Any], Exchange | Blocking] = steps.send
         value: Any = None
         while True:
@@ -387,7 +528,11 @@ class SyncDataPlane:
             except StopIteration as stop:
                 return stop.value  # type: ignore[no-any-return]
             try:
-                value = self._exchange(step.request) if isinstance(step, Exchange) else step.fn()
+                value = (
+                    self._exchange(step.request, step.reply)
+                    if isinstance(step, Exchange)
+                    else step.fn()
+                )
                 resume = steps.send
             except Exception as exc:
                 value, resume = exc, steps.throw
@@ -406,6 +551,7 @@ class AsyncDataPlane:
         self.sock: socket.socket | None = None
         self.lock: asyncio.Lock | None = None
         self.cache = ReadCache()
+        self.leases = LeaseCache()
         self.scratch = _Scratch()
 
     async def _connect(self) -> socket.socket:
@@ -434,7 +580,7 @@ class AsyncDataPlane:
                 finally:
                     loop.remove_reader(sock.fileno())
 
-    async def _exchange(self, request: DataRequest) -> tuple[DataReply, list[int]]:
+    async def _exchange(self, request: DataRequest, reply: bool = True) -> Any:
         if self.lock is None:
             self.lock = asyncio.Lock()
         async with self.lock:
@@ -442,6 +588,8 @@ class AsyncDataPlane:
             loop = asyncio.get_running_loop()
             try:
                 await loop.sock_sendall(sock, _frame(request))
+                if not reply:
+                    return None
                 msg, fds = await self._recvmsg(sock)
                 if not msg:
                     raise ConnectionResetError("data plane closed the connection")
@@ -462,10 +610,17 @@ class AsyncDataPlane:
         if self.sock is not None:
             self.sock.close()
             self.sock = None
-        self.cache.close()
+        self.cache.clear()
+        self.leases.clear()
 
     async def run(self, steps: Steps[T]) -> T:
-        """Drive ``steps`` to its result; a step's failure is raised inside ``steps``."""
+        """Drive ``steps`` to its result; a step's failure is raised inside ``steps``.
+
+        Leases and descriptors of a daemon that went away are dropped first.
+        """
+        idle = self.lock is None or not self.lock.locked()  # no reply is on its way
+        if idle and _closed_by_peer(self.sock):
+            self._drop()
         resume: Callable[[Any], Exchange | Blocking] = steps.send
         value: Any = None
         while True:
@@ -475,7 +630,7 @@ class AsyncDataPlane:
                 return stop.value  # type: ignore[no-any-return]
             try:
                 if isinstance(step, Exchange):
-                    value = await self._exchange(step.request)
+                    value = await self._exchange(step.request, step.reply)
                 elif step.nbytes > THREAD_BYTES:
                     value = await asyncio.to_thread(step.fn)
                 else:

@@ -106,8 +106,10 @@ class ReadRequest(msgspec.Struct):
 class Stats(msgspec.Struct):
     """Counters of a running daemon (``GET /v1/stats``); bytes in bytes, times in seconds.
 
-    ``reads`` and ``bytes_read`` count HTTP reads; on the data plane clients pread
-    themselves, so the daemon counts the requests and the descriptors it handed out.
+    ``reads`` and ``bytes_read`` count HTTP reads, ``appends`` and ``bytes_appended`` the
+    appends the daemon places row by row. On the data plane clients pread and pwrite
+    themselves: the daemon counts its requests, the descriptors it handed out, and the
+    leases (byte ranges clients place small appends in) it granted.
     """
 
     node: str
@@ -122,6 +124,8 @@ class Stats(msgspec.Struct):
     max_file_bytes: int
     data_plane_requests: int = 0
     data_plane_fds: int = 0
+    leases: int = 0
+    leased_bytes: int = 0
 
 
 class Health(msgspec.Struct):
@@ -183,6 +187,35 @@ class ReserveReply(msgspec.Struct, tag="reserved", array_like=True):
     extents: list[ReservedExtent]
 
 
+class LeaseRequest(msgspec.Struct, tag="lease", array_like=True):
+    """Ask for a private byte range of the current file of ``(run, step, field)``: at least
+    ``nbytes``; the client places rows in it itself, without asking again."""
+
+    run: str
+    step: NonNegInt
+    field: str
+    nbytes: NonNegInt
+
+
+class LeaseReply(msgspec.Struct, tag="leased", array_like=True):
+    """The leased range ``[offset, offset + nbytes)`` of ``file``, with one write-only
+    descriptor as SCM_RIGHTS; ``fsync``: the client fsyncs before returning segments."""
+
+    file: str
+    offset: int
+    nbytes: int
+    fsync: bool
+
+
+class NoteRequest(msgspec.Struct, tag="note", array_like=True):
+    """The client placed ``appends`` appends of ``rows`` rows, ``nbytes`` bytes, in its
+    leases (for the daemon's counters). The daemon sends no reply."""
+
+    appends: int
+    rows: int
+    nbytes: int
+
+
 class CommitRequest(msgspec.Struct, tag="commit", array_like=True):
     """The rows of reservation ``txn`` are written: return their segments."""
 
@@ -208,5 +241,7 @@ class ErrorReply(msgspec.Struct, tag="error", array_like=True):
     message: str
 
 
-DataRequest = OpenRequest | ReserveRequest | CommitRequest | AbortRequest
-DataReply = OpenReply | ReserveReply | CommitReply | ErrorReply
+DataRequest = (
+    OpenRequest | LeaseRequest | ReserveRequest | CommitRequest | AbortRequest | NoteRequest
+)
+DataReply = OpenReply | LeaseReply | ReserveReply | CommitReply | ErrorReply

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import socket
 from collections.abc import Iterator
@@ -27,11 +28,44 @@ def test_rows_move_by_descriptor_not_over_http(daemon: Daemon) -> None:
         got = c.read_field(segs, R, 100, 400, 0)
         after = c.stats()
     np.testing.assert_array_equal(got, rows[100:400])
-    assert after.appends == before.appends + 1  # committed through the same store
+    assert after.appends == before.appends + 1  # the client's note
     assert after.bytes_appended - before.bytes_appended == rows.nbytes
     assert after.reads == before.reads and after.bytes_read == before.bytes_read  # no HTTP read
-    assert after.data_plane_requests - before.data_plane_requests == 3  # reserve, commit, open
-    assert (daemon.root / segs[0].file).read_bytes() == rows.tobytes()
+    assert after.data_plane_requests - before.data_plane_requests == 3  # lease, note, open
+    assert after.leases == before.leases + 1
+    (s,) = segs
+    assert (daemon.root / s.file).read_bytes()[s.offset : s.offset + rows.nbytes] == rows.tobytes()
+
+
+def test_small_appends_fill_one_lease_without_round_trips(daemon: Daemon) -> None:
+    rng = np.random.default_rng(1)
+    with PayloadClient(daemon.socket) as a, PayloadClient(daemon.socket) as b:
+        before = a.stats()
+        written = []
+        for k in range(50):  # two writers, interleaved, same run/step/field
+            for c in (a, b):
+                rows = rng.integers(0, 128, (int(rng.integers(1, 20)), 48, 8)).astype(np.uint8)
+                written.append((rows, c.append(R, rows, k * 100, run="lease", step=0)))
+        after = a.stats()
+        assert after.leases - before.leases == 2  # one lease each, 100 appends
+        assert after.appends - before.appends == 100
+        spans = sorted(
+            (s.file, s.offset, s.offset + s.rows * 384) for _, segs in written for s in segs
+        )
+        assert all(f1 != f2 or e1 <= s2 for (f1, _, e1), (f2, s2, _) in itertools.pairwise(spans))
+        for rows, segs in written:
+            np.testing.assert_array_equal(
+                a.read_field(segs, R, segs[0].pos, segs[0].pos + len(rows), 0), rows
+            )
+
+
+def test_a_used_up_lease_is_replaced(tmp_path: Path) -> None:
+    sock = tmp_path / "payloadd.sock"
+    with start_daemon(tmp_path / "root", sock, "--lease-bytes", "1000"), PayloadClient(sock) as c:
+        segs = [c.append(R, np.full((1, 48, 8), k, np.uint8), k, run="r", step=0) for k in range(6)]
+        assert c.stats().leases == 3  # 2 rows of 384 bytes per 1000-byte lease
+        for k, seg in enumerate(segs):
+            np.testing.assert_array_equal(c.read_field(seg, R, k, k + 1, 0), np.full((1, 48, 8), k))
 
 
 def test_a_held_descriptor_reads_a_removed_file_intact_never_fill(daemon: Daemon) -> None:
