@@ -141,10 +141,13 @@ class DataPlaneServer:
                     return  # gone, or a frame no client sends: drop the connection
                 self.store.count("data_plane_requests")
                 note = self._note(body)
-                if note is not None:  # counters only; notes get no reply
+                if note is not None:  # counters only; a reply only when asked for
                     self.store.count("appends", note.appends)
                     self.store.count("rows_appended", note.rows)
                     self.store.count("bytes_appended", note.nbytes)
+                    if note.ack:
+                        frame = _encoder.encode(CommitReply([]))
+                        conn.sendall(FRAME_PREFIX.pack(len(frame)) + frame)
                     continue
                 reply, fds = self._handle(body, pending, leases)
                 self.store.count("data_plane_fds", len(fds))

@@ -51,6 +51,7 @@ HTTP_CHUNK = 256 << 10
 """Row bytes go to the HTTP stack in memoryview slices of at most this many bytes."""
 
 _encoder = msgspec.msgpack.Encoder()
+_DTYPE_NAMES = {np.dtype(name).newbyteorder("<"): name for name in SUPPORTED_DTYPES}
 _append_response = msgspec.msgpack.Decoder(AppendResponse)
 _error_json = msgspec.json.Decoder(ErrorBody)
 
@@ -97,8 +98,9 @@ class Call(Generic[T]):
         Request line.
     headers : dict
         Extra request headers.
-    chunks : list of bytes-like
-        Body, sent in order without joining; ``Content-Length`` is set from them.
+    body : callable, optional
+        Builds the body (bytes-like chunks, sent in order without joining) when the call
+        goes over HTTP; ``Content-Length`` is set from them.
     local : bool
         True when the answer is known without asking the daemon (``decode(b"")`` is it).
     fast : callable, optional
@@ -115,15 +117,18 @@ class Call(Generic[T]):
     path: str
     decode: Callable[[Any], T]
     headers: dict[str, str] = field(default_factory=dict)
-    chunks: list[Any] = field(default_factory=list)
+    body: Callable[[], list[Any]] | None = None
     expected: int | None = None
     local: bool = False
     fast: Callable[[Any], Steps[T]] | None = None
 
-    def __post_init__(self) -> None:
-        if self.chunks:
-            n = sum(memoryview(c).nbytes for c in self.chunks)
-            self.headers["Content-Length"] = str(n)
+    def http_body(self) -> tuple[dict[str, str], list[Any]]:
+        """The request headers and body chunks for HTTP (built only when HTTP is used)."""
+        chunks = self.body() if self.body is not None else []
+        headers = dict(self.headers)
+        if chunks:
+            headers["Content-Length"] = str(sum(memoryview(c).nbytes for c in chunks))
+        return headers, chunks
 
     def new_sink(self) -> _Sink:
         """Return a buffer to receive the answer's body into."""
@@ -176,14 +181,14 @@ def _rows_for_wire(rows: Any) -> np.ndarray:
         raise InvalidRequestError(
             f"rows must have shape [n, *row_shape] with a non-empty row shape, got {rows.shape}"
         )
-    name = rows.dtype.name
-    if name not in SUPPORTED_DTYPES:
+    little = rows.dtype.newbyteorder("<")
+    if little not in _DTYPE_NAMES:
         raise InvalidRequestError(
             f"rows dtype must be one of {sorted(SUPPORTED_DTYPES)}, got {rows.dtype}"
         )
     if any(d == 0 for d in rows.shape[1:]):
         raise InvalidRequestError(f"rows row shape entries must be > 0, got {rows.shape[1:]}")
-    return np.ascontiguousarray(rows, dtype=rows.dtype.newbyteorder("<"))
+    return np.ascontiguousarray(rows, dtype=little)
 
 
 def _then(steps: Steps[None], result: T) -> Steps[T]:
@@ -270,20 +275,23 @@ class BaseClient:
             pos = check_int(pos, f"item {i} pos")
             if pos + len(arr) > INT64_MAX:
                 raise InvalidRequestError(f"item {i}: pos + rows overflows int64")
-            headers.append(
-                AppendItem(fld, arr.dtype.name, list(arr.shape[1:]), len(arr), pos, run, step)
-            )
+            name = _DTYPE_NAMES[arr.dtype]
+            headers.append(AppendItem(fld, name, list(arr.shape[1:]), len(arr), pos, run, step))
             bodies.append(arr.data.cast("B") if arr.size else memoryview(b""))
-        header = _encoder.encode(AppendRequest(headers))
-        chunks: list[Any] = [FRAME_PREFIX.pack(len(header)), header]
-        # bounded chunks: the HTTP stack copies what a send leaves over, per chunk
-        chunks += [b[i : i + HTTP_CHUNK] for b in bodies for i in range(0, b.nbytes, HTTP_CHUNK)]
+
+        def body() -> list[Any]:
+            header = _encoder.encode(AppendRequest(headers))
+            chunks: list[Any] = [FRAME_PREFIX.pack(len(header)), header]
+            # bounded chunks: the HTTP stack copies what a send leaves over, per chunk
+            step = HTTP_CHUNK
+            return chunks + [b[i : i + step] for b in bodies for i in range(0, b.nbytes, step)]
+
         return Call(
             "POST",
             "/v1/append",
-            decode=lambda body: self._decode_append(body, len(headers)),
+            decode=lambda answer: self._decode_append(answer, len(headers)),
             headers={"Content-Type": APPEND_CONTENT_TYPE},
-            chunks=chunks,
+            body=body,
             fast=lambda dp: append_steps(headers, bodies, dp.leases),
         )
 
@@ -339,13 +347,12 @@ class BaseClient:
                         at += p.nbytes
             return outs
 
-        body = _encoder.encode(ReadRequest(extents)) if extents else b""
         return Call(
             "POST",
             "/v1/read",
             decode=decode,
             headers={"Content-Type": MSGPACK_CONTENT_TYPE},
-            chunks=[body] if extents else [],
+            body=lambda: [_encoder.encode(ReadRequest(extents))],
             expected=total,
             local=not extents,
             fast=lambda dp: _then(read_steps(plans, outs, dp.cache, dp.scratch), outs),

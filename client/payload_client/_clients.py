@@ -6,6 +6,7 @@ httpx errors are translated here, once, into the `PayloadError` tree.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
@@ -16,7 +17,7 @@ import httpx
 import numpy as np
 
 from ._base import BaseClient, Call, Window, WindowLike
-from ._dataplane import AsyncDataPlane, DataPlaneDownError, SyncDataPlane
+from ._dataplane import AsyncDataPlane, DataPlaneDownError, SyncDataPlane, note_steps
 from ._errors import ConnectError, ProtocolError, TimeoutError, TransportError
 from ._segment import PayloadSegment
 from ._wire import Health, Stats
@@ -92,11 +93,12 @@ class PayloadClient(BaseClient):
                 return self._dp.run(call.fast(self._dp))
             except DataPlaneDownError:
                 self._data_plane_failed()
-        content = iter(call.chunks) if call.chunks else None
+        headers, chunks = call.http_body()
+        content = iter(chunks) if chunks else None
         where = self.socket_path or self.base_url
         with (
             _translated(where),
-            self._http.stream(call.method, call.path, headers=call.headers, content=content) as r,
+            self._http.stream(call.method, call.path, headers=headers, content=content) as r,
         ):
             if r.status_code >= 400:
                 call.raise_for_answer(r.status_code, r.read())
@@ -241,8 +243,14 @@ class PayloadClient(BaseClient):
         return self._send(self._read_call(windows))
 
     def stats(self) -> Stats:
-        """Return the daemon's counters (`Stats`)."""
+        """Return the daemon's counters (`Stats`), this client's appends included."""
+        self._tell_counters(ack=True)
         return self._send(self._stats_call())
+
+    def _tell_counters(self, ack: bool = False) -> None:
+        if self._dp is not None and self._dp.sock is not None:
+            with contextlib.suppress(DataPlaneDownError):
+                self._dp.run(note_steps(self._dp.leases, ack))
 
     def health(self) -> Health:
         """Return the daemon's health answer; raises `TransportError` when it is down."""
@@ -251,6 +259,7 @@ class PayloadClient(BaseClient):
     def close(self) -> None:
         """Close the connection pool, the data plane and its cached descriptors."""
         if self._dp is not None:
+            self._tell_counters()
             self._dp.close()
         self._http.close()
 
@@ -312,11 +321,12 @@ class AsyncPayloadClient(BaseClient):
                 return await self._adp.run(call.fast(self._adp))
             except DataPlaneDownError:
                 self._data_plane_failed()
-        content = _aiter(call.chunks) if call.chunks else None
+        headers, chunks = call.http_body()
+        content = _aiter(chunks) if chunks else None
         where = self.socket_path or self.base_url
         async with (
             _atranslated(where),
-            self._http.stream(call.method, call.path, headers=call.headers, content=content) as r,
+            self._http.stream(call.method, call.path, headers=headers, content=content) as r,
         ):
             if r.status_code >= 400:
                 call.raise_for_answer(r.status_code, await r.aread())
@@ -358,7 +368,13 @@ class AsyncPayloadClient(BaseClient):
 
     async def stats(self) -> Stats:
         """Awaitable `PayloadClient.stats`."""
+        await self._tell_counters(ack=True)
         return await self._send(self._stats_call())
+
+    async def _tell_counters(self, ack: bool = False) -> None:
+        if self._adp is not None and self._adp.sock is not None:
+            with contextlib.suppress(DataPlaneDownError):
+                await self._adp.run(note_steps(self._adp.leases, ack))
 
     async def health(self) -> Health:
         """Awaitable `PayloadClient.health`."""
@@ -367,6 +383,7 @@ class AsyncPayloadClient(BaseClient):
     async def close(self) -> None:
         """Close the connection pool, the data plane and its cached descriptors."""
         if self._adp is not None:
+            await self._tell_counters()
             self._adp.close()
         await self._http.aclose()
 

@@ -58,6 +58,7 @@ __all__ = [
     "DataPlaneDownError",
     "SyncDataPlane",
     "append_steps",
+    "note_steps",
     "read_steps",
     "reserve_steps",
 ]
@@ -69,6 +70,8 @@ CACHE_FDS = 128
 """Read-only descriptors a client keeps open (least recently used ones are closed)."""
 THREAD_BYTES = 1 << 20
 """The async data plane moves more bytes than this in a worker thread."""
+NOTE_EVERY = 64
+"""Appends a client places in its leases before it tells the daemon's counters."""
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(DataReply)
@@ -121,6 +124,17 @@ def _pread_into(fd: int, dest: memoryview, offset: int, file: str) -> None:
         if n == 0:
             raise SegmentFileError(f"payload file {file!r} ended during the read")
         got += n
+
+
+def note_steps(leases: LeaseCache, ack: bool) -> Steps[None]:
+    """Tell the daemon's counters about every append placed since the last note; with
+    ``ack``, wait until the daemon has counted them."""
+    note = leases.take_note()
+    if note is not None:
+        note.ack = ack
+        reply = yield Exchange(note, reply=ack)
+        if ack:
+            _raise_for(reply[0], reply[1], CommitReply)
 
 
 def reserve_steps(
@@ -255,6 +269,23 @@ class LeaseCache(_Cache[tuple[str, int, str], _Lease]):
 
     def __init__(self, size: int = 32) -> None:
         super().__init__(size, lambda lease: lease.fd)
+        self.unnoted = [0, 0, 0]  # appends, rows, bytes placed but not yet told
+
+    def note(self, rows: int, nbytes: int, every: int = NOTE_EVERY) -> NoteRequest | None:
+        """Count one append; return the note to send once ``every`` appends are untold."""
+        with self.lock:
+            u = self.unnoted
+            u[0], u[1], u[2] = u[0] + 1, u[1] + rows, u[2] + nbytes
+            if u[0] < every:
+                return None
+            self.unnoted = [0, 0, 0]
+            return NoteRequest(u[0], u[1], u[2])
+
+    def take_note(self) -> NoteRequest | None:
+        """The note of every untold append, if any (before stats, at close)."""
+        with self.lock:
+            u, self.unnoted = self.unnoted, [0, 0, 0]
+        return NoteRequest(u[0], u[1], u[2]) if u[0] else None
 
     def claim(self, key: tuple[str, int, str], nbytes: int) -> tuple[_Lease, int] | None:
         """Take ``nbytes`` of the key's lease: ``(lease, offset)``, or ``None`` if it has
@@ -316,8 +347,9 @@ def append_steps(
             raise TransportError(f"writing rows through the data plane failed: {exc}") from exc
     finally:
         leases.end()
-    rows = sum(it.rows for it in items)
-    yield Exchange(NoteRequest(1, rows, sum(sizes)), reply=False)
+    note = leases.note(sum(it.rows for it in items), sum(sizes))
+    if note is not None:
+        yield Exchange(note, reply=False)
     return [
         [PayloadSegment(it.field, lease.file, offset, it.pos, it.rows, it.dtype, list(it.shape))]
         for it, (lease, offset) in zip(items, places, strict=True)

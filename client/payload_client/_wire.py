@@ -209,11 +209,13 @@ class LeaseReply(msgspec.Struct, tag="leased", array_like=True):
 
 class NoteRequest(msgspec.Struct, tag="note", array_like=True):
     """The client placed ``appends`` appends of ``rows`` rows, ``nbytes`` bytes, in its
-    leases (for the daemon's counters). The daemon sends no reply."""
+    leases (for the daemon's counters). The daemon replies (an empty `CommitReply`) only
+    when ``ack`` is true."""
 
     appends: int
     rows: int
     nbytes: int
+    ack: bool = False
 
 
 class CommitRequest(msgspec.Struct, tag="commit", array_like=True):

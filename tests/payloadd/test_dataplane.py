@@ -46,6 +46,7 @@ def test_small_appends_fill_one_lease_without_round_trips(daemon: Daemon) -> Non
             for c in (a, b):
                 rows = rng.integers(0, 128, (int(rng.integers(1, 20)), 48, 8)).astype(np.uint8)
                 written.append((rows, c.append(R, rows, k * 100, run="lease", step=0)))
+        b.stats()  # each client tells the daemon's counters about its appends
         after = a.stats()
         assert after.leases - before.leases == 2  # one lease each, 100 appends
         assert after.appends - before.appends == 100
