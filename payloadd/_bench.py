@@ -23,6 +23,7 @@ import asyncio
 import json
 import os
 import platform
+import shutil
 import statistics
 import sys
 import tempfile
@@ -46,6 +47,8 @@ ROW = (48, 8)
 ROW_BYTES = 384
 FIELD = "routed_experts"
 SIZES = {"64KiB": 64 << 10, "1MiB": 1 << 20, "16MiB": 16 << 20}
+WRITE_RUN = "bench-writes"
+"""Run the append measurements write to; removed after every sample."""
 
 
 @dataclass
@@ -115,15 +118,21 @@ class Bench:
         out32 = np.empty((len(rows), *ROW), np.int32)
         out8 = np.empty((len(rows), *ROW), np.uint8)
         buf = bytearray(n)
-        raw = self.scratch / f"pwrite-{label}.bin"
+        raw = self.scratch / f"pwrite-{label}.bin"  # beside the root, on its file system
         rfd = os.open(self.root / seg.file, os.O_RDONLY)  # baseline: the very bytes stored
-        wfd = os.open(raw, os.O_WRONLY | os.O_CREAT)
+        wfd = [os.open(raw, os.O_WRONLY | os.O_CREAT)]
         end = [0]
         data = rows.tobytes()
 
         def pwrite() -> None:
-            os.pwrite(wfd, data, end[0])
+            os.pwrite(wfd[0], data, end[0])
             end[0] += n
+
+        def new_raw_file() -> None:  # like payloadd's appends: a fresh file each sample
+            os.close(wfd[0])
+            raw.unlink()
+            wfd[0] = os.open(raw, os.O_WRONLY | os.O_CREAT)
+            end[0] = 0
 
         def preadv() -> None:
             os.preadv(rfd, [buf], seg.offset)
@@ -144,14 +153,24 @@ class Bench:
                 (f"read uint8 out= ({name})", _read(c, seg, out8), "raw preadv"),
             ]
         try:
-            for _ in range(self.repeat):
-                for name, op, base in ops:
+            for r in range(self.repeat):
+                # a different method goes first in each repetition: whatever the kernel still
+                # does after the last clean-up does not always hit the same one
+                for name, op, base in ops[r % len(ops) :] + ops[: r % len(ops)]:
                     op()  # warm: descriptors, caches, the file's pages
                     self.add(name, label, "GB/s", n / _timed(op, k) / 1e9, base)
+                self.drop_writes()
+                new_raw_file()  # both baselines and appends start each repetition anew
         finally:
             os.close(rfd)
-            os.close(wfd)
+            os.close(wfd[0])
             raw.unlink()
+
+    def drop_writes(self) -> None:
+        """Remove what the append measurements wrote, so that the kernel never starts
+        throttling writers for dirty pages: every sample then measures the same thing."""
+        for d in self.root.glob(f"*/{WRITE_RUN}"):
+            shutil.rmtree(d, ignore_errors=True)
 
     # -- latency ---------------------------------------------------------------------
 
@@ -160,7 +179,7 @@ class Bench:
         count = 100 if self.quick else 500
         for name, dp in (("data plane", True), ("http", False)):
             with PayloadClient(self.socket, data_plane=dp) as c:
-                c.append(FIELD, one, 0, run="bench", step=1)
+                c.append(FIELD, one, 0, run=WRITE_RUN, step=1)
                 for _ in range(self.repeat):
                     ts = [_timed(_append(c, one), 1) for _ in range(count)]
                     self.add(f"one-row append p50, sync ({name})", "384B", "ms", _pct(ts, 50), None)
@@ -178,6 +197,7 @@ class Bench:
             for w in counts:
                 gbps = self._writers(w, rows, 8 if self.quick else 32)
                 self.add(f"append, {w} writers (data plane)", "1MiB", "GB/s", gbps, None)
+                self.drop_writes()
 
     def _writers(self, w: int, rows: np.ndarray, per_writer: int) -> float:
         clients = [PayloadClient(self.socket) for _ in range(w)]
@@ -186,11 +206,11 @@ class Bench:
         def work(c: PayloadClient) -> None:
             barrier.wait()
             for _ in range(per_writer):
-                c.append(FIELD, rows, 0, run="bench", step=2)
+                c.append(FIELD, rows, 0, run=WRITE_RUN, step=2)
 
         try:
             for c in clients:
-                c.append(FIELD, rows, 0, run="bench", step=2)  # connected, descriptors held
+                c.append(FIELD, rows, 0, run=WRITE_RUN, step=2)  # connected, leases held
             threads = [threading.Thread(target=work, args=(c,)) for c in clients]
             for t in threads:
                 t.start()
@@ -206,7 +226,7 @@ class Bench:
 
 
 def _append(c: PayloadClient, rows: np.ndarray) -> Callable[[], Any]:
-    return lambda: c.append(FIELD, rows, 0, run="bench", step=0)
+    return lambda: c.append(FIELD, rows, 0, run=WRITE_RUN, step=0)
 
 
 def _read(c: PayloadClient, seg: PayloadSegment, out: np.ndarray) -> Callable[[], Any]:
@@ -222,12 +242,12 @@ async def _async_latency(
 ) -> list[list[float]]:
     out = []
     async with AsyncPayloadClient(socket, data_plane=dp) as c:
-        await c.append(FIELD, one, 0, run="bench", step=1)
+        await c.append(FIELD, one, 0, run=WRITE_RUN, step=1)
         for _ in range(repeat):
             ts = []
             for _ in range(count):
                 t0 = time.perf_counter()
-                await c.append(FIELD, one, 0, run="bench", step=1)
+                await c.append(FIELD, one, 0, run=WRITE_RUN, step=1)
                 ts.append(time.perf_counter() - t0)
             out.append(ts)
     return out

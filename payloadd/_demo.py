@@ -294,8 +294,9 @@ async def _play(args: argparse.Namespace, socket: Path) -> int:
         f" ({handle_wire / inline_wire:.4f}x)"
     )
     print(
-        f"  daemon     {stats.appends:,} appends, {stats.reads:,} reads,"
-        f" {_mb(stats.bytes_read)} read from {stats.root}"
+        f"  daemon     {stats.appends:,} appends ({stats.leases:,} leases),"
+        f" {stats.data_plane_requests:,} data-plane requests, {stats.reads:,} HTTP reads;"
+        f" root {stats.root}"
     )
     print(f"  trainer    {args.dp} DP ranks; windows read bit for bit against inline:")
     failed = False
