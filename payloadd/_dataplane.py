@@ -202,12 +202,12 @@ class DataPlaneServer:
                 return OpenReply(len(fds)), fds
             if isinstance(req, ReserveRequest):
                 p = self.store.begin_append(req.items)
+                txn = next(self._txns)
+                pending[txn] = p  # closed with the connection, whatever happens next
                 files = [rel for rel, _ in p.files]
                 fds = [os.dup(fd) for _, fd in p.files]  # the store keeps its own
                 index = {rel: i for i, rel in enumerate(files)}
                 extents = [ReservedExtent(index[rel], off, n) for rel, off, n in p.extents]
-                txn = next(self._txns)
-                pending[txn] = p
                 return ReserveReply(txn, files, extents), fds
             if isinstance(req, CommitRequest | AbortRequest):
                 p = pending.pop(req.txn)

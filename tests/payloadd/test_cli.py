@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -97,3 +98,25 @@ def test_socket_mode_stale_socket_live_socket_and_clean_exit(tmp_path: Path) -> 
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
     assert not sock_path.exists()
+
+
+def test_bench_quick_run_writes_parsable_figures(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [*PAYLOADD, "bench", "--quick", "--repeat", "1", "--root", str(tmp_path), "--out", str(tmp_path / "o")],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    doc = json.loads((tmp_path / "o" / "bench.json").read_text())
+    rows = {(r["name"], r["size"]): r for r in doc["results"]}
+    for size in ("64KiB", "1MiB"):
+        for name in ("raw pwrite", "append (data plane)", "read int32 out= (http)"):
+            r = rows[name, size]
+            assert r["median"] > 0 and r["min"] <= r["median"] <= r["max"]
+        ratio = rows["append (data plane)", size]["ratio"]
+        assert ratio == pytest.approx(
+            rows["append (data plane)", size]["median"] / rows["raw pwrite", size]["median"]
+        )
+    assert rows["one-row append p50, sync (data plane)", "384B"]["unit"] == "ms"
+    assert (tmp_path / "o" / "bench.png").stat().st_size > 10_000
+    assert "ideal int32 reader" in out.stdout
+    assert not list(tmp_path.glob("payloadd-bench-*"))  # its temporary root is gone
