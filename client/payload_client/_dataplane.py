@@ -484,7 +484,62 @@ def _closed_by_peer(sock: socket.socket | None) -> bool:
         return True
 
 
-class SyncDataPlane:
+class _Frame:
+    """One reply frame being received: ``u32 length | msgpack``, descriptors with it."""
+
+    def __init__(self, first: bytes, fds: list[int]) -> None:
+        self.buf = bytearray(first)
+        self.fds = fds
+        if not first:
+            self.close_fds()
+            raise ConnectionResetError("data plane closed the connection")
+
+    def missing(self) -> int:
+        if len(self.buf) < FRAME_PREFIX.size:
+            return FRAME_PREFIX.size - len(self.buf)
+        return FRAME_PREFIX.size + _parse(self.buf) - len(self.buf)
+
+    def add(self, more: bytes) -> None:
+        if not more:
+            raise ConnectionResetError("data plane closed the connection")
+        self.buf += more
+
+    def reply(self) -> tuple[DataReply, list[int]]:
+        body = memoryview(self.buf)[FRAME_PREFIX.size :]
+        return _decode(body, self.fds), self.fds
+
+    def close_fds(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []
+
+
+class _DataPlane:
+    """What both drivers hold: the socket, descriptor caches, leases, scratch buffers."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.sock: socket.socket | None = None
+        self.cache = ReadCache()
+        self.leases = LeaseCache()
+        self.scratch = _Scratch()
+
+    def _drop(self) -> None:
+        """Forget the connection and everything the daemon handed out on it."""
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+        self.cache.clear()
+        self.leases.clear()
+
+    def _failed(self, exc: OSError, frame: _Frame | None) -> DataPlaneDownError:
+        if frame is not None:
+            frame.close_fds()
+        self._drop()
+        return DataPlaneDownError(f"data plane at {self.path} failed: {exc}")
+
+
+class SyncDataPlane(_DataPlane):
     """Runs data-plane steps with blocking sockets; thread-safe (exchanges are serialised).
 
     Parameters
@@ -494,12 +549,8 @@ class SyncDataPlane:
     """
 
     def __init__(self, path: str) -> None:
-        self.path = path
-        self.sock: socket.socket | None = None
+        super().__init__(path)
         self.lock = threading.Lock()
-        self.cache = ReadCache()
-        self.leases = LeaseCache()
-        self.scratch = _Scratch()
 
     def _connect(self) -> socket.socket:
         if self.sock is None:
@@ -513,6 +564,7 @@ class SyncDataPlane:
         return self.sock
 
     def _exchange(self, request: DataRequest, reply: bool = True) -> Any:
+        frame: _Frame | None = None
         with self.lock:
             sock = self._connect()
             try:
@@ -520,28 +572,12 @@ class SyncDataPlane:
                 if not reply:
                     return None
                 msg, anc, _flags, _addr = sock.recvmsg(1 << 16, _ANCILLARY)
-                fds = _fds_of(anc)
-                if not msg:
-                    raise ConnectionResetError("data plane closed the connection")
-                buf = bytearray(msg)
-                need = FRAME_PREFIX.size + _parse(buf) if len(buf) >= 4 else 4
-                while len(buf) < need:
-                    more = sock.recv(max(need - len(buf), 1 << 16))
-                    if not more:
-                        raise ConnectionResetError("data plane closed the connection")
-                    buf += more
-                    need = FRAME_PREFIX.size + _parse(buf)
+                frame = _Frame(msg, _fds_of(anc))
+                while (n := frame.missing()) > 0:
+                    frame.add(sock.recv(max(n, 1 << 16)))
             except OSError as exc:
-                self._drop()
-                raise DataPlaneDownError(f"data plane at {self.path} failed: {exc}") from exc
-        return _decode(memoryview(buf)[FRAME_PREFIX.size : need], fds), fds
-
-    def _drop(self) -> None:
-        if self.sock is not None:
-            self.sock.close()
-            self.sock = None
-        self.cache.clear()
-        self.leases.clear()
+                raise self._failed(exc, frame) from exc
+        return frame.reply()
 
     def run(self, steps: Steps[T]) -> T:
         """Drive ``steps`` to its result; a step's failure is raised inside ``steps``.
@@ -575,16 +611,12 @@ class SyncDataPlane:
             self._drop()
 
 
-class AsyncDataPlane:
+class AsyncDataPlane(_DataPlane):
     """Runs data-plane steps on the event loop; file I/O above 1 MiB goes to a thread."""
 
     def __init__(self, path: str) -> None:
-        self.path = path
-        self.sock: socket.socket | None = None
+        super().__init__(path)
         self.lock: asyncio.Lock | None = None
-        self.cache = ReadCache()
-        self.leases = LeaseCache()
-        self.scratch = _Scratch()
 
     async def _connect(self) -> socket.socket:
         if self.sock is None:
@@ -615,6 +647,7 @@ class AsyncDataPlane:
     async def _exchange(self, request: DataRequest, reply: bool = True) -> Any:
         if self.lock is None:
             self.lock = asyncio.Lock()
+        frame: _Frame | None = None
         async with self.lock:
             sock = await self._connect()
             loop = asyncio.get_running_loop()
@@ -623,27 +656,12 @@ class AsyncDataPlane:
                 if not reply:
                     return None
                 msg, fds = await self._recvmsg(sock)
-                if not msg:
-                    raise ConnectionResetError("data plane closed the connection")
-                buf = bytearray(msg)
-                need = FRAME_PREFIX.size + _parse(buf) if len(buf) >= 4 else 4
-                while len(buf) < need:
-                    more = await loop.sock_recv(sock, max(need - len(buf), 1 << 16))
-                    if not more:
-                        raise ConnectionResetError("data plane closed the connection")
-                    buf += more
-                    need = FRAME_PREFIX.size + _parse(buf)
+                frame = _Frame(msg, fds)
+                while (n := frame.missing()) > 0:
+                    frame.add(await loop.sock_recv(sock, max(n, 1 << 16)))
             except OSError as exc:
-                self._drop()
-                raise DataPlaneDownError(f"data plane at {self.path} failed: {exc}") from exc
-        return _decode(memoryview(buf)[FRAME_PREFIX.size : need], fds), fds
-
-    def _drop(self) -> None:
-        if self.sock is not None:
-            self.sock.close()
-            self.sock = None
-        self.cache.clear()
-        self.leases.clear()
+                raise self._failed(exc, frame) from exc
+        return frame.reply()
 
     async def run(self, steps: Steps[T]) -> T:
         """Drive ``steps`` to its result; a step's failure is raised inside ``steps``.
