@@ -19,6 +19,7 @@ from pathlib import Path
 import msgspec
 
 from payload_client import InvalidRequestError, PayloadError
+from payload_client._dataplane import LEASES
 from payload_client._wire import (
     FRAME_PREFIX,
     AbortRequest,
@@ -193,6 +194,8 @@ class DataPlaneServer:
                 if old is not None:
                     old.release()
                 leases[key] = lease
+                while len(leases) > LEASES:  # as many as a client keeps: the oldest is done
+                    leases.pop(next(iter(leases))).release()
                 fds.append(os.dup(lease.fd))
                 fsync = self.store.fsync == "always"
                 return LeaseReply(lease.file, lease.offset, lease.nbytes, fsync), fds

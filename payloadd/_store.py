@@ -47,6 +47,9 @@ DIR_MODE = 0o750
 FILE_MODE = 0o640
 READ_CACHE = 256
 """Read-only descriptors the store keeps open, least recently used closed first."""
+OPEN_FOR_APPEND = 256
+"""Files kept open for appends (one per run, step and field); the least recently used is
+sealed beyond that: later appends of its key start a new file."""
 
 
 def item_nbytes(item: AppendItem, index: int = 0) -> tuple[int, int]:
@@ -271,7 +274,7 @@ class Store:
         self.instance = secrets.token_hex(4)
         self.started = time.monotonic()
         self._lock = threading.Lock()
-        self._files: dict[tuple[str, int, str], _File] = {}
+        self._files: OrderedDict[tuple[str, int, str], _File] = OrderedDict()
         self._readers: OrderedDict[str, tuple[int, int, int]] = OrderedDict()
         self._seq = 0
         self._counts = {"appends": 0, "rows_appended": 0, "bytes_appended": 0}
@@ -305,6 +308,14 @@ class Store:
         if f.users == 0 and f.fd >= 0:
             os.close(f.fd)
             f.fd = -1
+
+    def _current(self, key: tuple[str, int, str]) -> _File:
+        """The file ``key`` appends to now (a new one if none, or it was removed). Lock held."""
+        f = self._files.get(key)
+        if f is None or os.fstat(f.fd).st_nlink == 0:
+            return self._new_file(*key)
+        self._files.move_to_end(key)
+        return f
 
     @staticmethod
     def _hold(f: _File, held: dict[int, _File]) -> None:
@@ -346,11 +357,14 @@ class Store:
                 os.fsync(dfd)
             finally:
                 os.close(dfd)
-        old = self._files.get((run, step, field))
+        key = (run, step, field)
+        old = self._files.pop(key, None)
         if old is not None:
             self._seal(old)
         f = _File(rel, 0, fd)
-        self._files[(run, step, field)] = f
+        self._files[key] = f
+        while len(self._files) > OPEN_FOR_APPEND:  # the least recently appended to rests
+            self._seal(self._files.popitem(last=False)[1])
         return f
 
     def _place(
@@ -360,9 +374,7 @@ class Store:
         key = (item.run, item.step, item.field)
         out: list[_Extent] = []
         rows, pos = item.rows, item.pos
-        f = self._files.get(key)
-        if f is None or os.fstat(f.fd).st_nlink == 0:  # none yet, or removed under us
-            f = self._new_file(*key)
+        f = self._current(key)
         while True:
             nbytes = rows * row_nb
             fits = f.size + nbytes <= self.max_file_bytes
@@ -445,9 +457,7 @@ class Store:
             )
         key = (run, step, field)
         with self._lock, os_errors(self.root):
-            f = self._files.get(key)
-            if f is None or os.fstat(f.fd).st_nlink == 0:
-                f = self._new_file(*key)
+            f = self._current(key)
             if f.size + nbytes > self.max_file_bytes and f.size > 0:
                 f = self._new_file(*key)
             granted = max(nbytes, min(size, self.max_file_bytes - f.size))

@@ -79,7 +79,8 @@ class PayloadClient(BaseClient):
         super().__init__(
             socket_path, base_url=base_url, token=token, timeout=timeout, data_plane=data_plane
         )
-        self._dp = SyncDataPlane(self.data_socket) if self.data_socket else None
+        wait = self.timeout.read
+        self._dp = SyncDataPlane(self.data_socket, wait) if self.data_socket else None
         transport = httpx.HTTPTransport(uds=self.socket_path) if self.socket_path else None
         self._http = httpx.Client(
             transport=transport, base_url=self.base_url, headers=self.headers, timeout=self.timeout
@@ -307,7 +308,8 @@ class AsyncPayloadClient(BaseClient):
         super().__init__(
             socket_path, base_url=base_url, token=token, timeout=timeout, data_plane=data_plane
         )
-        self._adp = AsyncDataPlane(self.data_socket) if self.data_socket else None
+        wait = self.timeout.read
+        self._adp = AsyncDataPlane(self.data_socket, wait) if self.data_socket else None
         transport = httpx.AsyncHTTPTransport(uds=self.socket_path) if self.socket_path else None
         self._http = httpx.AsyncClient(
             transport=transport, base_url=self.base_url, headers=self.headers, timeout=self.timeout

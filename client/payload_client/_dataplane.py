@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import os
+import select
 import socket
 import threading
 from collections import OrderedDict
@@ -64,10 +65,13 @@ __all__ = [
 ]
 
 T = TypeVar("T")
-MAX_FDS = 256
-"""Most descriptors one reply may carry."""
+MAX_FDS = 250
+"""Most descriptors one reply may carry (Linux passes at most 253 in one message)."""
 CACHE_FDS = 128
 """Read-only descriptors a client keeps open (least recently used ones are closed)."""
+LEASES = 64
+"""Leases (one per run, step and field) a client keeps; the daemon keeps as many per
+connection."""
 THREAD_BYTES = 1 << 20
 """The async data plane moves more bytes than this in a worker thread."""
 NOTE_EVERY = 64
@@ -238,6 +242,14 @@ class _Cache(Generic[K, V]):
                 os.close(fd)
             self.retired.clear()
 
+    def forget(self, key: K) -> None:
+        """Forget one entry (its descriptor closes once no I/O uses it)."""
+        with self.lock:
+            value = self.items.pop(key, None)
+            if value is not None:
+                self.retired.append(self.fd_of(value))
+                self._sweep()
+
     def clear(self) -> None:
         """Forget every entry (their descriptors close once no I/O uses them)."""
         with self.lock:
@@ -267,7 +279,7 @@ class _Lease:
 class LeaseCache(_Cache[tuple[str, int, str], _Lease]):
     """The client's current lease of each ``(run, step, field)``."""
 
-    def __init__(self, size: int = 32) -> None:
+    def __init__(self, size: int = LEASES) -> None:
         super().__init__(size, lambda lease: lease.fd)
         self.unnoted = [0, 0, 0]  # appends, rows, bytes placed but not yet told
 
@@ -293,6 +305,9 @@ class LeaseCache(_Cache[tuple[str, int, str], _Lease]):
         with self.lock:
             lease = self.items.get(key)
             if lease is None or lease.next + nbytes > lease.end:
+                return None
+            if os.fstat(lease.fd).st_nlink == 0:  # its file was removed: never write there
+                self.retired.append(self.items.pop(key).fd)
                 return None
             offset = lease.next
             lease.next += nbytes
@@ -392,6 +407,10 @@ def read_steps(
     cache.begin()  # nothing this read uses is closed before it ends
     try:
         fds_by_file = {f: fd for f in ends if (fd := cache.get(f)) is not None}
+        for f, fd in list(fds_by_file.items()):
+            if os.fstat(fd).st_nlink == 0:  # removed (collected): ask the daemon again
+                cache.forget(f)
+                del fds_by_file[f]
         missing = [(f, e) for f, e in ends.items() if f not in fds_by_file]
         for start in range(0, len(missing), MAX_FDS):
             batch = missing[start : start + MAX_FDS]
@@ -473,13 +492,14 @@ _ANCILLARY = socket.CMSG_SPACE(MAX_FDS * 4)
 
 
 def _closed_by_peer(sock: socket.socket | None) -> bool:
-    """Whether the daemon closed ``sock`` (it restarted): one non-blocking peek."""
+    """Whether the daemon closed ``sock`` (it restarted): a poll that never waits."""
     if sock is None:
         return False
-    try:
-        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""  # end of stream
-    except BlockingIOError:
+    readable, _, _ = select.select([sock], [], [], 0)
+    if not readable:
         return False  # open, nothing pending: the normal case
+    try:
+        return sock.recv(1, socket.MSG_PEEK) == b""  # readable: end of stream, or an error
     except OSError:
         return True
 
@@ -517,8 +537,10 @@ class _Frame:
 class _DataPlane:
     """What both drivers hold: the socket, descriptor caches, leases, scratch buffers."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, timeout: float | None = None) -> None:
         self.path = path
+        self.timeout = timeout
+        self.pid = os.getpid()
         self.sock: socket.socket | None = None
         self.cache = ReadCache()
         self.leases = LeaseCache()
@@ -532,11 +554,17 @@ class _DataPlane:
         self.cache.clear()
         self.leases.clear()
 
-    def _failed(self, exc: OSError, frame: _Frame | None) -> DataPlaneDownError:
+    def _failed(self, exc: OSError | None, frame: _Frame | None) -> DataPlaneDownError:
         if frame is not None:
             frame.close_fds()
         self._drop()
         return DataPlaneDownError(f"data plane at {self.path} failed: {exc}")
+
+    def _check_owner(self) -> None:
+        """A forked child starts over: its parent's leases and socket are not its own."""
+        if self.pid != os.getpid():
+            self._drop()
+            self.pid = os.getpid()
 
 
 class SyncDataPlane(_DataPlane):
@@ -548,13 +576,14 @@ class SyncDataPlane(_DataPlane):
         The daemon's data socket.
     """
 
-    def __init__(self, path: str) -> None:
-        super().__init__(path)
+    def __init__(self, path: str, timeout: float | None = None) -> None:
+        super().__init__(path, timeout)
         self.lock = threading.Lock()
 
     def _connect(self) -> socket.socket:
         if self.sock is None:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(self.timeout)  # a stuck daemon fails the call, as over HTTP
             try:
                 sock.connect(self.path)
             except OSError as exc:
@@ -577,6 +606,9 @@ class SyncDataPlane(_DataPlane):
                     frame.add(sock.recv(max(n, 1 << 16)))
             except OSError as exc:
                 raise self._failed(exc, frame) from exc
+            except BaseException:  # cancelled, interrupted: its reply would go to the next
+                self._failed(None, frame)
+                raise
         return frame.reply()
 
     def run(self, steps: Steps[T]) -> T:
@@ -586,6 +618,7 @@ class SyncDataPlane(_DataPlane):
         daemon hands out new ones.
         """
         with self.lock:
+            self._check_owner()
             if _closed_by_peer(self.sock):
                 self._drop()
         resume: Callable[[Any], Exchange | Blocking] = steps.send
@@ -614,8 +647,8 @@ class SyncDataPlane(_DataPlane):
 class AsyncDataPlane(_DataPlane):
     """Runs data-plane steps on the event loop; file I/O above 1 MiB goes to a thread."""
 
-    def __init__(self, path: str) -> None:
-        super().__init__(path)
+    def __init__(self, path: str, timeout: float | None = None) -> None:
+        super().__init__(path, timeout)
         self.lock: asyncio.Lock | None = None
 
     async def _connect(self) -> socket.socket:
@@ -655,12 +688,16 @@ class AsyncDataPlane(_DataPlane):
                 await loop.sock_sendall(sock, _frame(request))
                 if not reply:
                     return None
-                msg, fds = await self._recvmsg(sock)
+                msg, fds = await asyncio.wait_for(self._recvmsg(sock), self.timeout)
                 frame = _Frame(msg, fds)
                 while (n := frame.missing()) > 0:
-                    frame.add(await loop.sock_recv(sock, max(n, 1 << 16)))
+                    more = loop.sock_recv(sock, max(n, 1 << 16))
+                    frame.add(await asyncio.wait_for(more, self.timeout))
             except OSError as exc:
                 raise self._failed(exc, frame) from exc
+            except BaseException:  # cancelled, interrupted: its reply would go to the next
+                self._failed(None, frame)
+                raise
         return frame.reply()
 
     async def run(self, steps: Steps[T]) -> T:
@@ -668,6 +705,7 @@ class AsyncDataPlane(_DataPlane):
 
         Leases and descriptors of a daemon that went away are dropped first.
         """
+        self._check_owner()
         idle = self.lock is None or not self.lock.locked()  # no reply is on its way
         if idle and _closed_by_peer(self.sock):
             self._drop()

@@ -142,7 +142,7 @@ def error_from_wire(status: int, name: str | None, message: str) -> PayloadError
     Parameters
     ----------
     status : int
-        HTTP status code of the answer.
+        HTTP status code of the answer; 0 for a data-plane reply.
     name : str or None
         Class name from the error body (``"FileMissingError"``), if any.
     message : str
@@ -158,4 +158,4 @@ def error_from_wire(status: int, name: str | None, message: str) -> PayloadError
     cls = _BY_NAME.get(name) if name else _BY_STATUS.get(status)
     if cls is None:  # an unknown name (e.g. "HTTPError" for an unknown route) or status
         cls = InvalidRequestError if 400 <= status < 500 else ServerError
-    return cls(f"{message} (HTTP {status})")
+    return cls(f"{message} (HTTP {status})" if status else message)

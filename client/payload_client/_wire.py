@@ -212,9 +212,9 @@ class NoteRequest(msgspec.Struct, tag="note", array_like=True):
     leases (for the daemon's counters). The daemon replies (an empty `CommitReply`) only
     when ``ack`` is true."""
 
-    appends: int
-    rows: int
-    nbytes: int
+    appends: NonNegInt
+    rows: NonNegInt
+    nbytes: NonNegInt
     ack: bool = False
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import socket
@@ -12,7 +13,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from payload_client import FileMissingError, PayloadClient, SegmentFileError
+from payload_client import FileMissingError, PayloadClient, PayloadSegment, SegmentFileError
 from payload_client._wire import FRAME_PREFIX, AppendItem, ReserveRequest
 from payloadd._process import start_daemon
 from tests.conftest import Daemon
@@ -69,7 +70,7 @@ def test_a_used_up_lease_is_replaced(tmp_path: Path) -> None:
             np.testing.assert_array_equal(c.read_field(seg, R, k, k + 1, 0), np.full((1, 48, 8), k))
 
 
-def test_a_held_descriptor_reads_a_removed_file_intact_never_fill(daemon: Daemon) -> None:
+def test_a_removed_file_is_never_read_through_a_held_descriptor(daemon: Daemon) -> None:
     rows = np.arange(40 * 3, dtype=np.int32).reshape(40, 3)
     with (
         PayloadClient(daemon.socket) as fast,
@@ -77,13 +78,16 @@ def test_a_held_descriptor_reads_a_removed_file_intact_never_fill(daemon: Daemon
     ):
         segs = fast.append("sampling_mask", rows, 0, run="held", step=0)
         np.testing.assert_array_equal(fast.read_field(segs, "sampling_mask", 0, 40, -1), rows)
-        os.unlink(daemon.root / segs[0].file)  # as GC would: the client still holds it open
-        np.testing.assert_array_equal(fast.read_field(segs, "sampling_mask", 0, 40, -1), rows)
-        with pytest.raises(FileMissingError):
-            http.read_field(segs, "sampling_mask", 0, 40, -1)
         longer = msgspec.structs.replace(segs[0], rows=41)
         with pytest.raises(SegmentFileError, match="ends at byte"):  # cached, still checked
             fast.read_field([longer], "sampling_mask", 0, 1, -1)
+        os.unlink(daemon.root / segs[0].file)  # as GC does; the client holds it open
+        for c in (fast, http):  # §4: a file that is gone is an error, never fill or old bytes
+            with pytest.raises(FileMissingError):
+                c.read_field(segs, "sampling_mask", 0, 40, -1)
+        again = fast.append("sampling_mask", rows, 0, run="held", step=0)  # not into the dead file
+        assert again[0].file != segs[0].file
+        np.testing.assert_array_equal(http.read_field(again, "sampling_mask", 0, 40, -1), rows)
 
 
 @pytest.fixture
@@ -142,3 +146,97 @@ def test_garbage_on_the_data_socket_gets_an_error_reply(daemon: Daemon) -> None:
     raw.close()
     with PayloadClient(daemon.socket) as c:
         assert c.health().status == "ok"
+
+
+def test_a_cancelled_exchange_never_hands_its_reply_to_the_next(daemon: Daemon) -> None:
+    import asyncio
+
+    from payload_client import AsyncPayloadClient
+
+    async def main() -> None:
+        async with AsyncPayloadClient(daemon.socket) as c:
+            x = await c.append(R, np.full((4, 2), 1, np.uint8), 0, run="cancel-x", step=0)
+            y = await c.append(R, np.full((4, 2), 2, np.uint8), 0, run="cancel-y", step=0)
+            for _ in range(20):  # cancel reads at every point of their exchange
+                task = asyncio.ensure_future(c.read_field(x, R, 0, 4, 0))
+                await asyncio.sleep(0)
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                got = await c.read_field(y, R, 0, 4, 0)
+                assert got is not None and (got == 2).all()
+                c._adp.cache.clear() if c._adp else None  # make the next read ask again
+
+    asyncio.run(main())
+
+
+def test_a_forked_child_gets_its_own_leases(daemon: Daemon) -> None:
+    with PayloadClient(daemon.socket) as c:
+        c.append(R, np.zeros((1, 2), np.uint8), 0, run="fork", step=0)  # the parent's lease
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: append, report the segment, leave without cleanup
+            os.close(r)
+            seg = c.append(R, np.full((1, 2), 7, np.uint8), 0, run="fork", step=0)[0]
+            os.write(w, msgspec.msgpack.encode(seg))
+            os._exit(0)
+        os.close(w)
+        with os.fdopen(r, "rb") as f:
+            child = msgspec.msgpack.decode(f.read(), type=PayloadSegment)
+        os.waitpid(pid, 0)
+        mine = c.append(R, np.full((1, 2), 9, np.uint8), 0, run="fork", step=0)[0]
+        assert (child.file, child.offset) != (mine.file, mine.offset)
+        np.testing.assert_array_equal(c.read_field([child], R, 0, 1, 0), [[7, 7]])
+        np.testing.assert_array_equal(c.read_field([mine], R, 0, 1, 0), [[9, 9]])
+
+
+def test_reads_of_hundreds_of_files_stay_on_the_data_plane(tmp_path: Path) -> None:
+    sock = tmp_path / "payloadd.sock"
+    flags = ("--max-file-bytes", "64", "--lease-bytes", "64")
+    with start_daemon(tmp_path / "root", sock, *flags), PayloadClient(sock) as c:
+        segs = [c.append(R, np.full((1, 64), k % 250, np.uint8), k, run="many", step=0)[0]
+                for k in range(300)]  # fmt: skip
+        assert len({s.file for s in segs}) == 300
+        before = c.stats()
+        got = c.read_field(segs, R, 0, 300, 0)
+        after = c.stats()
+        assert got is not None
+        np.testing.assert_array_equal(got[:, 0], [k % 250 for k in range(300)])
+        assert after.reads == before.reads  # no fallback to HTTP
+        assert after.data_plane_fds - before.data_plane_fds == 300
+
+
+def test_open_descriptors_stay_bounded_over_many_steps(tmp_path: Path) -> None:
+    sock = tmp_path / "payloadd.sock"
+    with start_daemon(tmp_path / "root", sock) as proc, PayloadClient(sock) as c:
+        for step in range(600):
+            c.append(R, np.ones((1, 2), np.uint8), 0, run="steps", step=step)
+            c.append("sampling_mask", np.ones((1, 2), np.int32), 0, run="steps", step=step)
+        daemon_fds = len(os.listdir(f"/proc/{proc.pid}/fd"))
+        client_fds = len(os.listdir("/proc/self/fd"))
+    assert daemon_fds < 256 + 64 + 100, daemon_fds  # open-for-append cap, leases, the rest
+    assert client_fds < 64 + 128 + 100, client_fds
+
+
+def test_a_stuck_daemon_times_out(tmp_path: Path) -> None:
+    import signal
+    import time
+
+    from payload_client._dataplane import DataPlaneDownError, SyncDataPlane
+    from payload_client._wire import OpenRequest
+
+    sock = tmp_path / "payloadd.sock"
+    with start_daemon(tmp_path / "root", sock) as proc, PayloadClient(sock) as c:
+        (seg,) = c.append(R, np.ones((1, 2), np.uint8), 0, run="stuck", step=0)
+        dp = SyncDataPlane(f"{sock}.data", timeout=1.0)
+        for fd in dp._exchange(OpenRequest([(seg.file, 0)]))[1]:  # connected and answering
+            os.close(fd)
+        os.kill(proc.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(DataPlaneDownError, match="timed out"):  # then HTTP is tried
+                dp._exchange(OpenRequest([(seg.file, 0)]))
+            assert time.monotonic() - t0 < 5
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+            dp.close()
