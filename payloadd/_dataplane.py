@@ -173,9 +173,23 @@ class DataPlaneServer:
 
     @staticmethod
     def _note(body: bytes) -> NoteRequest | None:
+        """The note in ``body``, or ``None`` for another request.
+
+        Raises
+        ------
+        ConnectionAbortedError
+            For a malformed note: answering it would hand the reply to the next request
+            of a client that waits for none, so the connection is dropped instead.
+        """
         try:
             return _note_decoder.decode(body)
         except msgspec.DecodeError:
+            try:
+                tag = msgspec.msgpack.decode(body)[0]
+            except (msgspec.DecodeError, TypeError, KeyError, IndexError):
+                return None
+            if tag == "note":
+                raise ConnectionAbortedError("malformed note") from None
             return None
 
     def _handle(

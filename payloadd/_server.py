@@ -9,6 +9,8 @@ import signal
 
 import uvicorn
 
+from payload_client._wire import DATA_SOCKET_SUFFIX
+
 from ._app import create_app
 from ._settings import Settings
 from ._sockets import bind_unix_socket
@@ -37,8 +39,14 @@ def serve(settings: Settings) -> None:
         level=settings.log_level.upper(), format="%(levelname)s %(name)s: %(message)s"
     )
     Store.check_root(settings.root)  # fail here, with a clear message, not in the lifespan
-    if len(os.fsencode(settings.socket)) > 107:
-        raise OSError(f"socket path is longer than the 107 bytes AF_UNIX allows: {settings.socket}")
+    longest = len(os.fsencode(settings.socket)) + (
+        len(DATA_SOCKET_SUFFIX) if settings.data_plane else 0
+    )
+    if longest > 107:
+        raise OSError(
+            f"socket path {settings.socket} (and its data socket, {DATA_SOCKET_SUFFIX}) is "
+            "longer than the 107 bytes AF_UNIX allows"
+        )
     sock = bind_unix_socket(settings.socket, settings.socket_mode)
     config = uvicorn.Config(
         create_app(settings),

@@ -144,6 +144,12 @@ def test_garbage_on_the_data_socket_gets_an_error_reply(daemon: Daemon) -> None:
     raw.sendall(FRAME_PREFIX.pack(2**31))  # an absurd frame: the connection is dropped
     assert raw.recv(4096) == b""
     raw.close()
+    raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    raw.connect(f"{daemon.socket}.data")
+    note = msgspec.msgpack.encode(["note", -1, 0, 0])  # no reply is awaited: never answer it
+    raw.sendall(FRAME_PREFIX.pack(len(note)) + note)
+    assert raw.recv(4096) == b""
+    raw.close()
     with PayloadClient(daemon.socket) as c:
         assert c.health().status == "ok"
 
