@@ -19,7 +19,7 @@ from pathlib import Path
 import msgspec
 
 from payload_client import InvalidRequestError, PayloadError
-from payload_client._dataplane import LEASES
+from payload_client._descriptors import LEASES
 from payload_client._wire import (
     FRAME_PREFIX,
     AbortRequest,

@@ -19,14 +19,14 @@ import os
 import select
 import socket
 import threading
-from collections import OrderedDict
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 import numpy as np
 
+from ._descriptors import Lease, LeaseCache, ReadCache, Scratch
 from ._errors import (
     ProtocolError,
     SegmentFileError,
@@ -47,7 +47,6 @@ from ._wire import (
     ErrorReply,
     LeaseReply,
     LeaseRequest,
-    NoteRequest,
     OpenReply,
     OpenRequest,
     ReserveReply,
@@ -67,15 +66,8 @@ __all__ = [
 T = TypeVar("T")
 MAX_FDS = 250
 """Most descriptors one reply may carry (Linux passes at most 253 in one message)."""
-CACHE_FDS = 128
-"""Read-only descriptors a client keeps open (least recently used ones are closed)."""
-LEASES = 64
-"""Leases (one per run, step and field) a client keeps; the daemon keeps as many per
-connection."""
 THREAD_BYTES = 1 << 20
 """The async data plane moves more bytes than this in a worker thread."""
-NOTE_EVERY = 64
-"""Appends a client places in its leases before it tells the daemon's counters."""
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(DataReply)
@@ -191,129 +183,6 @@ def reserve_steps(
     return done.segments
 
 
-K = TypeVar("K")
-V = TypeVar("V")
-
-
-class _Cache(Generic[K, V]):
-    """Descriptors (or leases holding one) by key, least recently used closed first.
-
-    Thread-safe. A descriptor evicted while I/O is in flight (between `begin` and `end`)
-    is closed when the last of it ends, so nobody ever uses a closed or reused number.
-    """
-
-    def __init__(self, size: int, fd_of: Callable[[V], int]) -> None:
-        self.size = size
-        self.fd_of = fd_of
-        self.lock = threading.Lock()
-        self.items: OrderedDict[K, V] = OrderedDict()
-        self.inflight = 0
-        self.retired: list[int] = []
-
-    def get(self, key: K) -> V | None:
-        with self.lock:
-            value = self.items.get(key)
-            if value is not None:
-                self.items.move_to_end(key)
-            return value
-
-    def put(self, key: K, value: V) -> None:
-        with self.lock:
-            old = self.items.pop(key, None)
-            if old is not None:
-                self.retired.append(self.fd_of(old))
-            self.items[key] = value
-            while len(self.items) > self.size:
-                self.retired.append(self.fd_of(self.items.popitem(last=False)[1]))
-            self._sweep()
-
-    def begin(self) -> None:
-        with self.lock:
-            self.inflight += 1
-
-    def end(self) -> None:
-        with self.lock:
-            self.inflight -= 1
-            self._sweep()
-
-    def _sweep(self) -> None:  # lock held
-        if self.inflight == 0:
-            for fd in self.retired:
-                os.close(fd)
-            self.retired.clear()
-
-    def forget(self, key: K) -> None:
-        """Forget one entry (its descriptor closes once no I/O uses it)."""
-        with self.lock:
-            value = self.items.pop(key, None)
-            if value is not None:
-                self.retired.append(self.fd_of(value))
-                self._sweep()
-
-    def clear(self) -> None:
-        """Forget every entry (their descriptors close once no I/O uses them)."""
-        with self.lock:
-            self.retired.extend(self.fd_of(v) for v in self.items.values())
-            self.items.clear()
-            self._sweep()
-
-
-class ReadCache(_Cache[str, int]):
-    """Read-only descriptors by file."""
-
-    def __init__(self, size: int = CACHE_FDS) -> None:
-        super().__init__(size, lambda fd: fd)
-
-
-@dataclass
-class _Lease:
-    """A byte range of ``file`` this client places rows in: ``[next, end)`` is still free."""
-
-    file: str
-    fd: int
-    next: int
-    end: int
-    fsync: bool
-
-
-class LeaseCache(_Cache[tuple[str, int, str], _Lease]):
-    """The client's current lease of each ``(run, step, field)``."""
-
-    def __init__(self, size: int = LEASES) -> None:
-        super().__init__(size, lambda lease: lease.fd)
-        self.unnoted = [0, 0, 0]  # appends, rows, bytes placed but not yet told
-
-    def note(self, rows: int, nbytes: int, every: int = NOTE_EVERY) -> NoteRequest | None:
-        """Count one append; return the note to send once ``every`` appends are untold."""
-        with self.lock:
-            u = self.unnoted
-            u[0], u[1], u[2] = u[0] + 1, u[1] + rows, u[2] + nbytes
-            if u[0] < every:
-                return None
-            self.unnoted = [0, 0, 0]
-            return NoteRequest(u[0], u[1], u[2])
-
-    def take_note(self) -> NoteRequest | None:
-        """The note of every untold append, if any (before stats, at close)."""
-        with self.lock:
-            u, self.unnoted = self.unnoted, [0, 0, 0]
-        return NoteRequest(u[0], u[1], u[2]) if u[0] else None
-
-    def claim(self, key: tuple[str, int, str], nbytes: int) -> tuple[_Lease, int] | None:
-        """Take ``nbytes`` of the key's lease: ``(lease, offset)``, or ``None`` if it has
-        no lease or too little room left. Call between `begin` and `end`."""
-        with self.lock:
-            lease = self.items.get(key)
-            if lease is None or lease.next + nbytes > lease.end:
-                return None
-            if os.fstat(lease.fd).st_nlink == 0:  # its file was removed: never write there
-                self.retired.append(self.items.pop(key).fd)
-                return None
-            offset = lease.next
-            lease.next += nbytes
-            return lease, offset
-
-
 def append_steps(
     items: Sequence[AppendItem], bodies: Sequence[memoryview], leases: LeaseCache
 ) -> Steps[list[list[PayloadSegment]]]:
@@ -323,7 +192,7 @@ def append_steps(
     not lease (larger than its rotation size) go through `reserve_steps` instead.
     """
     sizes = [b.nbytes for b in bodies]
-    places: list[tuple[_Lease, int]] = []
+    places: list[tuple[Lease, int]] = []
     leases.begin()  # no lease descriptor is closed while this append writes
     try:
         for item, n in zip(items, sizes, strict=True):
@@ -342,7 +211,7 @@ def append_steps(
                         os.close(fd)
                     raise ProtocolError(f"lease sent {len(fds)} descriptors, expected 1")
                 end = reply.offset + reply.nbytes
-                leases.put(key, _Lease(reply.file, fds[0], reply.offset, end, reply.fsync))
+                leases.put(key, Lease(reply.file, fds[0], reply.offset, end, reply.fsync))
                 got = leases.claim(key, n)
                 if got is None:
                     raise ProtocolError(f"lease of {reply.nbytes} bytes cannot hold {n}")
@@ -371,31 +240,11 @@ def append_steps(
     ]
 
 
-class _Scratch:
-    """Reused byte buffers for rows that numpy converts (no re-faulting of fresh memory)."""
-
-    def __init__(self) -> None:
-        self.free: list[bytearray] = []
-        self.lock = threading.Lock()
-
-    def take(self, n: int) -> bytearray:
-        with self.lock:
-            for i, b in enumerate(self.free):
-                if len(b) >= n:
-                    return self.free.pop(i)
-        return bytearray(max(n, 1 << 16))
-
-    def give(self, b: bytearray) -> None:
-        with self.lock:
-            if len(self.free) < 4:
-                self.free.append(b)
-
-
 def read_steps(
     plans: Sequence[WindowPlan | None],
     outs: Sequence[np.ndarray | None],
     cache: ReadCache,
-    scratch: _Scratch,
+    scratch: Scratch,
 ) -> Steps[None]:
     """Get descriptors for the files not cached yet, then pread every piece into its output."""
     ends: dict[str, int] = {}
@@ -544,7 +393,7 @@ class _DataPlane:
         self.sock: socket.socket | None = None
         self.cache = ReadCache()
         self.leases = LeaseCache()
-        self.scratch = _Scratch()
+        self.scratch = Scratch()
 
     def _drop(self) -> None:
         """Forget the connection and everything the daemon handed out on it."""

@@ -1,0 +1,168 @@
+"""Descriptor caches of the data plane client: read descriptors by file, leases by key.
+
+Both close what they evict only when no I/O is in flight, so a descriptor number is never
+used after it was closed (and perhaps reused for another file).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from ._wire import NoteRequest
+
+__all__ = ["CACHE_FDS", "LEASES", "NOTE_EVERY", "Lease", "LeaseCache", "ReadCache", "Scratch"]
+
+CACHE_FDS = 128
+"""Read-only descriptors a client keeps open (least recently used ones are closed)."""
+LEASES = 64
+"""Leases (one per run, step and field) a client keeps; the daemon keeps as many per
+connection."""
+NOTE_EVERY = 64
+"""Appends a client places in its leases before it tells the daemon's counters."""
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+class _Cache(Generic[K, V]):
+    """Descriptors (or leases holding one) by key, least recently used closed first.
+
+    Thread-safe. A descriptor evicted while I/O is in flight (between `begin` and `end`)
+    is closed when the last of it ends, so nobody ever uses a closed or reused number.
+    """
+
+    def __init__(self, size: int, fd_of: Callable[[V], int]) -> None:
+        self.size = size
+        self.fd_of = fd_of
+        self.lock = threading.Lock()
+        self.items: OrderedDict[K, V] = OrderedDict()
+        self.inflight = 0
+        self.retired: list[int] = []
+
+    def get(self, key: K) -> V | None:
+        with self.lock:
+            value = self.items.get(key)
+            if value is not None:
+                self.items.move_to_end(key)
+            return value
+
+    def put(self, key: K, value: V) -> None:
+        with self.lock:
+            old = self.items.pop(key, None)
+            if old is not None:
+                self.retired.append(self.fd_of(old))
+            self.items[key] = value
+            while len(self.items) > self.size:
+                self.retired.append(self.fd_of(self.items.popitem(last=False)[1]))
+            self._sweep()
+
+    def begin(self) -> None:
+        with self.lock:
+            self.inflight += 1
+
+    def end(self) -> None:
+        with self.lock:
+            self.inflight -= 1
+            self._sweep()
+
+    def _sweep(self) -> None:  # lock held
+        if self.inflight == 0:
+            for fd in self.retired:
+                os.close(fd)
+            self.retired.clear()
+
+    def forget(self, key: K) -> None:
+        """Forget one entry (its descriptor closes once no I/O uses it)."""
+        with self.lock:
+            value = self.items.pop(key, None)
+            if value is not None:
+                self.retired.append(self.fd_of(value))
+                self._sweep()
+
+    def clear(self) -> None:
+        """Forget every entry (their descriptors close once no I/O uses them)."""
+        with self.lock:
+            self.retired.extend(self.fd_of(v) for v in self.items.values())
+            self.items.clear()
+            self._sweep()
+
+
+class ReadCache(_Cache[str, int]):
+    """Read-only descriptors by file."""
+
+    def __init__(self, size: int = CACHE_FDS) -> None:
+        super().__init__(size, lambda fd: fd)
+
+
+@dataclass
+class Lease:
+    """A byte range of ``file`` this client places rows in: ``[next, end)`` is still free."""
+
+    file: str
+    fd: int
+    next: int
+    end: int
+    fsync: bool
+
+
+class LeaseCache(_Cache[tuple[str, int, str], Lease]):
+    """The client's current lease of each ``(run, step, field)``."""
+
+    def __init__(self, size: int = LEASES) -> None:
+        super().__init__(size, lambda lease: lease.fd)
+        self.unnoted = [0, 0, 0]  # appends, rows, bytes placed but not yet told
+
+    def note(self, rows: int, nbytes: int, every: int = NOTE_EVERY) -> NoteRequest | None:
+        """Count one append; return the note to send once ``every`` appends are untold."""
+        with self.lock:
+            u = self.unnoted
+            u[0], u[1], u[2] = u[0] + 1, u[1] + rows, u[2] + nbytes
+            if u[0] < every:
+                return None
+            self.unnoted = [0, 0, 0]
+            return NoteRequest(u[0], u[1], u[2])
+
+    def take_note(self) -> NoteRequest | None:
+        """The note of every untold append, if any (before stats, at close)."""
+        with self.lock:
+            u, self.unnoted = self.unnoted, [0, 0, 0]
+        return NoteRequest(u[0], u[1], u[2]) if u[0] else None
+
+    def claim(self, key: tuple[str, int, str], nbytes: int) -> tuple[Lease, int] | None:
+        """Take ``nbytes`` of the key's lease: ``(lease, offset)``, or ``None`` if it has
+        no lease or too little room left. Call between `begin` and `end`."""
+        with self.lock:
+            lease = self.items.get(key)
+            if lease is None or lease.next + nbytes > lease.end:
+                return None
+            if os.fstat(lease.fd).st_nlink == 0:  # its file was removed: never write there
+                self.retired.append(self.items.pop(key).fd)
+                return None
+            offset = lease.next
+            lease.next += nbytes
+            return lease, offset
+
+
+class Scratch:
+    """Reused byte buffers for rows that numpy converts (no re-faulting of fresh memory)."""
+
+    def __init__(self) -> None:
+        self.free: list[bytearray] = []
+        self.lock = threading.Lock()
+
+    def take(self, n: int) -> bytearray:
+        with self.lock:
+            for i, b in enumerate(self.free):
+                if len(b) >= n:
+                    return self.free.pop(i)
+        return bytearray(max(n, 1 << 16))
+
+    def give(self, b: bytearray) -> None:
+        with self.lock:
+            if len(self.free) < 4:
+                self.free.append(b)
