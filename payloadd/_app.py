@@ -7,6 +7,7 @@ lives on the lifespan state (``request.state.store``); there are no module globa
 from __future__ import annotations
 
 import logging
+import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -80,7 +81,7 @@ def _content_length(request: Request, limit: int) -> int:
     return n
 
 
-def create_app(settings: Settings) -> FastAPI:
+def create_app(settings: Settings, data_listener: socket.socket | None = None) -> FastAPI:
     """Build the daemon's ASGI app for ``settings``.
 
     The `Store` over ``settings.root`` is created when the app's lifespan starts and put on
@@ -90,6 +91,9 @@ def create_app(settings: Settings) -> FastAPI:
     ----------
     settings : Settings
         Root, node, rotation size, limits and durability policy.
+    data_listener : socket.socket, optional
+        The data plane's listening socket, already bound to ``<socket>.data`` (so that
+        `serve` reports a busy path before starting); bound at start-up when not given.
 
     Returns
     -------
@@ -114,7 +118,7 @@ def create_app(settings: Settings) -> FastAPI:
         if settings.data_plane:
             path = f"{settings.socket}{DATA_SOCKET_SUFFIX}"
             data_plane = DataPlaneServer(store, path, settings.socket_mode, settings.lease_bytes)
-            data_plane.start()
+            data_plane.start(data_listener)
         try:
             yield {"store": store, "settings": settings}
         finally:

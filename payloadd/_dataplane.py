@@ -20,6 +20,7 @@ import msgspec
 
 from payload_client import InvalidRequestError, PayloadError
 from payload_client._descriptors import LEASES
+from payload_client._errors import status_of
 from payload_client._wire import (
     FRAME_PREFIX,
     AbortRequest,
@@ -95,9 +96,10 @@ class DataPlaneServer:
         self._listener: socket.socket | None = None
         self._thread: threading.Thread | None = None
 
-    def start(self) -> None:
-        """Bind the socket and accept connections in a background thread."""
-        self._listener = bind_unix_socket(self.path, self.mode)
+    def start(self, listener: socket.socket | None = None) -> None:
+        """Accept connections in a background thread, on ``listener`` (a listening socket
+        bound to ``path``) or on a socket bound now."""
+        self._listener = listener or bind_unix_socket(self.path, self.mode)
         self._thread = threading.Thread(target=self._accept, name="payloadd-dataplane", daemon=True)
         self._thread.start()
         log.info("data plane on %s", self.path)
@@ -238,6 +240,8 @@ class DataPlaneServer:
             for fd in fds:
                 os.close(fd)
             if isinstance(exc, PayloadError):
+                if status_of(exc) >= 500:  # a full disk or an I/O error: the operator must see it
+                    log.error("data plane: %s: %s", type(exc).__name__, exc)
                 return ErrorReply(type(exc).__name__, str(exc)), []
             if isinstance(exc, msgspec.DecodeError):
                 return ErrorReply("InvalidRequestError", f"bad data plane request: {exc}"), []

@@ -6,6 +6,7 @@ import contextlib
 import logging
 import os
 import signal
+from pathlib import Path
 
 import uvicorn
 
@@ -48,8 +49,17 @@ def serve(settings: Settings) -> None:
             "longer than the 107 bytes AF_UNIX allows"
         )
     sock = bind_unix_socket(settings.socket, settings.socket_mode)
+    data = None
+    if settings.data_plane:
+        try:
+            data_path = Path(f"{settings.socket}{DATA_SOCKET_SUFFIX}")
+            data = bind_unix_socket(data_path, settings.socket_mode)
+        except BaseException:
+            sock.close()
+            os.unlink(settings.socket)
+            raise
     config = uvicorn.Config(
-        create_app(settings),
+        create_app(settings, data),
         log_level=settings.log_level,
         access_log=False,
         lifespan="on",

@@ -120,3 +120,12 @@ def test_bench_quick_run_writes_parsable_figures(tmp_path: Path) -> None:
     assert (tmp_path / "o" / "bench.png").stat().st_size > 10_000
     assert "ideal int32 reader" in out.stdout
     assert not list(tmp_path.glob("payloadd-bench-*"))  # its temporary root is gone
+
+
+def test_a_busy_data_socket_path_is_a_clean_start_error(tmp_path: Path) -> None:
+    (tmp_path / "s.sock.data").write_text("not a socket")
+    cmd = [*PAYLOADD, "serve", "--root", str(tmp_path / "r"), "--socket", str(tmp_path / "s.sock")]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and "s.sock.data exists and is not a socket" in out.stderr
+    assert "Traceback" not in out.stderr
+    assert not (tmp_path / "s.sock").exists()  # the control socket is not left behind
