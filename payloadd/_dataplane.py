@@ -173,6 +173,11 @@ class DataPlaneServer:
                 self._conns.discard(conn)
             conn.close()
 
+    def _writer(self, rel: str) -> int:
+        """A write-only descriptor of its own for a client: not a dup of the store's, so
+        nothing a client does to its file status flags (O_APPEND...) reaches the store."""
+        return os.open(self.store.root / rel, os.O_WRONLY | os.O_CLOEXEC)
+
     @staticmethod
     def _note(body: bytes) -> NoteRequest | None:
         """The note in ``body``, or ``None`` for another request.
@@ -212,7 +217,7 @@ class DataPlaneServer:
                 leases[key] = lease
                 while len(leases) > LEASES:  # as many as a client keeps: the oldest is done
                     leases.pop(next(iter(leases))).release()
-                fds.append(os.dup(lease.fd))
+                fds.append(self._writer(lease.file))
                 fsync = self.store.fsync == "always"
                 return LeaseReply(lease.file, lease.offset, lease.nbytes, fsync), fds
             if isinstance(req, OpenRequest):
@@ -224,7 +229,7 @@ class DataPlaneServer:
                 txn = next(self._txns)
                 pending[txn] = p  # closed with the connection, whatever happens next
                 files = [rel for rel, _ in p.files]
-                fds = [os.dup(fd) for _, fd in p.files]  # the store keeps its own
+                fds = [self._writer(rel) for rel, _ in p.files]
                 index = {rel: i for i, rel in enumerate(files)}
                 extents = [ReservedExtent(index[rel], off, n) for rel, off, n in p.extents]
                 return ReserveReply(txn, files, extents), fds

@@ -246,3 +246,20 @@ def test_a_stuck_daemon_times_out(tmp_path: Path) -> None:
         finally:
             os.kill(proc.pid, signal.SIGCONT)
             dp.close()
+
+
+def test_what_a_client_does_to_its_descriptor_never_reaches_the_daemon(daemon: Daemon) -> None:
+    import fcntl
+
+    with (
+        PayloadClient(daemon.socket) as fast,
+        PayloadClient(daemon.socket, data_plane=False) as http,
+    ):
+        fast.append(R, np.zeros((1, 2), np.uint8), 0, run="flags", step=0)
+        assert fast._dp is not None
+        (lease,) = fast._dp.leases.items.values()
+        fcntl.fcntl(lease.fd, fcntl.F_SETFL, fcntl.fcntl(lease.fd, fcntl.F_GETFL) | os.O_APPEND)
+        rows = np.full((3, 2), 5, np.uint8)
+        seg = http.append(R, rows, 0, run="flags", step=0)  # the daemon's own pwrite, same file
+        assert seg[0].file == lease.file
+        np.testing.assert_array_equal(http.read_field(seg, R, 0, 3, 0), rows)
