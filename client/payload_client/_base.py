@@ -329,13 +329,12 @@ class BaseClient:
                 if len(windows) > 1:  # name the window, keep the error's class and attributes
                     exc.args = (f"window {i}: {exc}",)
                 raise
-        extents = [
-            Extent(p.file, p.offset, p.nbytes, p.end)
-            for plan in plans
-            if plan is not None
-            for p in plan.pieces
-        ]
-        total = sum(e.nbytes for e in extents)
+        pieces = [p for plan in plans if plan is not None for p in plan.pieces]
+        total = sum(p.nbytes for p in pieces)
+
+        def body() -> list[Any]:
+            extents = [Extent(p.file, p.offset, p.nbytes, p.end) for p in pieces]
+            return [_encoder.encode(ReadRequest(extents))]
 
         def decode(data: Any) -> list[np.ndarray | None]:
             view = memoryview(data)
@@ -352,9 +351,9 @@ class BaseClient:
             "/v1/read",
             decode=decode,
             headers={"Content-Type": MSGPACK_CONTENT_TYPE},
-            body=lambda: [_encoder.encode(ReadRequest(extents))],
+            body=body,
             expected=total,
-            local=not extents,
+            local=not pieces,
             fast=lambda dp: _then(read_steps(plans, outs, dp.cache, dp.scratch), outs),
         )
 

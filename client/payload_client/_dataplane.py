@@ -34,7 +34,7 @@ from ._errors import (
     TransportError,
     error_from_wire,
 )
-from ._read import WindowPlan, direct_view, place
+from ._read import PAGE, WindowPlan, direct_view, page_matched, place
 from ._segment import PayloadSegment
 from ._wire import (
     FRAME_PREFIX,
@@ -255,11 +255,18 @@ def read_steps(
         return
     cache.begin()  # nothing this read uses is closed before it ends
     try:
-        fds_by_file = {f: fd for f in ends if (fd := cache.get(f)) is not None}
-        for f, fd in list(fds_by_file.items()):
-            if os.fstat(fd).st_nlink == 0:  # removed (collected): ask the daemon again
+        fds_by_file: dict[str, int] = {}
+        sizes: dict[str, int] = {}
+        for f in ends:
+            fd = cache.get(f)
+            if fd is None:
+                continue
+            st = os.fstat(fd)
+            if st.st_nlink == 0:  # removed (collected): ask the daemon again
                 cache.forget(f)
-                del fds_by_file[f]
+                continue
+            fds_by_file[f] = fd
+            sizes[f] = st.st_size
         missing = [(f, e) for f, e in ends.items() if f not in fds_by_file]
         for start in range(0, len(missing), MAX_FDS):
             batch = missing[start : start + MAX_FDS]
@@ -272,11 +279,11 @@ def read_steps(
             for (f, _), fd in zip(batch, fds, strict=True):
                 cache.put(f, fd)
                 fds_by_file[f] = fd
+                sizes[f] = os.fstat(fd).st_size
         for f, end in ends.items():  # a cached descriptor is re-checked: the same rule as HTTP
-            size = os.fstat(fds_by_file[f]).st_size
-            if size < end:
+            if sizes[f] < end:
                 raise SegmentFileError(
-                    f"payload file {f!r} has {size} bytes but a segment ends at byte {end}"
+                    f"payload file {f!r} has {sizes[f]} bytes but a segment ends at byte {end}"
                 )
         total = sum(plan.nbytes for plan in plans if plan is not None)
 
@@ -290,10 +297,10 @@ def read_steps(
                     if view is not None:
                         _pread_into(fd, view, p.offset, p.file)
                         continue
-                    buf = scratch.take(p.nbytes)
+                    buf = scratch.take(p.nbytes + PAGE)
                     try:
-                        dest = memoryview(buf)[: p.nbytes]
-                        _pread_into(fd, dest, p.offset, p.file)
+                        dest = page_matched(buf, p.offset, p.nbytes)
+                        _pread_into(fd, dest.data, p.offset, p.file)
                         place(plan, out, p, dest)
                     finally:
                         scratch.give(buf)

@@ -13,6 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+import numpy as np
+
 from ._wire import NoteRequest
 
 __all__ = ["CACHE_FDS", "LEASES", "NOTE_EVERY", "Lease", "LeaseCache", "ReadCache", "Scratch"]
@@ -149,20 +151,21 @@ class LeaseCache(_Cache[tuple[str, int, str], Lease]):
 
 
 class Scratch:
-    """Reused byte buffers for rows that numpy converts (no re-faulting of fresh memory)."""
+    """Reused ``uint8`` buffers for rows that numpy converts (no re-faulting of fresh memory)."""
 
     def __init__(self) -> None:
-        self.free: list[bytearray] = []
+        self.free: list[np.ndarray] = []
         self.lock = threading.Lock()
 
-    def take(self, n: int) -> bytearray:
+    def take(self, n: int) -> np.ndarray:
+        """A buffer of at least ``n`` bytes."""
         with self.lock:
             for i, b in enumerate(self.free):
-                if len(b) >= n:
+                if b.nbytes >= n:
                     return self.free.pop(i)
-        return bytearray(max(n, 1 << 16))
+        return np.empty(max(n, 1 << 16), dtype=np.uint8)
 
-    def give(self, b: bytearray) -> None:
+    def give(self, b: np.ndarray) -> None:
         with self.lock:
             if len(self.free) < 4:
                 self.free.append(b)

@@ -7,33 +7,47 @@ output array. The semantics live here once, whatever carries the bytes.
 
 from __future__ import annotations
 
+import functools
 import math
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from ._errors import InvalidRequestError, InvalidSegmentError
 from ._ops import _check_window
-from ._segment import PayloadSegment, _row_nbytes, segment_end, validate_segments
+from ._segment import (
+    SUPPORTED_DTYPES,
+    PayloadSegment,
+    _row_nbytes,
+    validate_segments,
+)
 
 __all__ = [
+    "PAGE",
     "Piece",
     "WindowPlan",
     "assemble",
     "direct_view",
+    "page_matched",
     "place",
     "plan_window",
     "prepare_output",
 ]
 
-_BIG_ENDIAN = sys.byteorder == "big"
+PAGE = 4096
+"""Bytes of a memory page; the file offset of a piece modulo it is where its bytes start in
+the page cache."""
+
+_ALIASED = 64
+"""A destination this few bytes past the source (modulo `PAGE`) makes the kernel's copy slow."""
+_KIND = {name: np.dtype(name).kind for name in SUPPORTED_DTYPES}
+_STORED = {name: np.dtype(name).newbyteorder("<") for name in SUPPORTED_DTYPES}
+"""The on-disk (little-endian) dtype of each stored dtype name."""
 
 
-@dataclass(frozen=True, slots=True)
-class Piece:
+class Piece(NamedTuple):
     """The rows of one segment that fall inside a window.
 
     Attributes
@@ -100,6 +114,9 @@ class WindowPlan:
     def new_output(self) -> np.ndarray:
         """Allocate the (uninitialised) output array ``[hi - lo, *row_shape]``.
 
+        Its memory starts at the same offset within a page as the first piece's bytes in
+        the file (see `page_matched`).
+
         Raises
         ------
         InvalidRequestError
@@ -107,28 +124,86 @@ class WindowPlan:
         """
         shape = (self.hi - self.lo, *self.row_shape)
         try:
-            return np.empty(shape, dtype=self.dtype)
+            nbytes = math.prod(shape) * self.dtype.itemsize
+            raw = np.empty(nbytes + PAGE, dtype=np.uint8)
         except (MemoryError, ValueError) as exc:
             raise InvalidRequestError(
                 f"the window's output {list(shape)} {self.dtype} cannot be allocated: {exc}"
             ) from None
+        at = 0
+        if self.pieces:
+            first = self.pieces[0]
+            at = first.offset - first.dst * (nbytes // shape[0])
+        if at % self.dtype.itemsize:  # numpy needs each element aligned to its size
+            at = 0
+        return page_matched(raw, at, nbytes).view(self.dtype).reshape(shape)
+
+
+def page_matched(buf: np.ndarray, offset: int, nbytes: int) -> np.ndarray:
+    """``nbytes`` of ``buf`` starting at the same offset within a page as file ``offset``.
+
+    Parameters
+    ----------
+    buf : numpy.ndarray
+        ``uint8``, C-contiguous, at least ``nbytes + PAGE`` bytes.
+    offset : int
+        File offset (bytes) of the data that will be read into the result.
+    nbytes : int
+        Bytes wanted.
+
+    Returns
+    -------
+    numpy.ndarray
+        A ``uint8`` view ``[nbytes]`` of ``buf`` whose address is ``offset`` modulo `PAGE`.
+
+    Notes
+    -----
+    The kernel copies page-cache bytes to user memory with ``rep movsb``; on x86 CPUs that copy
+    runs up to ten times slower when the destination lies a few bytes (1 to about 32) past the
+    source modulo 4096 ("4K aliasing"). Large numpy arrays start 16 bytes into a page, page-cache
+    bytes of a file's first row at 0: exactly that case. A destination at the source's page
+    offset never hits it (measured in ``docs/benchmarks.md``).
+    """
+    shift = (offset - buf.ctypes.data) % PAGE
+    return buf[shift : shift + nbytes]
 
 
 def _check_fill(fill: Any, dtype: np.dtype[Any]) -> int | float:
     if isinstance(fill, bool) or not isinstance(fill, int | float | np.integer | np.floating):
         raise InvalidRequestError(f"fill must be a number, got {type(fill).__name__}")
     if dtype.kind in "iu":
-        info = np.iinfo(dtype)
-        if not float(fill).is_integer() or not info.min <= fill <= info.max:
+        lo, hi = _int_range(dtype)
+        if not float(fill).is_integer() or not lo <= fill <= hi:
             raise InvalidRequestError(f"fill {fill!r} does not fit the output dtype {dtype}")
         return int(fill)
     return float(fill)
 
 
-def _output_dtype(field: str, stored: set[str], dtype: Any) -> np.dtype[Any]:
+@functools.lru_cache(maxsize=64)
+def _int_range(dtype: np.dtype[Any]) -> tuple[int, int]:
+    info = np.iinfo(dtype)
+    return int(info.min), int(info.max)
+
+
+def _output_dtype(field: str, stored: frozenset[str], dtype: Any) -> np.dtype[Any]:
     """The output dtype: int32/float32 by default (DESIGN §4), else ``dtype`` if it holds
     every stored dtype of the field without loss."""
-    float_field = any(np.dtype(d).kind == "f" for d in stored)
+    try:
+        return _output_dtype_cached(stored, dtype)
+    except TypeError:  # an unhashable dtype argument: let numpy say what is wrong with it
+        return _output_dtype_of(stored, dtype)
+    except _NarrowDtypeError as exc:
+        raise InvalidRequestError(
+            f"dtype {exc.args[0]} cannot hold the {exc.args[1]} rows of field {field!r}"
+        ) from None
+
+
+class _NarrowDtypeError(Exception):
+    """Raised (and cached nowhere) when an output dtype cannot hold a stored dtype."""
+
+
+def _output_dtype_of(stored: frozenset[str], dtype: Any) -> np.dtype[Any]:
+    float_field = any(_KIND[d] == "f" for d in stored)
     if dtype is None:
         return np.dtype(np.float32 if float_field else np.int32)
     try:
@@ -139,11 +214,12 @@ def _output_dtype(field: str, stored: set[str], dtype: Any) -> np.dtype[Any]:
         raise InvalidRequestError(f"dtype must be an integer or float dtype, got {out}")
     narrow = sorted(d for d in stored if not np.can_cast(d, out, "safe"))
     if narrow:
-        raise InvalidRequestError(
-            f"dtype {out} cannot hold the {', '.join(narrow)} rows of field {field!r}"
-        )
+        raise _NarrowDtypeError(out, ", ".join(narrow))
     native: np.dtype[Any] = out.newbyteorder("=")
     return native
+
+
+_output_dtype_cached = functools.lru_cache(maxsize=256)(_output_dtype_of)
 
 
 def plan_window(
@@ -195,36 +271,37 @@ def plan_window(
     mine = [s for s in segments if s.field == field]
     if not mine:
         return None
-    ranks = {len(s.shape) for s in mine}
-    if len(ranks) > 1:
+    rank = len(mine[0].shape)
+    if any(len(s.shape) != rank for s in mine):
+        ranks = sorted({len(s.shape) for s in mine})
         raise InvalidSegmentError(
-            f"segments of field {field!r} have row shapes of different ranks {sorted(ranks)}",
+            f"segments of field {field!r} have row shapes of different ranks {ranks}",
             field="shape",
         )
-    kinds = {np.dtype(s.dtype).kind for s in mine}
+    stored = frozenset(s.dtype for s in mine)
+    kinds = {_KIND[d] for d in stored}
     if "f" in kinds and len(kinds) > 1:
         raise InvalidSegmentError(
             f"segments of field {field!r} mix integer and float dtypes", field="dtype"
         )
-    out_dtype = _output_dtype(field, {s.dtype for s in mine}, dtype)
+    out_dtype = _output_dtype(field, stored, dtype)
     fill = _check_fill(fill, out_dtype)
     hits = [s for s in mine if max(s.pos, lo) < min(s.pos + s.rows, hi)]
-    shapes = [s.shape for s in (hits or mine)]
-    row_shape = tuple(max(dims) for dims in zip(*shapes, strict=True))
+    if len(hits) == 1:
+        row_shape = tuple(hits[0].shape)
+    else:
+        shapes = [s.shape for s in (hits or mine)]
+        row_shape = tuple(max(dims) for dims in zip(*shapes, strict=True))
     pieces = []
     for s in hits:
         start, stop = max(s.pos, lo), min(s.pos + s.rows, hi)
         rb = _row_nbytes(s)
+        offset = s.offset + (start - s.pos) * rb
+        end = s.offset + s.rows * rb
+        shape = tuple(s.shape)
         pieces.append(
             Piece(
-                file=s.file,
-                offset=s.offset + (start - s.pos) * rb,
-                nbytes=(stop - start) * rb,
-                end=segment_end(s),
-                dst=start - lo,
-                rows=stop - start,
-                dtype=s.dtype,
-                shape=tuple(s.shape),
+                s.file, offset, (stop - start) * rb, end, start - lo, stop - start, s.dtype, shape
             )
         )
     return WindowPlan(lo, hi, row_shape, out_dtype, fill, tuple(pieces))
@@ -270,6 +347,9 @@ def prepare_output(plan: WindowPlan, out: np.ndarray | None = None) -> np.ndarra
         out[...] = plan.fill
         return out
     # every row a piece touches is written whole; only the others start as fill
+    n = plan.hi - plan.lo
+    if any(p.dst == 0 and p.rows == n for p in plan.pieces):
+        return out
     covered = np.zeros(plan.hi - plan.lo, dtype=bool)
     for p in plan.pieces:
         covered[p.dst : p.dst + p.rows] = True
@@ -282,17 +362,22 @@ def direct_view(plan: WindowPlan, out: np.ndarray, piece: Piece) -> memoryview |
     """The bytes of ``out`` a piece's rows can be read straight into, or ``None``.
 
     Possible when ``out`` is C-contiguous, little-endian, has the piece's dtype and row shape:
-    then the stored bytes are the output bytes (a stored-dtype read needs no copy).
+    then the stored bytes are the output bytes (a stored-dtype read needs no copy). ``None``
+    too when those bytes start 1 to 63 bytes past the piece's offset modulo `PAGE`: the
+    kernel's copy is up to ten times slower there than a read into a page-matched buffer
+    plus numpy's copy (see `page_matched`).
     """
     if (
         piece.shape != out.shape[1:]
-        or np.dtype(piece.dtype).newbyteorder("<") != out.dtype.newbyteorder("<")
+        or out.dtype != _STORED[piece.dtype]  # the same type, little-endian
         or not out.flags.c_contiguous
-        or (out.dtype.byteorder == ">" or (out.dtype.byteorder == "=" and _BIG_ENDIAN))
     ):
         return None
     row = out.itemsize * math.prod(piece.shape)
-    return out.data.cast("B")[piece.dst * row : (piece.dst + piece.rows) * row]
+    start = piece.dst * row
+    if 0 < (out.ctypes.data + start - piece.offset) % PAGE < _ALIASED:
+        return None
+    return out.data.cast("B")[start : start + piece.rows * row]
 
 
 def place(plan: WindowPlan, out: np.ndarray, piece: Piece, data: Any) -> None:
@@ -301,7 +386,7 @@ def place(plan: WindowPlan, out: np.ndarray, piece: Piece, data: Any) -> None:
     Values go to the leading entries, ``fill`` to the rest of each row; numpy converts the
     dtype in one pass.
     """
-    rows = np.frombuffer(data, dtype=np.dtype(piece.dtype).newbyteorder("<"))
+    rows = np.frombuffer(data, dtype=_STORED[piece.dtype])
     rows = rows.reshape(piece.rows, *piece.shape)
     dst = out[piece.dst : piece.dst + piece.rows]
     if piece.shape == dst.shape[1:]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import posixpath
 import re
@@ -34,6 +35,8 @@ SUPPORTED_DTYPES: frozenset[str] = frozenset(
     {"uint8", "int8", "uint16", "int16", "int32", "float16", "float32"}
 )
 """numpy dtype names a segment may carry (one element of a row; little-endian on disk)."""
+
+_ITEMSIZE = {name: np.dtype(name).itemsize for name in SUPPORTED_DTYPES}
 
 NAME_PATTERN = re.compile(r"[A-Za-z0-9._-]{1,128}")
 """Pattern of run names and of the field names an append may use (a path component)."""
@@ -121,15 +124,24 @@ def check_relative_path(path: Any) -> str:
     """
     if not isinstance(path, str) or not path:
         raise ValueError("must be a non-empty string")
-    if "\x00" in path:
-        raise ValueError("must not contain NUL")
-    if path.startswith("/"):
-        raise ValueError(f"must be relative to the payload root, got {path!r}")
-    if "\\" in path or posixpath.normpath(path) != path or path.split("/")[0] in ("..", "."):
-        raise ValueError(f"must be a normalised path inside the payload root, got {path!r}")
-    if ".." in path.split("/"):
-        raise ValueError(f"must not contain '..', got {path!r}")
+    problem = _path_problem(path)
+    if problem is not None:
+        raise ValueError(problem)
     return path
+
+
+@functools.lru_cache(maxsize=4096)
+def _path_problem(path: str) -> str | None:
+    """What is wrong with a non-empty ``path``, or ``None``; cached: reads name few files."""
+    if "\x00" in path:
+        return "must not contain NUL"
+    if path.startswith("/"):
+        return f"must be relative to the payload root, got {path!r}"
+    if "\\" in path or posixpath.normpath(path) != path or path.split("/")[0] in ("..", "."):
+        return f"must be a normalised path inside the payload root, got {path!r}"
+    if ".." in path.split("/"):
+        return f"must not contain '..', got {path!r}"
+    return None
 
 
 def _check_seg_int(value: Any, name: str, index: int | None) -> int:
@@ -199,7 +211,7 @@ def validate_segment(seg: Any, index: int | None = None) -> PayloadSegment:
             index=index,
             field="shape",
         )
-    nbytes = np.dtype(seg.dtype).itemsize * math.prod(shape)
+    nbytes = _ITEMSIZE[seg.dtype] * math.prod(shape)
     if nbytes > INT64_MAX:
         raise InvalidSegmentError("row size overflows int64", index=index, field="shape")
     if pos + rows > INT64_MAX:
@@ -239,7 +251,7 @@ def row_nbytes(segment: PayloadSegment) -> int:
 
 
 def _row_nbytes(segment: PayloadSegment) -> int:
-    return np.dtype(segment.dtype).itemsize * math.prod(segment.shape)
+    return _ITEMSIZE[segment.dtype] * math.prod(segment.shape)
 
 
 def segment_end(segment: PayloadSegment) -> int:

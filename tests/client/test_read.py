@@ -14,6 +14,7 @@ from payload_client import (
     assemble,
     plan_window,
 )
+from payload_client._read import PAGE, direct_view, page_matched
 from tests.reference import dense_read
 
 # field -> (dtypes it may be written in, rank of its rows)
@@ -73,7 +74,10 @@ def test_read_matches_dense_model(
     assert got is not None
     assert got.dtype == want.dtype and got.shape == want.shape
     np.testing.assert_array_equal(got, want)
-    assert got.flags.c_contiguous and got.flags.writeable and got.flags.owndata
+    # fresh (DESIGN §4): shares memory with nothing, not even another read of the same window
+    assert got.flags.c_contiguous and got.flags.writeable and got.flags.aligned
+    again = local_read(files, segs, field, lo, lo + n, fill)
+    assert again is not None and not np.shares_memory(got, again)
 
 
 def seg(field: str, pos: int, rows: int, shape: list[int], offset: int = 0,
@@ -194,3 +198,37 @@ def test_out_arrays_that_do_not_fit_are_refused() -> None:
     frozen.flags.writeable = False
     with pytest.raises(InvalidRequestError, match="read-only"):
         assemble(plan, files["a.bin"], frozen)
+
+
+def test_page_matched_buffers_start_at_the_sources_page_offset() -> None:
+    buf = np.empty(10_000 + PAGE, np.uint8)
+    for offset in (0, 1, 16, 384, 4095, 4096 * 7 + 100):
+        view = page_matched(buf, offset, 10_000)
+        assert view.nbytes == 10_000 and np.shares_memory(view, buf)
+        assert view.ctypes.data % PAGE == offset % PAGE
+
+
+def test_new_outputs_start_where_their_first_piece_starts_in_its_page() -> None:
+    # a stored-dtype read of rows at file offset 384 * 5 lands on the same page offset
+    s = seg("routed", 10, 100, [48, 8], offset=384 * 5, dtype="uint8")
+    plan = plan_window([s], "routed", 12, 50, 0, dtype=np.uint8)
+    assert plan is not None
+    out = plan.new_output()
+    first = plan.pieces[0]
+    assert out.shape == (38, 48, 8) and out.dtype == np.uint8 and out.flags.c_contiguous
+    assert (out.ctypes.data + first.dst * 384) % PAGE == first.offset % PAGE
+    # an int32 read of rows at an offset that is no multiple of 4 stays aligned for numpy
+    odd = seg("mask", 0, 4, [3], offset=1, dtype="uint8")
+    plan = plan_window([odd], "mask", 0, 4, -1)
+    assert plan is not None and plan.new_output().ctypes.data % 4 == 0
+
+
+def test_direct_reads_avoid_destinations_just_past_the_source_in_its_page() -> None:
+    s = seg("routed", 0, 10, [48, 8], offset=0, dtype="uint8")
+    plan = plan_window([s], "routed", 0, 10, 0, dtype=np.uint8)
+    assert plan is not None
+    buf = np.empty(3840 + 2 * PAGE, np.uint8)
+    base = page_matched(buf, 0, 3840 + PAGE)
+    for shift, direct in ((0, True), (1, False), (16, False), (63, False), (64, True)):
+        out = base[shift : shift + 3840].reshape(10, 48, 8)
+        assert (direct_view(plan, out, plan.pieces[0]) is not None) is direct, shift

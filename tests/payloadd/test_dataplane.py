@@ -263,3 +263,22 @@ def test_what_a_client_does_to_its_descriptor_never_reaches_the_daemon(daemon: D
         seg = http.append(R, rows, 0, run="flags", step=0)  # the daemon's own pwrite, same file
         assert seg[0].file == lease.file
         np.testing.assert_array_equal(http.read_field(seg, R, 0, 3, 0), rows)
+
+
+def test_reads_into_outputs_at_any_page_offset_are_exact(daemon: Daemon) -> None:
+    # destinations a few bytes past the source in its page take the copy detour: same bytes
+    rows = np.random.default_rng(7).integers(0, 256, (300, 48, 8)).astype(np.uint8)
+    nbytes = rows.nbytes
+    with PayloadClient(daemon.socket) as c:
+        segs = c.append(R, rows, 0, run="pages", step=0)
+        src = segs[0].offset % 4096
+        buf = np.empty(nbytes + 2 * 4096, np.uint8)
+        base = (src - buf.ctypes.data) % 4096  # page offset of buf[base] == the source's
+        for shift in (0, 1, 8, 31, 32, 63, 64, 200, 4095):
+            out = buf[base + shift : base + shift + nbytes].reshape(rows.shape)
+            out[...] = 255
+            assert c.read_field(segs, R, 0, 300, 0, out=out) is out
+            np.testing.assert_array_equal(out, rows, err_msg=f"shift {shift}")
+        np.testing.assert_array_equal(
+            c.read_field(segs, R, 17, 290, 0, dtype=np.uint8), rows[17:290]
+        )
