@@ -10,7 +10,11 @@ repeated, interleaved with the others, and reported as median (min-max):
 - payloadd append and window read for each item size, over the data plane (descriptors) and
   over HTTP; reads go into a preallocated ``out=`` array, ``int32`` and stored ``uint8``;
 - one-row append round trips, p50 and p99, sync and async, on both transports;
-- 1, 4 and 8 concurrent writers (one client each) on the data plane.
+- 1, 4 and 8 concurrent writers (one client each) on the data plane;
+- the seed's RL batch (`payloadd._rl`) carried inline versus by handle (`payloadd._bench_rl`):
+  orchestrator memory, bytes sent, pack + encode and per-rank decode times;
+- the RL job end to end on Ray's object store versus payloadd (`payloadd._bench_ray`), when
+  Ray is installed (the ``ray`` extra), else a note.
 
 Rows are router-replay ids, ``uint8 [n, 48, 8]`` (384 bytes a row). Results go to a table on
 stdout, a JSON file and (when matplotlib is installed) a PNG plot.
@@ -20,6 +24,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import importlib.util
 import json
 import os
 import platform
@@ -40,7 +46,10 @@ from payload_client import AsyncPayloadClient, PayloadClient, PayloadSegment
 from payload_client._read import PAGE, page_matched
 
 from . import __version__
+from ._bench_ray import PAYLOADD, RAY, bench_ray, ray_available
+from ._bench_rl import bench_rl
 from ._process import start_daemon
+from ._rl import RLBatch
 
 __all__ = ["add_bench_flags", "run_bench"]
 
@@ -48,6 +57,16 @@ ROW = (48, 8)
 ROW_BYTES = 384
 FIELD = "routed_experts"
 SIZES = {"64KiB": 64 << 10, "1MiB": 1 << 20, "16MiB": 16 << 20}
+RL_BATCH = RLBatch()
+"""The seed's batch scaled to a 2-vCPU machine: 16 samples x 32k tokens, 30 turns, 2 DP x CP 4."""
+RL_QUICK = RLBatch(samples=4, tokens=4096, turns=6, seq_len=8192)
+RL_MEASURES = {
+    "resident": ("RL orchestrator resident", "MiB"),
+    "peak": ("RL orchestrator peak", "MiB"),
+    "wire": ("RL bytes sent", "MiB"),
+    "encode": ("RL pack + encode", "s"),
+    "decode": ("RL decode + materialise, a rank", "s"),
+}
 WRITE_RUN = "bench-writes"
 """Run the append measurements write to; removed after every sample."""
 
@@ -58,7 +77,7 @@ class Result:
 
     name: str
     size: str
-    unit: str  # "GB/s" or "ms"
+    unit: str  # "GB/s", "ms", "MiB" or "s"
     samples: list[float] = field(default_factory=list)
     baseline: str | None = None
 
@@ -232,6 +251,36 @@ class Bench:
                 c.close()
         return w * per_writer * rows.nbytes / seconds / 1e9
 
+    # -- the RL batch ------------------------------------------------------------------
+
+    def rl(self, spec: RLBatch) -> str | None:
+        """The seed's batch inline versus by handle (see `payloadd._bench_rl`); a note if no
+        pyzmq."""
+        if importlib.util.find_spec("zmq") is None:
+            return "the RL batch: pyzmq is not installed: pip install 'payloadd[bench]'"
+        size = f"{spec.samples}x{spec.tokens // 1024}k"
+        res = bench_rl(spec, self.socket, self.root.parent, self.repeat)
+        for key, (label, unit) in RL_MEASURES.items():
+            for value in res["inline"][key]:
+                self.add(f"{label} (inline)", size, unit, value, None)
+            for value in res["handle"][key]:
+                self.add(f"{label} (by handle)", size, unit, value, f"{label} (inline)")
+        return None
+
+    def ray(self, spec: RLBatch) -> str | None:
+        """The RL job end to end on Ray's object store and on payloadd; a note if no Ray."""
+        note = ray_available()
+        if note is not None:
+            return note
+        size = f"{spec.samples}x{spec.tokens // 1024}k"
+        times = bench_ray(spec, self.socket, self.repeat)
+        base = f"RL job ({RAY})"
+        for value in times[RAY]:
+            self.add(base, size, "s", value, None)
+        for value in times[PAYLOADD]:
+            self.add(f"RL job ({PAYLOADD})", size, "s", value, base)
+        return None
+
 
 def _append(c: PayloadClient, rows: np.ndarray) -> Callable[[], Any]:
     return lambda: c.append(FIELD, rows, 0, run=WRITE_RUN, step=0)
@@ -322,7 +371,10 @@ def plot(rows: list[dict[str, Any]], path: Path) -> bool:
     lat = [r for r in rows if r["unit"] == "ms"]
     sizes = list(dict.fromkeys(r["size"] for r in thr))
     names = list(dict.fromkeys(r["name"] for r in thr))
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(15, 6), gridspec_kw={"width_ratios": [3, 2]})
+    rl = [r for r in rows if r["unit"] in ("MiB", "s") and r["ratio"] is not None]
+    fig, (ax1, ax2, ax3) = plt.subplots(
+        1, 3, figsize=(20, 6), gridspec_kw={"width_ratios": [3, 2, 2]}
+    )
     width = 0.8 / max(len(names), 1)
     for i, name in enumerate(names):
         vals = [next((r for r in thr if r["name"] == name and r["size"] == s), None) for s in sizes]
@@ -342,6 +394,13 @@ def plot(rows: list[dict[str, Any]], path: Path) -> bool:
     ax2.set_xlabel("ms (median over repetitions)")
     ax2.set_title("One-row append round trip")
     ax2.tick_params(axis="y", labelsize=7)
+    ax3.barh(
+        [r["name"].removeprefix("RL ") for r in rl], [r["ratio"] for r in rl], color="tab:green"
+    )
+    ax3.axvline(1.0, color="black", linewidth=0.8)
+    ax3.set_xlabel("ratio of medians (lower is better)")
+    ax3.set_title("RL batch: by handle / inline; payloadd / Ray")
+    ax3.tick_params(axis="y", labelsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -380,12 +439,23 @@ def run_bench(args: argparse.Namespace) -> int:
             bench.throughput(sizes)
             bench.latency()
             bench.writers()
+            spec = RL_QUICK if args.quick else RL_BATCH
+            notes = [n for n in (bench.rl(spec), bench.ray(spec)) if n is not None]
             seconds = time.perf_counter() - t0
     rows = report(list(bench.results.values()))
     print(f"payloadd bench: {args.repeat} repetitions, {seconds:.0f} s, {_machine()}")
     print(format_table(rows))
+    for note in notes:
+        print(f"not measured: {note}")
     args.out.mkdir(parents=True, exist_ok=True)
-    doc = {"machine": _machine(), "repeat": args.repeat, "quick": args.quick, "results": rows}
+    doc = {
+        "machine": _machine(),
+        "repeat": args.repeat,
+        "quick": args.quick,
+        "rl_batch": dataclasses.asdict(spec),
+        "notes": notes,
+        "results": rows,
+    }
     (args.out / "bench.json").write_text(json.dumps(doc, indent=1) + "\n")
     drawn = plot(rows, args.out / "bench.png")
     print(f"wrote {args.out / 'bench.json'}" + (f" and {args.out / 'bench.png'}" if drawn else

@@ -117,6 +117,18 @@ def test_bench_quick_run_writes_parsable_figures(tmp_path: Path) -> None:
             rows["append (data plane)", size]["median"] / rows["raw pwrite", size]["median"]
         )
     assert rows["one-row append p50, sync (data plane)", "384B"]["unit"] == "ms"
+    for name, unit in (("RL orchestrator resident", "MiB"), ("RL bytes sent", "MiB"),
+                       ("RL pack + encode", "s"), ("RL decode + materialise, a rank", "s")):  # fmt: skip
+        inline, handle = rows[f"{name} (inline)", "4x4k"], rows[f"{name} (by handle)", "4x4k"]
+        assert inline["unit"] == handle["unit"] == unit and inline["median"] > 0
+        assert handle["ratio"] == pytest.approx(handle["median"] / inline["median"])
+    # by handle the message carries segments, not rows: far fewer bytes
+    assert rows["RL bytes sent (by handle)", "4x4k"]["ratio"] < 0.1
+    assert doc["rl_batch"]["samples"] == 4
+    if doc["notes"]:  # Ray is an optional extra
+        assert "ray is not installed" in doc["notes"][0]
+    else:
+        assert rows["RL job (payloadd)", "4x4k"]["median"] > 0
     assert (tmp_path / "o" / "bench.png").stat().st_size > 10_000
     assert "ideal int32 reader" in out.stdout
     assert not list(tmp_path.glob("payloadd-bench-*"))  # its temporary root is gone
