@@ -13,7 +13,7 @@ each turn at its own width). Per repetition and transport, in fresh processes:
 - the orchestrator (one process) builds the samples (inline: it holds the rows; by handle: it
   holds the segments inference returned), then packs and encodes, then publishes; it reports
   the resident memory the samples take (RSS after building minus RSS before), the peak
-  (highest RSS, ``ru_maxrss``, minus RSS before), the pack + encode time and the bytes sent
+  (highest RSS, ``VmHWM``, minus RSS before), the pack + encode time and the bytes sent
   (message bytes times subscribers);
 - ``dp x cp`` consumer processes subscribe (ZMQ over ``ipc://`` in the temporary folder), receive
   their DP rank's message and, one at a time (a lock keeps them off each other's CPU), time
@@ -26,7 +26,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
-import resource
 import statistics
 import time
 from pathlib import Path
@@ -51,8 +50,16 @@ def _rss() -> int:
 
 
 def _peak() -> int:
-    """Highest resident bytes of this process so far (``ru_maxrss`` is in KiB on Linux)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """Highest resident bytes of this process so far: ``VmHWM`` of ``/proc/self/status``.
+
+    Not ``ru_maxrss``: it keeps the resident size of the process image before ``exec``, so a
+    child spawned by a large parent would report the parent's size.
+    """
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024  # kB
+    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 # -- what travels ----------------------------------------------------------------------------
