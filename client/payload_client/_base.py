@@ -6,6 +6,7 @@ that decides what to send and what an answer means lives here, once.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -18,7 +19,7 @@ import numpy as np
 
 from ._dataplane import Steps, append_steps, read_steps
 from ._errors import InvalidRequestError, PayloadError, ProtocolError, error_from_wire
-from ._read import WindowPlan, place, plan_window, prepare_output
+from ._read import WindowPlan, direct_view, place, plan_window, prepare_output
 from ._segment import (
     INT64_MAX,
     SUPPORTED_DTYPES,
@@ -109,6 +110,10 @@ class Call(Generic[T]):
     expected : int or None
         Exact length of a successful answer's body when known in advance; the body is then
         received into one preallocated buffer.
+    targets : callable, optional
+        With ``expected``: gives the buffers the body is received into, in order, instead
+        (``(bytes view, called once it is full or None)``; their sizes add up to
+        ``expected``), e.g. the output arrays themselves.
     decode : callable
         Turns the successful answer's body into the result.
     """
@@ -121,6 +126,7 @@ class Call(Generic[T]):
     expected: int | None = None
     local: bool = False
     fast: Callable[[Any], Steps[T]] | None = None
+    targets: Callable[[], list[Target]] | None = None
 
     def http_body(self) -> tuple[dict[str, str], list[Any]]:
         """The request headers and body chunks for HTTP (built only when HTTP is used)."""
@@ -132,7 +138,7 @@ class Call(Generic[T]):
 
     def new_sink(self) -> _Sink:
         """Return a buffer to receive the answer's body into."""
-        return _Sink(self.expected)
+        return _Sink(self.expected, self.targets() if self.targets is not None else None)
 
     def raise_for_answer(self, status: int, body: bytes) -> None:
         """Raise the `PayloadError` a 4xx/5xx answer stands for."""
@@ -146,24 +152,52 @@ class Call(Generic[T]):
             raise error_from_wire(status, None, text or f"HTTP {status}") from None
 
 
-class _Sink:
-    """Receives a body chunk by chunk: into one preallocated buffer when its size is known."""
+Target = tuple[memoryview, Callable[[], None] | None]
+"""A buffer an answer's body is received into, and what to do once it is full."""
 
-    def __init__(self, expected: int | None):
+
+class _Sink:
+    """Receives a body chunk by chunk: into one preallocated buffer when its size is known,
+    or straight into the given targets."""
+
+    def __init__(self, expected: int | None, targets: list[Target] | None = None):
         self.expected = expected
         self.at = 0
         self.parts: list[bytes] = []
-        self.buf = bytearray(expected) if expected else None
-        self.view = memoryview(self.buf) if self.buf is not None else None
+        if targets is None:
+            self.buf = bytearray(expected) if expected else None
+            targets = [(memoryview(self.buf), None)] if self.buf is not None else []
+        else:
+            self.buf = None
+        self.targets = [(view, done) for view, done in targets if view.nbytes or done]
+        self.keep = expected is None
+        self.i = 0  # current target
+        self.t_at = 0  # bytes of it received
+        self._advance()
+
+    def _advance(self) -> None:  # pass and finish targets that are full
+        while self.i < len(self.targets) and self.t_at == self.targets[self.i][0].nbytes:
+            done = self.targets[self.i][1]
+            if done is not None:
+                done()
+            self.i, self.t_at = self.i + 1, 0
 
     def write(self, chunk: bytes) -> None:
         n = len(chunk)
-        if self.view is not None:
-            if self.at + n > len(self.view):
-                raise ProtocolError(f"answer longer than the {self.expected} bytes expected")
-            self.view[self.at : self.at + n] = chunk
-        else:
+        if self.keep:
             self.parts.append(chunk)
+            self.at += n
+            return
+        if self.at + n > (self.expected or 0):
+            raise ProtocolError(f"answer longer than the {self.expected} bytes expected")
+        data = memoryview(chunk)
+        while data.nbytes:
+            view = self.targets[self.i][0]
+            k = min(view.nbytes - self.t_at, data.nbytes)
+            view[self.t_at : self.t_at + k] = data[:k]
+            self.t_at += k
+            data = data[k:]
+            self._advance()
         self.at += n
 
     def result(self) -> Any:
@@ -336,22 +370,30 @@ class BaseClient:
             extents = [Extent(p.file, p.offset, p.nbytes, p.end) for p in pieces]
             return [_encoder.encode(ReadRequest(extents))]
 
-        def decode(data: Any) -> list[np.ndarray | None]:
-            view = memoryview(data)
-            at = 0
-            for plan, out in zip(plans, outs, strict=True):
-                if plan is not None and out is not None:
-                    for p in plan.pieces:
-                        place(plan, out, p, view[at : at + p.nbytes])
-                        at += p.nbytes
-            return outs
+        def targets() -> list[Target]:
+            # each piece's bytes straight into its output rows when they are the stored
+            # bytes, else into a buffer converted as soon as it is full (pieces stay in order:
+            # later ones overwrite earlier ones)
+            out: list[Target] = []
+            for plan, arr in zip(plans, outs, strict=True):
+                if plan is None or arr is None:
+                    continue
+                for p in plan.pieces:
+                    view = direct_view(plan, arr, p, kernel=False)
+                    if view is not None:
+                        out.append((view, None))
+                    else:
+                        staged = memoryview(bytearray(p.nbytes))
+                        out.append((staged, functools.partial(place, plan, arr, p, staged)))
+            return out
 
         return Call(
             "POST",
             "/v1/read",
-            decode=decode,
+            decode=lambda _: outs,
             headers={"Content-Type": MSGPACK_CONTENT_TYPE},
             body=body,
+            targets=targets,
             expected=total,
             local=not pieces,
             fast=lambda dp: _then(read_steps(plans, outs, dp.cache, dp.scratch), outs),

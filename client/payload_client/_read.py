@@ -358,14 +358,16 @@ def prepare_output(plan: WindowPlan, out: np.ndarray | None = None) -> np.ndarra
     return out
 
 
-def direct_view(plan: WindowPlan, out: np.ndarray, piece: Piece) -> memoryview | None:
+def direct_view(
+    plan: WindowPlan, out: np.ndarray, piece: Piece, *, kernel: bool = True
+) -> memoryview | None:
     """The bytes of ``out`` a piece's rows can be read straight into, or ``None``.
 
     Possible when ``out`` is C-contiguous, little-endian, has the piece's dtype and row shape:
     then the stored bytes are the output bytes (a stored-dtype read needs no copy). ``None``
-    too when those bytes start 1 to 63 bytes past the piece's offset modulo `PAGE`: the
-    kernel's copy is up to ten times slower there than a read into a page-matched buffer
-    plus numpy's copy (see `page_matched`).
+    too, when ``kernel`` (the kernel copies into them), if those bytes start 1 to 63 bytes
+    past the piece's offset modulo `PAGE`: the kernel's copy is up to ten times slower there
+    than a read into a page-matched buffer plus numpy's copy (see `page_matched`).
     """
     if (
         piece.shape != out.shape[1:]
@@ -375,7 +377,7 @@ def direct_view(plan: WindowPlan, out: np.ndarray, piece: Piece) -> memoryview |
         return None
     row = out.itemsize * math.prod(piece.shape)
     start = piece.dst * row
-    if 0 < (out.ctypes.data + start - piece.offset) % PAGE < _ALIASED:
+    if kernel and 0 < (out.ctypes.data + start - piece.offset) % PAGE < _ALIASED:
         return None
     return out.data.cast("B")[start : start + piece.rows * row]
 

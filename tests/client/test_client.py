@@ -20,9 +20,11 @@ from payload_client import (
     PayloadClient,
     PayloadError,
     PayloadSegment,
+    ProtocolError,
     ServerError,
     TransportError,
 )
+from payload_client._base import _Sink
 from payload_client._errors import error_from_wire, status_of
 
 
@@ -134,3 +136,24 @@ def test_a_window_too_large_to_allocate_fails_before_io(offline: PayloadClient) 
     s = PayloadSegment("f", "a.bin", 0, 0, 1, "uint8", [48, 8])
     with pytest.raises(InvalidRequestError, match="cannot be allocated"):
         offline.read_field([s], "f", 0, 2**50, 0)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 5, 7, 100])
+def test_http_bodies_land_in_their_targets_in_order_whatever_the_chunking(chunk: int) -> None:
+    a, b, c = bytearray(3), bytearray(4), bytearray(2)
+    seen: list[bytes] = []
+    targets = [(memoryview(a), None), (memoryview(b), lambda: seen.append(bytes(b))),
+               (memoryview(c), lambda: seen.append(bytes(c)))]  # fmt: skip
+    sink = _Sink(9, targets)
+    body = b"abcdefghi"
+    for i in range(0, len(body), chunk):
+        assert not seen or seen[0] == b"defg"  # a target is handed on as soon as it is full
+        sink.write(body[i : i + chunk])
+    sink.result()
+    assert (bytes(a), seen) == (b"abc", [b"defg", b"hi"])
+    with pytest.raises(ProtocolError, match="longer than the 9 bytes"):
+        sink.write(b"x")
+    short = _Sink(9, [(memoryview(bytearray(9)), None)])
+    short.write(b"abc")
+    with pytest.raises(ProtocolError, match="has 3 bytes, expected 9"):
+        short.result()
