@@ -11,6 +11,7 @@ repeated, interleaved with the others, and reported as median (min-max):
   over HTTP; reads go into a preallocated ``out=`` array, ``int32`` and stored ``uint8``;
 - one-row append round trips, p50 and p99, sync and async, on both transports;
 - 1, 4 and 8 concurrent writers (one client each) on the data plane;
+- the cost of ``--fsync always``: 1 MiB and one-row appends on a second daemon so configured;
 - the seed's RL batch (`payloadd._rl`) carried inline versus by handle (`payloadd._bench_rl`):
   orchestrator memory, bytes sent, pack + encode and per-rank decode times;
 - the RL job end to end on Ray's object store versus payloadd (`payloadd._bench_ray`), when
@@ -215,6 +216,25 @@ class Bench:
             for ts in ts_async:
                 self.add(f"one-row append p50, async ({name})", "384B", "ms", _pct(ts, 50), None)
                 self.add(f"one-row append p99, async ({name})", "384B", "ms", _pct(ts, 99), None)
+
+    # -- durability ----------------------------------------------------------------------
+
+    def fsync_cost(self) -> None:
+        """Appends under ``--fsync always`` (a second daemon on the same file system)."""
+        root, socket = self.root.parent / "root-fsync", self.root.parent / "fsync.sock"
+        rows, one = _rows(1 << 20), _rows(ROW_BYTES)
+        k, count = (8, 50) if self.quick else (32, 200)
+        with start_daemon(root, socket, "--fsync", "always"), PayloadClient(socket) as c:
+            for _ in range(self.repeat):
+                _append(c, rows)()  # lease held
+                per_call = _timed(_append(c, rows), k)
+                self.add("append, fsync always (data plane)", "1MiB", "GB/s",
+                         rows.nbytes / per_call / 1e9, "append (data plane)")  # fmt: skip
+                ts = [_timed(_append(c, one), 1) for _ in range(count)]
+                self.add("one-row append p50, fsync always (data plane)", "384B", "ms",
+                         _pct(ts, 50), "one-row append p50, sync (data plane)")  # fmt: skip
+                for d in root.glob(f"*/{WRITE_RUN}"):
+                    shutil.rmtree(d, ignore_errors=True)
 
     # -- concurrent writers ------------------------------------------------------------
 
@@ -441,6 +461,7 @@ def run_bench(args: argparse.Namespace) -> int:
             bench.throughput(sizes)
             bench.latency()
             bench.writers()
+            bench.fsync_cost()
             spec = RL_QUICK if args.quick else RL_BATCH
             notes = [n for n in (bench.rl(spec), bench.ray(spec)) if n is not None]
             seconds = time.perf_counter() - t0

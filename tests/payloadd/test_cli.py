@@ -117,6 +117,8 @@ def test_bench_quick_run_writes_parsable_figures(tmp_path: Path) -> None:
             rows["append (data plane)", size]["median"] / rows["raw pwrite", size]["median"]
         )
     assert rows["one-row append p50, sync (data plane)", "384B"]["unit"] == "ms"
+    fsynced = rows["append, fsync always (data plane)", "1MiB"]
+    assert fsynced["baseline"] == "append (data plane)" and fsynced["median"] > 0
     for name, unit in (("RL orchestrator resident", "MiB"), ("RL bytes sent", "MiB"),
                        ("RL pack + encode", "s"), ("RL decode + materialise, a rank", "s")):  # fmt: skip
         inline, handle = rows[f"{name} (inline)", "4x4k"], rows[f"{name} (by handle)", "4x4k"]
