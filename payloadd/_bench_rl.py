@@ -267,7 +267,7 @@ def _consume(
 
 def _materialise_inline(
     spec: RLBatch, mb: InlineMicroBatch, r: int
-) -> tuple[np.ndarray, np.ndarray]:
+) -> tuple[np.ndarray, np.ndarray | None]:
     """What a CP rank of the inline path does: widen its window of every tensor."""
     lo, hi = spec.windows(mb.length)[r]
     routed = np.full((hi - lo, LAYERS, TOP_K), ROUTED_FILL, np.int32)
@@ -279,6 +279,8 @@ def _materialise_inline(
     a, b = np.searchsorted(pos, [lo + 1, hi + 1])
     widths = np.diff(start[a : b + 1])
     every = np.diff(start)  # no row in the window: the widest of all (DESIGN §4)
+    if not len(every):  # no mask row left in the micro batch: no mask (as by handle)
+        return routed, None
     width = int(widths.max()) if len(widths) else int(every.max()) if len(every) else 1
     mask = np.full((hi - lo, width), MASK_FILL, np.int32)
     if len(widths):

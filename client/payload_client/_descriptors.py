@@ -17,7 +17,16 @@ import numpy as np
 
 from ._wire import NoteRequest
 
-__all__ = ["CACHE_FDS", "LEASES", "NOTE_EVERY", "Lease", "LeaseCache", "ReadCache", "Scratch"]
+__all__ = [
+    "CACHE_FDS",
+    "KEPT_SCRATCH",
+    "LEASES",
+    "NOTE_EVERY",
+    "Lease",
+    "LeaseCache",
+    "ReadCache",
+    "Scratch",
+]
 
 CACHE_FDS = 128
 """Read-only descriptors a client keeps open (least recently used ones are closed)."""
@@ -26,6 +35,8 @@ LEASES = 64
 connection."""
 NOTE_EVERY = 64
 """Appends a client places in its leases before it tells the daemon's counters."""
+KEPT_SCRATCH = 64 << 20
+"""Largest scratch buffer a client keeps for the next read (it keeps at most four)."""
 
 K = TypeVar("K")
 V = TypeVar("V")
@@ -167,5 +178,5 @@ class Scratch:
 
     def give(self, b: np.ndarray) -> None:
         with self.lock:
-            if len(self.free) < 4:
+            if len(self.free) < 4 and b.nbytes <= KEPT_SCRATCH:
                 self.free.append(b)

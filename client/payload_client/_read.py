@@ -41,6 +41,7 @@ PAGE = 4096
 the page cache."""
 
 _ALIASED = 64
+_MATCHED_OUTPUT = 64 << 10
 """A destination this few bytes past the source (modulo `PAGE`) makes the kernel's copy slow."""
 _KIND = {name: np.dtype(name).kind for name in SUPPORTED_DTYPES}
 _STORED = {name: np.dtype(name).newbyteorder("<") for name in SUPPORTED_DTYPES}
@@ -114,8 +115,8 @@ class WindowPlan:
     def new_output(self) -> np.ndarray:
         """Allocate the (uninitialised) output array ``[hi - lo, *row_shape]``.
 
-        Its memory starts at the same offset within a page as the first piece's bytes in
-        the file (see `page_matched`).
+        From 64 KiB up, its memory starts at the same offset within a page as the first
+        piece's bytes in the file (see `page_matched`): a view of a buffer one page larger.
 
         Raises
         ------
@@ -123,8 +124,10 @@ class WindowPlan:
             If it cannot be allocated.
         """
         shape = (self.hi - self.lo, *self.row_shape)
+        nbytes = math.prod(shape) * self.dtype.itemsize
         try:
-            nbytes = math.prod(shape) * self.dtype.itemsize
+            if nbytes < _MATCHED_OUTPUT:  # too small for the copy's speed to matter
+                return np.empty(shape, dtype=self.dtype)
             raw = np.empty(nbytes + PAGE, dtype=np.uint8)
         except (MemoryError, ValueError) as exc:
             raise InvalidRequestError(
@@ -189,9 +192,10 @@ def _output_dtype(field: str, stored: frozenset[str], dtype: Any) -> np.dtype[An
     """The output dtype: int32/float32 by default (DESIGN §4), else ``dtype`` if it holds
     every stored dtype of the field without loss."""
     try:
-        return _output_dtype_cached(stored, dtype)
-    except TypeError:  # an unhashable dtype argument: let numpy say what is wrong with it
-        return _output_dtype_of(stored, dtype)
+        try:
+            return _output_dtype_cached(stored, dtype)
+        except TypeError:  # an unhashable dtype argument: not cached
+            return _output_dtype_of(stored, dtype)
     except _NarrowDtypeError as exc:
         raise InvalidRequestError(
             f"dtype {exc.args[0]} cannot hold the {exc.args[1]} rows of field {field!r}"

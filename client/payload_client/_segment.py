@@ -124,15 +124,20 @@ def check_relative_path(path: Any) -> str:
     """
     if not isinstance(path, str) or not path:
         raise ValueError("must be a non-empty string")
-    problem = _path_problem(path)
+    # cached: reads name few files; long paths (rare, and bad ones) are not kept
+    problem = _path_problem(path) if len(path) <= _CACHED_PATH else _path_problem.__wrapped__(path)
     if problem is not None:
         raise ValueError(problem)
     return path
 
 
+_CACHED_PATH = 256
+"""Longest path whose verdict is cached (4096 of them: at most about 2 MiB)."""
+
+
 @functools.lru_cache(maxsize=4096)
 def _path_problem(path: str) -> str | None:
-    """What is wrong with a non-empty ``path``, or ``None``; cached: reads name few files."""
+    """What is wrong with a non-empty ``path``, or ``None``."""
     if "\x00" in path:
         return "must not contain NUL"
     if path.startswith("/"):

@@ -14,6 +14,7 @@ from payload_client import (
     assemble,
     plan_window,
 )
+from payload_client._descriptors import KEPT_SCRATCH, Scratch
 from payload_client._read import PAGE, direct_view, page_matched
 from tests.reference import dense_read
 
@@ -210,13 +211,16 @@ def test_page_matched_buffers_start_at_the_sources_page_offset() -> None:
 
 def test_new_outputs_start_where_their_first_piece_starts_in_its_page() -> None:
     # a stored-dtype read of rows at file offset 384 * 5 lands on the same page offset
-    s = seg("routed", 10, 100, [48, 8], offset=384 * 5, dtype="uint8")
-    plan = plan_window([s], "routed", 12, 50, 0, dtype=np.uint8)
+    s = seg("routed", 10, 400, [48, 8], offset=384 * 5, dtype="uint8")
+    plan = plan_window([s], "routed", 12, 250, 0, dtype=np.uint8)
     assert plan is not None
     out = plan.new_output()
     first = plan.pieces[0]
-    assert out.shape == (38, 48, 8) and out.dtype == np.uint8 and out.flags.c_contiguous
+    assert out.shape == (238, 48, 8) and out.dtype == np.uint8 and out.flags.c_contiguous
     assert (out.ctypes.data + first.dst * 384) % PAGE == first.offset % PAGE
+    # below 64 KiB a plain array: no page to spare for a copy that fast
+    small = plan_window([s], "routed", 12, 50, 0, dtype=np.uint8)
+    assert small is not None and small.new_output().flags.owndata
     # an int32 read of rows at an offset that is no multiple of 4 stays aligned for numpy
     odd = seg("mask", 0, 4, [3], offset=1, dtype="uint8")
     plan = plan_window([odd], "mask", 0, 4, -1)
@@ -232,3 +236,22 @@ def test_direct_reads_avoid_destinations_just_past_the_source_in_its_page() -> N
     for shift, direct in ((0, True), (1, False), (16, False), (63, False), (64, True)):
         out = base[shift : shift + 3840].reshape(10, 48, 8)
         assert (direct_view(plan, out, plan.pieces[0]) is not None) is direct, shift
+
+
+def test_an_unhashable_dtype_that_is_too_narrow_is_a_clear_error() -> None:
+    class Unhashable:
+        __hash__ = None  # type: ignore[assignment]
+        dtype = np.dtype("uint8")
+
+    s = seg("mask", 0, 2, [3])  # int32 rows
+    with pytest.raises(InvalidRequestError, match="cannot hold the int32 rows of field 'mask'"):
+        plan_window([s], "mask", 0, 2, -1, dtype=Unhashable())
+
+
+def test_only_moderate_scratch_buffers_are_kept_for_the_next_read() -> None:
+    scratch = Scratch()
+    small, big = scratch.take(1 << 20), scratch.take(KEPT_SCRATCH + 1)
+    scratch.give(small)
+    scratch.give(big)
+    assert scratch.free == [small]
+    assert scratch.take(1000) is small  # reused, not allocated again

@@ -6,6 +6,7 @@ import msgspec
 import pytest
 
 from payload_client import InvalidSegmentError, PayloadSegment, row_nbytes, validate_segment
+from payload_client._segment import _path_problem, check_relative_path
 
 GOOD = PayloadSegment("routed_experts", "n/r/0/f.bin", 128, 5, 3, "uint8", [48, 8])
 
@@ -97,3 +98,14 @@ def test_invalid_segment_names_the_bad_field(changes: dict[str, object], bad: st
 def test_not_a_segment_is_refused() -> None:
     with pytest.raises(InvalidSegmentError, match="expected a PayloadSegment"):
         validate_segment(("f", "a", 0, 0, 1, "uint8", [1]))
+
+
+def test_verdicts_on_long_paths_are_not_kept() -> None:
+    # a daemon checks every path it is sent: long ones must not pile up in the cache
+    _path_problem.cache_clear()
+    for k in range(5):
+        with pytest.raises(ValueError, match="relative to the payload root"):
+            check_relative_path("/" + "x" * 100_000 + str(k))
+        check_relative_path("a/" + "y" * 1000 + str(k))
+    check_relative_path("a/b.bin")
+    assert _path_problem.cache_info().currsize == 1

@@ -6,6 +6,7 @@ import itertools
 
 import msgspec
 import numpy as np
+import pytest
 
 from payload_client import PayloadClient, Window
 from payloadd._bench_rl import (
@@ -22,14 +23,23 @@ from payloadd._rl import MASK, MASK_FILL, ROUTED, ROUTED_FILL, RLBatch
 from tests.conftest import Daemon
 
 
-def test_inline_and_by_handle_give_every_rank_the_same_tensors(daemon: Daemon) -> None:
-    spec = RLBatch(samples=3, tokens=1000, turns=3, seq_len=2500, dp=2, cp=4)
+@pytest.mark.parametrize(
+    ("spec", "bins"),
+    [
+        (RLBatch(samples=3, tokens=1000, turns=3, seq_len=2500, dp=2, cp=4), [2, 1]),
+        # truncated to 7 tokens: every mask row is cut off, so neither path has a mask
+        (RLBatch(samples=2, tokens=12, turns=1, seq_len=7, dp=1, cp=7), [1, 1]),
+    ],
+)
+def test_inline_and_by_handle_give_every_rank_the_same_tensors(
+    daemon: Daemon, spec: RLBatch, bins: list[int]
+) -> None:
     with PayloadClient(daemon.socket) as c:
         segments = write_batch(spec, c, "rl-parity")
         inline = [_inline_sample(spec, i) for i in range(spec.samples)]
         handle = [_handle_sample(spec, i, segments[i]) for i in range(spec.samples)]
         batches = spec.micro_batches()
-        assert [len(b) for b in batches] == [2, 1]  # first fit: 2 x 1000 <= 2500
+        assert [len(b) for b in batches] == bins  # first fit
         for members in batches:
             # both through msgpack, as over ZMQ
             im = msgspec.msgpack.decode(
@@ -48,7 +58,10 @@ def test_inline_and_by_handle_give_every_rank_the_same_tensors(daemon: Daemon) -
                     ]
                 )
                 np.testing.assert_array_equal(routed, want_r)
-                np.testing.assert_array_equal(mask, want_m)
+                if want_m is None:
+                    assert mask is None
+                else:
+                    np.testing.assert_array_equal(mask, want_m)
 
 
 def test_the_rows_are_the_same_in_every_process() -> None:
