@@ -94,7 +94,23 @@ class Blocking:
     nbytes: int
 
 
-Steps = Generator[Exchange | Blocking, Any, T]
+@dataclass
+class Fresh:
+    """Step: forget the leases and descriptors of a daemon that went away (it restarted)
+    before the generator uses any; the generator receives ``None``."""
+
+
+Steps = Generator[Exchange | Blocking | Fresh, Any, T]
+
+_pid = [os.getpid()]
+"""This process's id, kept current across forks without asking the kernel on every call."""
+
+
+def _after_fork() -> None:
+    _pid[0] = os.getpid()
+
+
+os.register_at_fork(after_in_child=_after_fork)
 
 
 def _raise_for(reply: DataReply, fds: list[int], expect: type) -> None:
@@ -125,6 +141,7 @@ def _pread_into(fd: int, dest: memoryview, offset: int, file: str) -> None:
 def note_steps(leases: LeaseCache, ack: bool) -> Steps[None]:
     """Tell the daemon's counters about every append placed since the last note; with
     ``ack``, wait until the daemon has counted them."""
+    yield Fresh()
     note = leases.take_note()
     if note is not None:
         note.ack = ack
@@ -191,6 +208,7 @@ def append_steps(
     No round trip while the leases have room; a new lease costs one. Items the daemon will
     not lease (larger than its rotation size) go through `reserve_steps` instead.
     """
+    yield Fresh()
     sizes = [b.nbytes for b in bodies]
     places: list[tuple[Lease, int]] = []
     leases.begin()  # no lease descriptor is closed while this append writes
@@ -396,7 +414,7 @@ class _DataPlane:
     def __init__(self, path: str, timeout: float | None = None) -> None:
         self.path = path
         self.timeout = timeout
-        self.pid = os.getpid()
+        self.pid = _pid[0]
         self.sock: socket.socket | None = None
         self.cache = ReadCache()
         self.leases = LeaseCache()
@@ -418,9 +436,9 @@ class _DataPlane:
 
     def _check_owner(self) -> None:
         """A forked child starts over: its parent's leases and socket are not its own."""
-        if self.pid != os.getpid():
+        if self.pid != _pid[0]:
             self._drop()
-            self.pid = os.getpid()
+            self.pid = _pid[0]
 
 
 class SyncDataPlane(_DataPlane):
@@ -451,6 +469,8 @@ class SyncDataPlane(_DataPlane):
     def _exchange(self, request: DataRequest, reply: bool = True) -> Any:
         frame: _Frame | None = None
         with self.lock:
+            if _closed_by_peer(self.sock):  # restarted: a new connection, fresh descriptors
+                self._drop()
             sock = self._connect()
             try:
                 sock.sendall(_frame(request))
@@ -470,14 +490,12 @@ class SyncDataPlane(_DataPlane):
     def run(self, steps: Steps[T]) -> T:
         """Drive ``steps`` to its result; a step's failure is raised inside ``steps``.
 
-        Leases and descriptors of a daemon that went away are dropped first: a restarted
-        daemon hands out new ones.
+        Leases and descriptors of a daemon that went away are dropped at a `Fresh` step and
+        before every exchange: a restarted daemon hands out new ones.
         """
         with self.lock:
             self._check_owner()
-            if _closed_by_peer(self.sock):
-                self._drop()
-        resume: Callable[[Any], Exchange | Blocking] = steps.send
+        resume: Callable[[Any], Exchange | Blocking | Fresh] = steps.send
         value: Any = None
         while True:
             try:
@@ -485,11 +503,15 @@ class SyncDataPlane(_DataPlane):
             except StopIteration as stop:
                 return stop.value  # type: ignore[no-any-return]
             try:
-                value = (
-                    self._exchange(step.request, step.reply)
-                    if isinstance(step, Exchange)
-                    else step.fn()
-                )
+                if isinstance(step, Exchange):
+                    value = self._exchange(step.request, step.reply)
+                elif isinstance(step, Fresh):
+                    with self.lock:
+                        if _closed_by_peer(self.sock):
+                            self._drop()
+                    value = None
+                else:
+                    value = step.fn()
                 resume = steps.send
             except Exception as exc:
                 value, resume = exc, steps.throw
@@ -538,6 +560,8 @@ class AsyncDataPlane(_DataPlane):
             self.lock = asyncio.Lock()
         frame: _Frame | None = None
         async with self.lock:
+            if _closed_by_peer(self.sock):  # restarted: a new connection, fresh descriptors
+                self._drop()
             sock = await self._connect()
             loop = asyncio.get_running_loop()
             try:
@@ -559,13 +583,11 @@ class AsyncDataPlane(_DataPlane):
     async def run(self, steps: Steps[T]) -> T:
         """Drive ``steps`` to its result; a step's failure is raised inside ``steps``.
 
-        Leases and descriptors of a daemon that went away are dropped first.
+        Leases and descriptors of a daemon that went away are dropped at a `Fresh` step and
+        before every exchange.
         """
         self._check_owner()
-        idle = self.lock is None or not self.lock.locked()  # no reply is on its way
-        if idle and _closed_by_peer(self.sock):
-            self._drop()
-        resume: Callable[[Any], Exchange | Blocking] = steps.send
+        resume: Callable[[Any], Exchange | Blocking | Fresh] = steps.send
         value: Any = None
         while True:
             try:
@@ -575,6 +597,11 @@ class AsyncDataPlane(_DataPlane):
             try:
                 if isinstance(step, Exchange):
                     value = await self._exchange(step.request, step.reply)
+                elif isinstance(step, Fresh):
+                    idle = self.lock is None or not self.lock.locked()  # no reply on its way
+                    if idle and _closed_by_peer(self.sock):
+                        self._drop()
+                    value = None
                 elif step.nbytes > THREAD_BYTES:
                     value = await asyncio.to_thread(step.fn)
                 else:

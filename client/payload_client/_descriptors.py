@@ -140,6 +140,12 @@ class LeaseCache(_Cache[tuple[str, int, str], Lease]):
             self.unnoted = [0, 0, 0]
             return NoteRequest(u[0], u[1], u[2])
 
+    def clear(self) -> None:
+        """Forget every lease, and the appends untold: they went to a daemon that is gone."""
+        with self.lock:
+            self.unnoted = [0, 0, 0]
+        super().clear()
+
     def take_note(self) -> NoteRequest | None:
         """The note of every untold append, if any (before stats, at close)."""
         with self.lock:

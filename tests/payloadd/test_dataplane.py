@@ -282,3 +282,19 @@ def test_reads_into_outputs_at_any_page_offset_are_exact(daemon: Daemon) -> None
         np.testing.assert_array_equal(
             c.read_field(segs, R, 17, 290, 0, dtype=np.uint8), rows[17:290]
         )
+
+
+def test_after_a_restart_reads_and_appends_stay_on_the_data_plane(tmp_path: Path) -> None:
+    sock = tmp_path / "payloadd.sock"
+    with PayloadClient(sock) as c:
+        with start_daemon(tmp_path / "root", sock):
+            first = c.append(R, np.full((2, 2), 5, np.uint8), 0, run="rs2", step=0)
+            assert c.read_field(first, R, 0, 2, 0) is not None  # its descriptor is cached
+        with start_daemon(tmp_path / "root", sock):
+            second = c.append(R, np.full((2, 2), 6, np.uint8), 2, run="rs2", step=0)
+            got = c.read_field(first + second, R, 0, 4, 0)  # cached + a new file to open
+            np.testing.assert_array_equal(got, [[5, 5]] * 2 + [[6, 6]] * 2)
+            stats = c.stats()
+            assert stats.reads == 0 and stats.appends == 1  # nothing went over HTTP
+            assert stats.data_plane_requests >= 2  # a lease, an open
+            assert first[0].file != second[0].file
