@@ -27,6 +27,7 @@ import argparse
 import asyncio
 import dataclasses
 import importlib.util
+import itertools
 import json
 import os
 import platform
@@ -68,6 +69,8 @@ RL_MEASURES = {
     "encode": ("RL pack + encode", "s"),
     "decode": ("RL decode + materialise, a rank", "s"),
 }
+READ_SET = 64 << 20
+"""Bytes of distinct stored copies the reads of one item size rotate over."""
 WRITE_RUN = "bench-writes"
 """Run the append measurements write to; removed after every sample."""
 
@@ -140,14 +143,18 @@ class Bench:
     ) -> None:
         n = rows.nbytes
         k = _calls_for(n, self.quick)
-        (seg,) = fast.append(FIELD, rows, 0, run="bench", step=0)
+        # reads rotate over distinct stored copies (64 MiB in all, more than the CPU's
+        # caches), as a trainer reads new windows every time; baselines rotate the same way
+        segs = [s for _ in range(max(1, READ_SET // n)) for s in fast.append(FIELD, rows, 0,
+                run="bench", step=0)]  # fmt: skip
         # page-aligned, as a pinned buffer a trainer reuses: a destination 1-63 bytes past the
         # source in its page makes the kernel's copy up to 10x slower (see _read.page_matched)
         out32 = _page_aligned(n * 4).view(np.int32).reshape(len(rows), *ROW)
         out8 = _page_aligned(n).reshape(len(rows), *ROW)
         buf = _page_aligned(n)
         raw = self.scratch / f"pwrite-{label}.bin"  # beside the root, on its file system
-        rfd = os.open(self.root / seg.file, os.O_RDONLY)  # baseline: the very bytes stored
+        rfds = {f: os.open(self.root / f, os.O_RDONLY) for f in {s.file for s in segs}}
+        turn = itertools.cycle([(rfds[s.file], s.offset) for s in segs])  # the stored bytes
         wfd = [os.open(raw, os.O_WRONLY | os.O_CREAT)]
         end = [0]
         data = rows.tobytes()
@@ -163,10 +170,12 @@ class Bench:
             end[0] = 0
 
         def preadv() -> None:
-            os.preadv(rfd, [buf.data], seg.offset)
+            fd, offset = next(turn)
+            os.preadv(fd, [buf.data], offset)
 
         def ideal() -> None:
-            os.preadv(rfd, [buf.data], seg.offset)
+            fd, offset = next(turn)
+            os.preadv(fd, [buf.data], offset)
             out32[...] = buf.reshape(out32.shape)
 
         ops: list[tuple[str, Callable[[], Any], str | None]] = [
@@ -177,8 +186,8 @@ class Bench:
         for name, c in (("data plane", fast), ("http", http)):
             ops += [
                 (f"append ({name})", _append(c, rows), "raw pwrite"),
-                (f"read int32 out= ({name})", _read(c, seg, out32), "ideal int32 reader"),
-                (f"read uint8 out= ({name})", _read(c, seg, out8), "raw preadv"),
+                (f"read int32 out= ({name})", _read(c, segs, out32), "ideal int32 reader"),
+                (f"read uint8 out= ({name})", _read(c, segs, out8), "raw preadv"),
             ]
         try:
             for r in range(self.repeat):
@@ -190,7 +199,8 @@ class Bench:
                 self.drop_writes()
                 new_raw_file()  # both baselines and appends start each repetition anew
         finally:
-            os.close(rfd)
+            for fd in rfds.values():
+                os.close(fd)
             os.close(wfd[0])
             raw.unlink()
 
@@ -308,8 +318,14 @@ def _append(c: PayloadClient, rows: np.ndarray) -> Callable[[], Any]:
     return lambda: c.append(FIELD, rows, 0, run=WRITE_RUN, step=0)
 
 
-def _read(c: PayloadClient, seg: PayloadSegment, out: np.ndarray) -> Callable[[], Any]:
-    return lambda: c.read_field([seg], FIELD, seg.pos, seg.pos + seg.rows, 0, out=out)
+def _read(c: PayloadClient, segs: list[PayloadSegment], out: np.ndarray) -> Callable[[], Any]:
+    turn = itertools.cycle([[s] for s in segs])
+
+    def read() -> Any:
+        one = next(turn)
+        return c.read_field(one, FIELD, one[0].pos, one[0].pos + one[0].rows, 0, out=out)
+
+    return read
 
 
 def _pct(samples: list[float], q: float) -> float:
