@@ -456,6 +456,12 @@ def add_bench_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeat", type=int, default=5, help="repetitions of every measurement [5]")
     p.add_argument("--quick", action="store_true", help="64KiB and 1MiB only, fewer calls")
     p.add_argument(
+        "--skip-ray",
+        action="store_true",
+        help="skip the Ray comparison even when Ray is installed (it starts servers on every "
+        "network interface)",
+    )
+    p.add_argument(
         "--out",
         type=Path,
         default=Path("docs/benchmarks"),
@@ -479,7 +485,8 @@ def run_bench(args: argparse.Namespace) -> int:
             bench.writers()
             bench.fsync_cost()
             spec = RL_QUICK if args.quick else RL_BATCH
-            notes = [n for n in (bench.rl(spec), bench.ray(spec)) if n is not None]
+            ray = "Ray: skipped (--skip-ray)" if args.skip_ray else bench.ray(spec)
+            notes = [n for n in (bench.rl(spec), ray) if n is not None]
             seconds = time.perf_counter() - t0
     rows = report(list(bench.results.values()))
     print(f"payloadd bench: {args.repeat} repetitions, {seconds:.0f} s, {_machine()}")
