@@ -14,6 +14,7 @@ from typing import Any
 
 import msgspec
 from fastapi import FastAPI, Request, Response
+from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
@@ -37,7 +38,7 @@ from . import __version__
 from ._dataplane import DataPlaneServer
 from ._openapi import install_openapi, operation
 from ._settings import Settings
-from ._store import Store, item_nbytes
+from ._store import ExtentReader, Store, item_nbytes
 
 __all__ = ["create_app"]
 
@@ -47,6 +48,19 @@ THREAD_BYTES = 1 << 20
 """Reads of more bytes than this run in the thread pool, so the event loop keeps serving."""
 THREAD_PARTS = 64
 """So do reads of more extents and appends of more items than this."""
+READ_CHUNK = 1 << 20
+"""Bytes of a large read the daemon reads (in the thread pool) and sends at a time."""
+
+
+async def _stream(reader: ExtentReader) -> AsyncIterator[memoryview]:
+    """The read's bytes, a chunk at a time, each read in the thread pool; closes the reader."""
+    chunks = reader.chunks(READ_CHUNK)
+    try:
+        while (chunk := await run_in_threadpool(next, chunks, None)) is not None:
+            yield memoryview(chunk)
+    finally:
+        reader.close()
+
 
 _msgpack = msgspec.msgpack.Encoder()
 _json = msgspec.json.Encoder()
@@ -248,11 +262,18 @@ def create_app(settings: Settings, data_listener: socket.socket | None = None) -
         except msgspec.DecodeError as exc:
             raise InvalidRequestError(f"bad read request: {exc}") from None
         extents = req.extents
-        if len(extents) > THREAD_PARTS or sum(e.nbytes for e in extents) > THREAD_BYTES:
-            data = await run_in_threadpool(store.read_extents, extents)
-        else:
+        big = len(extents) > THREAD_PARTS or sum(e.nbytes for e in extents) > THREAD_BYTES
+        if not big:
             data = store.read_extents(extents)
-        return Response(memoryview(data), media_type="application/octet-stream")
+            return Response(memoryview(data), media_type="application/octet-stream")
+        # checked and opened first (errors are still answers), then streamed chunk by chunk:
+        # the daemon holds READ_CHUNK bytes of it at a time, and sending starts at once
+        reader = await run_in_threadpool(store.open_extents, extents)
+        return StreamingResponse(
+            _stream(reader),
+            media_type="application/octet-stream",
+            headers={"Content-Length": str(reader.total)},
+        )
 
     install_openapi(app)
     return app

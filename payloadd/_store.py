@@ -41,7 +41,7 @@ from payload_client import (
 from payload_client._segment import INT64_MAX, check_name, check_relative_path
 from payload_client._wire import AppendItem, Extent, Stats
 
-__all__ = ["Lease", "PendingAppend", "Store"]
+__all__ = ["ExtentReader", "Lease", "PendingAppend", "Store"]
 
 DIR_MODE = 0o750
 FILE_MODE = 0o640
@@ -577,8 +577,16 @@ class Store:
             raise
         return fd
 
-    def read_extents(self, extents: Sequence[Extent]) -> bytearray:
-        """Read byte ranges with pread; return them concatenated in order.
+    def open_extents(self, extents: Sequence[Extent]) -> ExtentReader:
+        """Check a read of byte ranges and open its files; nothing is read yet.
+
+        Every check that can fail before a byte is sent happens here, so that an HTTP answer
+        can still be an error.
+
+        Returns
+        -------
+        ExtentReader
+            Reads the ranges in order (`ExtentReader.chunks`); close it when done.
 
         Raises
         ------
@@ -587,7 +595,7 @@ class Store:
         PayloadTooLargeError
             The total is above ``max_read_bytes``.
         FileMissingError, SegmentFileError, InvalidSegmentError
-            See `open_for_read`; nothing is returned then.
+            See `open_for_read`.
         """
         total = 0
         for i, e in enumerate(extents):
@@ -602,32 +610,38 @@ class Store:
             )
         fds: dict[str, int] = {}
         try:
-            for e in extents:  # check every file before allocating or reading anything
+            for e in extents:  # check every file before reading anything
                 if e.file not in fds:
                     fds[e.file] = self.open_for_read(e.file, e.end)
                 elif e.end > os.fstat(fds[e.file]).st_size:
                     self.open_for_read(e.file, e.end)  # raises the size error
-            out = bytearray(total)  # bounded by the files' sizes now
-            view = memoryview(out)
-            at = 0
-            with os_errors(self.root):
-                for e in extents:
-                    got = 0
-                    while got < e.nbytes:
-                        n = os.preadv(fds[e.file], [view[at + got : at + e.nbytes]], e.offset + got)
-                        if n == 0:
-                            raise SegmentFileError(
-                                f"payload file {e.file!r} shrank during the read"
-                            )
-                        got += n
-                    at += e.nbytes
-        finally:
+        except BaseException:
             for fd in fds.values():
                 os.close(fd)
+            raise
+        return ExtentReader(self, list(extents), fds, total)
+
+    def read_extents(self, extents: Sequence[Extent]) -> bytearray:
+        """Read byte ranges with pread; return them concatenated in order.
+
+        Raises
+        ------
+        InvalidRequestError, PayloadTooLargeError, FileMissingError, SegmentFileError,
+        InvalidSegmentError
+            See `open_extents`; nothing is returned then.
+        """
+        reader = self.open_extents(extents)
+        try:
+            out = bytearray(reader.total)  # bounded by the files' sizes now
+            reader.read_into(memoryview(out))
+        finally:
+            reader.close()
+        return out
+
+    def _count_read(self, nbytes: int) -> None:
         with self._lock:
             self._counts["reads"] += 1
-            self._counts["bytes_read"] += total
-        return out
+            self._counts["bytes_read"] += nbytes
 
     def close(self) -> None:
         """Close every descriptor the store holds (at shutdown)."""
@@ -661,3 +675,59 @@ class Store:
             max_file_bytes=self.max_file_bytes,
             **c,
         )
+
+
+class ExtentReader:
+    """The open files of one checked read (`Store.open_extents`): reads its ranges in order.
+
+    Attributes
+    ----------
+    total : int
+        Bytes the read gives in all.
+    """
+
+    def __init__(
+        self, store: Store, extents: list[Extent], fds: dict[str, int], total: int
+    ) -> None:
+        self._store, self._extents, self._fds, self.total = store, extents, fds, total
+
+    def read_into(self, view: memoryview, start: int = 0) -> None:
+        """Fill ``view`` with the read's bytes ``[start, start + len(view))``.
+
+        Raises
+        ------
+        SegmentFileError
+            A file shrank during the read.
+        InsufficientStorageError, ServerError
+            An I/O error (see `os_errors`).
+        """
+        at, stop = 0, start + view.nbytes
+        with os_errors(self._store.root):
+            for e in self._extents:  # the part of each extent inside [start, stop)
+                lo, hi = max(at, start), min(at + e.nbytes, stop)
+                while lo < hi:
+                    n = os.preadv(self._fds[e.file], [view[lo - start : hi - start]],
+                                  e.offset + lo - at)  # fmt: skip
+                    if n == 0:
+                        raise SegmentFileError(f"payload file {e.file!r} shrank during the read")
+                    lo += n
+                at += e.nbytes
+                if at >= stop:
+                    break
+        if stop == self.total:
+            self._store._count_read(self.total)
+
+    def chunks(self, size: int) -> Iterator[bytearray]:
+        """The read's bytes in order, ``size`` bytes a chunk (the last one shorter)."""
+        if not self.total:
+            self._store._count_read(0)
+        for start in range(0, self.total, size):
+            chunk = bytearray(min(size, self.total - start))
+            self.read_into(memoryview(chunk), start)
+            yield chunk
+
+    def close(self) -> None:
+        """Close the read's descriptors."""
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds = {}

@@ -343,3 +343,21 @@ def test_reads_into_caller_arrays_and_other_dtypes(client: PayloadClient) -> Non
     np.testing.assert_array_equal(pinned[:10], rows[10:20])
     np.testing.assert_array_equal(mask_buf[:15, :5], mask[15:])
     assert (mask_buf[15:] == -1).all() and (mask_buf[:, 5:] == -1).all()
+
+
+def test_large_http_reads_stream_and_errors_still_come_first(
+    daemon: Daemon, http: httpx.Client
+) -> None:
+    rows = np.random.default_rng(11).integers(0, 256, (9000, 48, 8)).astype(np.uint8)  # 3.5 MB
+    with PayloadClient(daemon.socket, data_plane=False) as c:
+        segs = c.append_many([(R, rows[:5000], 0), (R, rows[5000:], 5000)], run="stream", step=0)
+        flat = [s for group in segs for s in group]
+        before = c.stats()
+        got = c.read_field(flat, R, 100, 8900, 0, dtype=np.uint8)
+        after = c.stats()
+    np.testing.assert_array_equal(got, rows[100:8900])
+    assert after.reads == before.reads + 1 and after.bytes_read - before.bytes_read == 8800 * 384
+    s = flat[0]
+    big = [[s.file, s.offset, 5000 * 384, s.offset + 5000 * 384], ["nope/missing.bin", 0, 1, 1]]
+    r = http.post("/v1/read", json={"extents": big})
+    assert r.status_code == 404 and "missing.bin" in r.json()["message"]

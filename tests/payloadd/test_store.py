@@ -249,3 +249,34 @@ def test_files_are_closed_when_sealed_and_unused(tmp_path: Path) -> None:
         os.fstat(first)  # closed now that nobody uses it
     assert len(os.listdir("/proc/self/fd")) <= before + 1  # only the current file's
     store.close()
+
+
+@pytest.mark.parametrize("size", [1, 7, 384, 1000, 10_000])
+def test_chunked_reads_give_the_same_bytes_as_whole_ones(tmp_path: Path, size: int) -> None:
+    store = Store(tmp_path / "root", "n")
+    rng = np.random.default_rng(size)
+    data = rng.integers(0, 256, 20 * 384).astype(np.uint8)
+    segs = [s for group in store.append([item(12), item(8, run="other")], data) for s in group]
+    a, b = segs
+    extents = [Extent(b.file, 384, 3 * 384, b.offset + 8 * 384), Extent(a.file, 5, 2000, 12 * 384),
+               Extent(a.file, 0, 0, 12 * 384), Extent(b.file, 0, 384, 8 * 384)]  # fmt: skip
+    whole = store.read_extents(extents)
+    before = store.stats().reads
+    reader = store.open_extents(extents)
+    try:
+        chunks = list(reader.chunks(size))
+    finally:
+        reader.close()
+    assert b"".join(chunks) == whole and len(whole) == reader.total == 3 * 384 + 2000 + 384
+    assert all(len(c) == size for c in chunks[:-1]) and 0 < len(chunks[-1]) <= size
+    assert store.stats().reads == before + 1  # counted once, when the last chunk is read
+
+
+def test_a_read_that_cannot_be_answered_fails_before_a_byte_is_read(tmp_path: Path) -> None:
+    store = Store(tmp_path / "root", "n")
+    (s,) = store.append([item(2)], bytes(768))[0]
+    store.read_extents([Extent(s.file, 0, 768, 768)])  # the store's own caches are warm
+    open_fds = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(FileMissingError):  # the second file is checked before the first is read
+        store.open_extents([Extent(s.file, 0, 768, 768), Extent("n/nope.bin", 0, 1, 1)])
+    assert len(os.listdir("/proc/self/fd")) == open_fds  # the first file's descriptor is closed
