@@ -485,8 +485,9 @@ def run_bench(args: argparse.Namespace) -> int:
             bench.writers()
             bench.fsync_cost()
             spec = RL_QUICK if args.quick else RL_BATCH
-            ray = "Ray: skipped (--skip-ray)" if args.skip_ray else bench.ray(spec)
-            notes = [n for n in (bench.rl(spec), ray) if n is not None]
+            notes = [bench.rl(spec)]
+            notes.append("Ray: skipped (--skip-ray)" if args.skip_ray else bench.ray(spec))
+            notes = [n for n in notes if n is not None]
             seconds = time.perf_counter() - t0
     rows = report(list(bench.results.values()))
     print(f"payloadd bench: {args.repeat} repetitions, {seconds:.0f} s, {_machine()}")
