@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import threading
@@ -275,8 +276,17 @@ def test_chunked_reads_give_the_same_bytes_as_whole_ones(tmp_path: Path, size: i
 def test_a_read_that_cannot_be_answered_fails_before_a_byte_is_read(tmp_path: Path) -> None:
     store = Store(tmp_path / "root", "n")
     (s,) = store.append([item(2)], bytes(768))[0]
+    path = str(tmp_path / "root" / s.file)
+
+    def open_on_file() -> int:  # this process's descriptors of the data file
+        fds = []
+        for fd in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):  # closed meanwhile (the listing's own)
+                fds.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return fds.count(path)
+
     store.read_extents([Extent(s.file, 0, 768, 768)])  # the store's own caches are warm
-    open_fds = len(os.listdir("/proc/self/fd"))
+    held = open_on_file()
     with pytest.raises(FileMissingError):  # the second file is checked before the first is read
         store.open_extents([Extent(s.file, 0, 768, 768), Extent("n/nope.bin", 0, 1, 1)])
-    assert len(os.listdir("/proc/self/fd")) == open_fds  # the first file's descriptor is closed
+    assert open_on_file() == held  # the descriptor opened for the first file is closed
