@@ -18,6 +18,7 @@ import secrets
 import stat
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -690,6 +691,9 @@ class ExtentReader:
         self, store: Store, extents: list[Extent], fds: dict[str, int], total: int
     ) -> None:
         self._store, self._extents, self._fds, self.total = store, extents, fds, total
+        # closed exactly once: by `close`, or when the reader is dropped unread (an HTTP
+        # client that went away before its answer started)
+        self._closer = weakref.finalize(self, _close_all, list(fds.values()))
 
     def read_into(self, view: memoryview, start: int = 0) -> None:
         """Fill ``view`` with the read's bytes ``[start, start + len(view))``.
@@ -727,7 +731,10 @@ class ExtentReader:
             yield chunk
 
     def close(self) -> None:
-        """Close the read's descriptors."""
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds = {}
+        """Close the read's descriptors (again: nothing)."""
+        self._closer()
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)

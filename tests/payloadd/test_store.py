@@ -290,3 +290,28 @@ def test_a_read_that_cannot_be_answered_fails_before_a_byte_is_read(tmp_path: Pa
     with pytest.raises(FileMissingError):  # the second file is checked before the first is read
         store.open_extents([Extent(s.file, 0, 768, 768), Extent("n/nope.bin", 0, 1, 1)])
     assert open_on_file() == held  # the descriptor opened for the first file is closed
+
+
+def test_a_reader_dropped_unread_closes_its_descriptors(tmp_path: Path) -> None:
+    # an HTTP client that goes away before its streamed answer starts leaves such a reader
+    store = Store(tmp_path / "root", "n")
+    (s,) = store.append([item(2)], bytes(768))[0]
+    store.read_extents([Extent(s.file, 0, 768, 768)])  # the store's own caches are warm
+    path = str(tmp_path / "root" / s.file)
+
+    def open_on_file() -> int:
+        links = []
+        for fd in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):
+                links.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return links.count(path)
+
+    held = open_on_file()
+    reader = store.open_extents([Extent(s.file, 0, 768, 768)])
+    assert open_on_file() == held + 1
+    del reader
+    assert open_on_file() == held
+    reader = store.open_extents([Extent(s.file, 0, 768, 768)])
+    reader.close()
+    reader.close()  # closing twice closes nothing else
+    assert open_on_file() == held
