@@ -695,8 +695,14 @@ class ExtentReader:
         # client that went away before its answer started)
         self._closer = weakref.finalize(self, _close_all, list(fds.values()))
 
-    def read_into(self, view: memoryview, start: int = 0) -> None:
-        """Fill ``view`` with the read's bytes ``[start, start + len(view))``.
+    def _pieces(self) -> Iterator[tuple[int, int, int, str]]:
+        """``(descriptor, file offset, bytes, file)`` of each extent, in order."""
+        for e in self._extents:
+            if e.nbytes:
+                yield self._fds[e.file], e.offset, e.nbytes, e.file
+
+    def read_into(self, view: memoryview) -> None:
+        """Fill ``view`` (``total`` bytes) with the read's bytes.
 
         Raises
         ------
@@ -705,30 +711,46 @@ class ExtentReader:
         InsufficientStorageError, ServerError
             An I/O error (see `os_errors`).
         """
-        at, stop = 0, start + view.nbytes
-        with os_errors(self._store.root):
-            for e in self._extents:  # the part of each extent inside [start, stop)
-                lo, hi = max(at, start), min(at + e.nbytes, stop)
-                while lo < hi:
-                    n = os.preadv(self._fds[e.file], [view[lo - start : hi - start]],
-                                  e.offset + lo - at)  # fmt: skip
-                    if n == 0:
-                        raise SegmentFileError(f"payload file {e.file!r} shrank during the read")
-                    lo += n
-                at += e.nbytes
-                if at >= stop:
-                    break
-        if stop == self.total:
-            self._store._count_read(self.total)
+        self._fill(self._pieces(), view, [None])
+        self._store._count_read(self.total)
 
     def chunks(self, size: int) -> Iterator[bytearray]:
-        """The read's bytes in order, ``size`` bytes a chunk (the last one shorter)."""
-        if not self.total:
-            self._store._count_read(0)
+        """The read's bytes in order, ``size`` bytes a chunk (the last one shorter); each
+        extent is visited once, whatever the number of chunks.
+
+        Raises
+        ------
+        SegmentFileError, InsufficientStorageError, ServerError
+            As `read_into`, from the chunk being read.
+        """
+        pieces = self._pieces()
+        current: list[Any] = [None]  # the piece being read, carried from chunk to chunk
         for start in range(0, self.total, size):
             chunk = bytearray(min(size, self.total - start))
-            self.read_into(memoryview(chunk), start)
+            self._fill(pieces, memoryview(chunk), current)
             yield chunk
+        self._store._count_read(self.total)
+
+    def _fill(
+        self, pieces: Iterator[tuple[int, int, int, str]], view: memoryview, current: list[Any]
+    ) -> None:
+        """pread the next ``len(view)`` bytes of ``pieces`` into ``view``; ``current[0]`` keeps
+        the rest of a piece that did not fit, for the next call."""
+        at = 0
+        with os_errors(self._store.root):
+            while at < view.nbytes:
+                if current[0] is None:
+                    current[0] = next(pieces)
+                fd, offset, nbytes, file = current[0]
+                k = min(nbytes, view.nbytes - at)
+                got = 0
+                while got < k:
+                    n = os.preadv(fd, [view[at + got : at + k]], offset + got)
+                    if n == 0:
+                        raise SegmentFileError(f"payload file {file!r} shrank during the read")
+                    got += n
+                at += k
+                current[0] = None if k == nbytes else (fd, offset + k, nbytes - k, file)
 
     def close(self) -> None:
         """Close the read's descriptors (again: nothing)."""

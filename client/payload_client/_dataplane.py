@@ -434,8 +434,15 @@ class _DataPlane:
         self._drop()
         return DataPlaneDownError(f"data plane at {self.path} failed: {exc}")
 
-    def _check_owner(self) -> None:
-        """A forked child starts over: its parent's leases and socket are not its own."""
+    def _check_owner(self, exact: bool = False) -> None:
+        """A forked child starts over: its parent's leases and socket are not its own.
+
+        ``exact`` asks the kernel (a fork made outside Python, e.g. by a C extension, runs no
+        fork hook): before every exchange and before leases are used; reads through cached
+        descriptors, safe in a child, skip that system call.
+        """
+        if exact:
+            _pid[0] = os.getpid()
         if self.pid != _pid[0]:
             self._drop()
             self.pid = _pid[0]
@@ -469,6 +476,7 @@ class SyncDataPlane(_DataPlane):
     def _exchange(self, request: DataRequest, reply: bool = True) -> Any:
         frame: _Frame | None = None
         with self.lock:
+            self._check_owner(exact=True)
             if _closed_by_peer(self.sock):  # restarted: a new connection, fresh descriptors
                 self._drop()
             sock = self._connect()
@@ -507,6 +515,7 @@ class SyncDataPlane(_DataPlane):
                     value = self._exchange(step.request, step.reply)
                 elif isinstance(step, Fresh):
                     with self.lock:
+                        self._check_owner(exact=True)
                         if _closed_by_peer(self.sock):
                             self._drop()
                     value = None
@@ -560,6 +569,7 @@ class AsyncDataPlane(_DataPlane):
             self.lock = asyncio.Lock()
         frame: _Frame | None = None
         async with self.lock:
+            self._check_owner(exact=True)
             if _closed_by_peer(self.sock):  # restarted: a new connection, fresh descriptors
                 self._drop()
             sock = await self._connect()
@@ -598,6 +608,7 @@ class AsyncDataPlane(_DataPlane):
                 if isinstance(step, Exchange):
                     value = await self._exchange(step.request, step.reply)
                 elif isinstance(step, Fresh):
+                    self._check_owner(exact=True)
                     idle = self.lock is None or not self.lock.locked()  # no reply on its way
                     if idle and _closed_by_peer(self.sock):
                         self._drop()

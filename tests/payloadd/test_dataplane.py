@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import itertools
 import os
 import socket
@@ -176,21 +177,24 @@ def test_a_cancelled_exchange_never_hands_its_reply_to_the_next(daemon: Daemon) 
     asyncio.run(main())
 
 
-def test_a_forked_child_gets_its_own_leases(daemon: Daemon) -> None:
+@pytest.mark.parametrize("fork", ["os.fork", "libc.fork"])
+def test_a_forked_child_gets_its_own_leases(daemon: Daemon, fork: str) -> None:
+    # a fork made outside Python (a C extension) runs no fork hook: the client asks the kernel
+    do_fork = os.fork if fork == "os.fork" else ctypes.CDLL(None).fork
     with PayloadClient(daemon.socket) as c:
-        c.append(R, np.zeros((1, 2), np.uint8), 0, run="fork", step=0)  # the parent's lease
+        c.append(R, np.zeros((1, 2), np.uint8), 0, run=fork, step=0)  # the parent's lease
         r, w = os.pipe()
-        pid = os.fork()
+        pid = do_fork()
         if pid == 0:  # the child: append, report the segment, leave without cleanup
             os.close(r)
-            seg = c.append(R, np.full((1, 2), 7, np.uint8), 0, run="fork", step=0)[0]
+            seg = c.append(R, np.full((1, 2), 7, np.uint8), 0, run=fork, step=0)[0]
             os.write(w, msgspec.msgpack.encode(seg))
             os._exit(0)
         os.close(w)
         with os.fdopen(r, "rb") as f:
             child = msgspec.msgpack.decode(f.read(), type=PayloadSegment)
         os.waitpid(pid, 0)
-        mine = c.append(R, np.full((1, 2), 9, np.uint8), 0, run="fork", step=0)[0]
+        mine = c.append(R, np.full((1, 2), 9, np.uint8), 0, run=fork, step=0)[0]
         assert (child.file, child.offset) != (mine.file, mine.offset)
         np.testing.assert_array_equal(c.read_field([child], R, 0, 1, 0), [[7, 7]])
         np.testing.assert_array_equal(c.read_field([mine], R, 0, 1, 0), [[9, 9]])
