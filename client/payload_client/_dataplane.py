@@ -447,6 +447,13 @@ class _DataPlane:
             self._drop()
             self.pid = _pid[0]
 
+    def _refresh(self) -> None:
+        """Drop what a parent process or a daemon that went away handed out; call only when
+        no reply is on its way."""
+        self._check_owner(exact=True)
+        if _closed_by_peer(self.sock):  # restarted: a new connection, fresh descriptors
+            self._drop()
+
 
 class SyncDataPlane(_DataPlane):
     """Runs data-plane steps with blocking sockets; thread-safe (exchanges are serialised).
@@ -476,9 +483,7 @@ class SyncDataPlane(_DataPlane):
     def _exchange(self, request: DataRequest, reply: bool = True) -> Any:
         frame: _Frame | None = None
         with self.lock:
-            self._check_owner(exact=True)
-            if _closed_by_peer(self.sock):  # restarted: a new connection, fresh descriptors
-                self._drop()
+            self._refresh()
             sock = self._connect()
             try:
                 sock.sendall(_frame(request))
@@ -515,9 +520,7 @@ class SyncDataPlane(_DataPlane):
                     value = self._exchange(step.request, step.reply)
                 elif isinstance(step, Fresh):
                     with self.lock:
-                        self._check_owner(exact=True)
-                        if _closed_by_peer(self.sock):
-                            self._drop()
+                        self._refresh()
                     value = None
                 else:
                     value = step.fn()
@@ -569,9 +572,7 @@ class AsyncDataPlane(_DataPlane):
             self.lock = asyncio.Lock()
         frame: _Frame | None = None
         async with self.lock:
-            self._check_owner(exact=True)
-            if _closed_by_peer(self.sock):  # restarted: a new connection, fresh descriptors
-                self._drop()
+            self._refresh()
             sock = await self._connect()
             loop = asyncio.get_running_loop()
             try:
@@ -608,10 +609,10 @@ class AsyncDataPlane(_DataPlane):
                 if isinstance(step, Exchange):
                     value = await self._exchange(step.request, step.reply)
                 elif isinstance(step, Fresh):
-                    self._check_owner(exact=True)
-                    idle = self.lock is None or not self.lock.locked()  # no reply on its way
-                    if idle and _closed_by_peer(self.sock):
-                        self._drop()
+                    if self.lock is None or not self.lock.locked():  # no reply on its way
+                        self._refresh()
+                    else:
+                        self._check_owner(exact=True)
                     value = None
                 elif step.nbytes > THREAD_BYTES:
                     value = await asyncio.to_thread(step.fn)

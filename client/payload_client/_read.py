@@ -41,8 +41,9 @@ PAGE = 4096
 the page cache."""
 
 _ALIASED = 64
-_MATCHED_OUTPUT = 64 << 10
 """A destination this few bytes past the source (modulo `PAGE`) makes the kernel's copy slow."""
+_MATCHED_OUTPUT = 64 << 10
+"""Outputs the client allocates from this size on start at their first piece's page offset."""
 _KIND = {name: np.dtype(name).kind for name in SUPPORTED_DTYPES}
 _STORED = {name: np.dtype(name).newbyteorder("<") for name in SUPPORTED_DTYPES}
 """The on-disk (little-endian) dtype of each stored dtype name."""
