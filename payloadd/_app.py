@@ -6,6 +6,8 @@ lives on the lifespan state (``request.state.store``); there are no module globa
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import socket
 from collections.abc import AsyncIterator
@@ -29,6 +31,8 @@ from payload_client._wire import (
     AppendRequest,
     AppendResponse,
     ErrorBody,
+    GcReport,
+    GcRequest,
     Health,
     ReadRequest,
     Stats,
@@ -36,6 +40,7 @@ from payload_client._wire import (
 
 from . import __version__
 from ._dataplane import DataPlaneServer
+from ._gc import Collector
 from ._openapi import install_openapi, operation
 from ._settings import Settings
 from ._store import ExtentReader, Store, item_nbytes
@@ -67,6 +72,22 @@ _json = msgspec.json.Encoder()
 _append_header = msgspec.msgpack.Decoder(AppendRequest)
 _read_msgpack = msgspec.msgpack.Decoder(ReadRequest)
 _read_json = msgspec.json.Decoder(ReadRequest)
+_gc_msgpack = msgspec.msgpack.Decoder(GcRequest)
+_gc_json = msgspec.json.Decoder(GcRequest)
+
+
+async def _sweep_every(collector: Collector, seconds: float) -> None:
+    """The background GC: the age rule, orphans and empty directories, every ``seconds``
+    (the first at once); a failed sweep is logged and the next one still runs."""
+    while True:
+        try:
+            report = await run_in_threadpool(collector.collect, GcRequest())
+            if report.files or report.dirs:
+                log.info("gc sweep: %d files, %d bytes, %d directories removed",
+                         report.files, report.bytes, report.dirs)  # fmt: skip
+        except Exception:
+            log.exception("gc sweep failed")
+        await asyncio.sleep(seconds)
 
 
 def _answer(request: Request, obj: Any, status: int = 200) -> Response:
@@ -113,7 +134,7 @@ def create_app(settings: Settings, data_listener: socket.socket | None = None) -
     -------
     fastapi.FastAPI
         Routes ``GET /healthz``, ``GET /v1/stats``, ``POST /v1/append``, ``POST /v1/read``,
-        and ``GET /openapi.json``.
+        ``POST /v1/admin/gc``, ``DELETE /v1/admin/runs/{run}`` and ``GET /openapi.json``.
     """
 
     @asynccontextmanager
@@ -133,9 +154,14 @@ def create_app(settings: Settings, data_listener: socket.socket | None = None) -
             path = f"{settings.socket}{DATA_SOCKET_SUFFIX}"
             data_plane = DataPlaneServer(store, path, settings.socket_mode, settings.lease_bytes)
             data_plane.start(data_listener)
+        collector = Collector(store, settings.ttl_s)
+        sweeper = asyncio.create_task(_sweep_every(collector, settings.gc_interval_s))
         try:
-            yield {"store": store, "settings": settings}
+            yield {"store": store, "settings": settings, "collector": collector}
         finally:
+            sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sweeper
             if data_plane is not None:
                 data_plane.stop()
             store.close()
@@ -274,6 +300,40 @@ def create_app(settings: Settings, data_listener: socket.socket | None = None) -
             media_type="application/octet-stream",
             headers={"Content-Length": str(reader.total)},
         )
+
+    @app.post(
+        "/v1/admin/gc",
+        **operation(
+            200,
+            GcReport,
+            "Garbage-collect: a run's steps up to a watermark, old steps, orphans.",
+            body=(MSGPACK_CONTENT_TYPE, GcRequest),
+            errors=(400, 413, 500),
+        ),
+    )
+    async def gc(request: Request) -> Response:
+        _content_length(request, settings.max_control_bytes)
+        body = await request.body()
+        try:
+            if not body:
+                req = GcRequest()
+            elif _media_type(request) == MSGPACK_CONTENT_TYPE:
+                req = _gc_msgpack.decode(body)
+            else:
+                req = _gc_json.decode(body)
+        except msgspec.DecodeError as exc:
+            raise InvalidRequestError(f"bad gc request: {exc}") from None
+        collector: Collector = request.state.collector
+        return _answer(request, await run_in_threadpool(collector.collect, req))
+
+    @app.delete(
+        "/v1/admin/runs/{run}",
+        **operation(200, GcReport, "Remove every step of a run.", errors=(400, 500)),
+    )
+    async def delete_run(request: Request, run: str, dry_run: bool = False) -> Response:
+        collector: Collector = request.state.collector
+        report = await run_in_threadpool(collector.delete_run, run, dry_run=dry_run)
+        return _answer(request, report)
 
     install_openapi(app)
     return app

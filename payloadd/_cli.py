@@ -1,4 +1,4 @@
-"""The ``payloadd`` command: ``serve`` and ``demo``.
+"""The ``payloadd`` command: ``serve``, ``demo``, ``bench`` and ``gc``.
 
 ``serve``'s flags are generated from `Settings`, one per field, so a flag, an environment
 variable and a settings field never drift apart.
@@ -70,6 +70,17 @@ def _parser() -> argparse.ArgumentParser:
     from ._bench import add_bench_flags
 
     add_bench_flags(bench)
+    gc = sub.add_parser(
+        "gc",
+        help="garbage-collect on a running daemon",
+        description="Ask a running daemon to remove a run's steps up to a watermark "
+        "(--run, --before-step), a whole run (--delete-run), steps older than a TTL (--ttl-s), "
+        "orphans and empty directories. Prints the report as JSON. An admin call: give the "
+        "token with --token-file or $PAYLOADD_ADMIN_TOKEN when the daemon has one.",
+    )
+    from ._gc_cli import add_gc_flags
+
+    add_gc_flags(gc)
     return parser
 
 
@@ -92,6 +103,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"payloadd serve: {exc}", file=sys.stderr)
             return 1
         return 0
+    if args.command == "gc":
+        from ._gc_cli import run_gc
+
+        return run_gc(args)
     if args.command == "bench":
         from ._bench import run_bench
 

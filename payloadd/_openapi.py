@@ -20,6 +20,8 @@ from payload_client._wire import (
     AppendRequest,
     AppendResponse,
     ErrorBody,
+    GcReport,
+    GcRequest,
     Health,
     ReadRequest,
     Stats,
@@ -29,7 +31,8 @@ __all__ = ["install_openapi", "operation"]
 
 _REF = "#/components/schemas/{name}"
 _, COMPONENTS = msgspec.json.schema_components(
-    [AppendRequest, AppendResponse, ReadRequest, Stats, Health, ErrorBody], ref_template=_REF
+    [AppendRequest, AppendResponse, ReadRequest, Stats, Health, ErrorBody, GcRequest, GcReport],
+    ref_template=_REF,
 )
 
 

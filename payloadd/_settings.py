@@ -73,6 +73,18 @@ class Settings(BaseSettings):
         description="never: bytes reach the page cache before a segment is returned (survives "
         "a daemon crash); always: also fsync'd (survives a node crash).",
     )
+    ttl_s: float = Field(
+        86400.0,
+        ge=0,
+        description="GC age rule (seconds): a step whose files are all older, of a run not "
+        "appended to or read for as long, is removed by the background sweep; 0 turns it off.",
+    )
+    gc_interval_s: float = Field(
+        600.0,
+        gt=0,
+        description="Seconds between background GC sweeps (age rule, orphans, empty "
+        "directories); the first runs at start.",
+    )
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field(
         "info", description="Log level of the daemon and uvicorn."
     )

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import secrets
 import stat
 import threading
@@ -21,7 +22,7 @@ import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -29,6 +30,7 @@ import numpy as np
 
 from payload_client import (
     SUPPORTED_DTYPES,
+    FileGoneError,
     FileMissingError,
     InvalidRequestError,
     InvalidSegmentError,
@@ -42,7 +44,9 @@ from payload_client import (
 from payload_client._segment import INT64_MAX, check_name, check_relative_path
 from payload_client._wire import AppendItem, Extent, Stats
 
-__all__ = ["ExtentReader", "Lease", "PendingAppend", "Store"]
+from ._ledger import LEDGER_NAME, Ledger
+
+__all__ = ["ExtentReader", "Lease", "PendingAppend", "Removal", "Store"]
 
 DIR_MODE = 0o750
 FILE_MODE = 0o640
@@ -98,12 +102,16 @@ def os_errors(root: Path) -> Iterator[None]:
 @dataclass(eq=False)
 class _File:
     """A data file open for appends. ``size`` is the end of what has been reserved; ``fd``
-    stays open while the file takes appends or a pending append still writes to it."""
+    stays open while the file takes appends or a pending append or lease still uses it.
+    ``users`` counts both; ``leases`` the leases among them (GC may remove a leased file:
+    the client checks after writing, see `Store.remove_step`)."""
 
     rel: str
     size: int
     fd: int
+    key: tuple[str, int, str]
     users: int = 0
+    leases: int = 0
     sealed: bool = False
 
 
@@ -229,6 +237,8 @@ class Lease:
         """The client is done with the range (its unused tail stays a hole)."""
         if not self._released:
             self._released = True
+            with self._store._lock:
+                self._file.leases -= 1
             self._store._release([self._file])
 
 
@@ -276,6 +286,9 @@ class Store:
         self.started = time.monotonic()
         self._lock = threading.Lock()
         self._files: OrderedDict[tuple[str, int, str], _File] = OrderedDict()
+        self._open: dict[str, _File] = {}  # every file whose descriptor is open, by path
+        self.last_used: dict[str, float] = {}  # run of this node -> monotonic time
+        self._ledgers: dict[str, Ledger] = {}
         self._readers: OrderedDict[str, tuple[int, int, int]] = OrderedDict()
         self._seq = 0
         self._counts = {"appends": 0, "rows_appended": 0, "bytes_appended": 0}
@@ -309,6 +322,7 @@ class Store:
         if f.users == 0 and f.fd >= 0:
             os.close(f.fd)
             f.fd = -1
+            self._open.pop(f.rel, None)
 
     def _current(self, key: tuple[str, int, str]) -> _File:
         """The file ``key`` appends to now (a new one if none, or it was removed). Lock held."""
@@ -331,6 +345,7 @@ class Store:
                 if f.sealed and f.users == 0 and f.fd >= 0:
                     os.close(f.fd)
                     f.fd = -1
+                    self._open.pop(f.rel, None)
 
     def _mkdirs(self, rel_dir: str) -> None:
         """Create ``rel_dir`` and its parents under the root, each with mode 0750."""
@@ -362,8 +377,9 @@ class Store:
         old = self._files.pop(key, None)
         if old is not None:
             self._seal(old)
-        f = _File(rel, 0, fd)
+        f = _File(rel, 0, fd, key)
         self._files[key] = f
+        self._open[rel] = f
         while len(self._files) > OPEN_FOR_APPEND:  # the least recently appended to rests
             self._seal(self._files.popitem(last=False)[1])
         return f
@@ -434,6 +450,9 @@ class Store:
             extents = [
                 e for i, it in enumerate(items) for e in self._place(i, it, sizes[i][0], held)
             ]
+            now = time.monotonic()
+            for it in items:
+                self.last_used[it.run] = now
         return PendingAppend(self, items, extents, list(held.values()))
 
     def lease(self, run: str, step: int, field: str, nbytes: int, size: int) -> Lease:
@@ -465,6 +484,8 @@ class Store:
             offset = f.size
             f.size += granted
             f.users += 1
+            f.leases += 1
+            self.last_used[run] = time.monotonic()
             self._counts["leases"] += 1
             self._counts["leased_bytes"] += granted
         return Lease(self, f, offset, granted)
@@ -516,7 +537,10 @@ class Store:
         is used only while ``rel`` still names the same file (one ``stat``), so a removed or
         replaced file is never served from the cache.
         """
+        node, _, rest = rel.partition("/")
         with self._lock:
+            if node == self.node:  # a run being read is in use (the TTL rule spares it)
+                self.last_used[rest.partition("/")[0]] = time.monotonic()
             hit = self._readers.get(rel)
             if hit is not None:
                 self._readers.move_to_end(rel)
@@ -562,6 +586,7 @@ class Store:
         try:
             fd = os.open(real, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
         except (FileNotFoundError, NotADirectoryError):
+            self._raise_if_collected(rel)
             raise FileMissingError(f"payload file {rel!r} does not exist") from None
         except OSError as exc:
             raise SegmentFileError(f"payload file {rel!r} cannot be opened: {exc}") from None
@@ -577,6 +602,134 @@ class Store:
             os.close(fd)
             raise
         return fd
+
+    def ledger(self, node: str | None = None) -> Ledger:
+        """The GC ledger of ``node`` (default: this daemon's), loaded on first use."""
+        node = node or self.node
+        with self._lock:
+            led = self._ledgers.get(node)
+            if led is None:
+                led = self._ledgers[node] = Ledger(self.root / node / LEDGER_NAME)
+        return led
+
+    def _raise_if_collected(self, rel: str) -> None:
+        """Raise `FileGoneError` when the ledger says the step of missing file ``rel`` was
+        collected."""
+        parts = rel.split("/")
+        if len(parts) != 4 or not parts[2].isdigit():
+            return
+        node, run, step = parts[0], parts[1], int(parts[2])
+        c = self.ledger(node).find(run, step)
+        if c is not None:
+            when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(c.at))
+            raise FileGoneError(
+                f"payload file {rel!r} is gone: step {step} of run {run!r} was "
+                f"garbage-collected ({c.reason}, {when})"
+            )
+
+    # -- removal (garbage collection; the rules are in _gc.py) ---------------------------
+
+    def runs(self) -> dict[str, list[int]]:
+        """This node's runs and their steps on disk, both sorted."""
+        out: dict[str, list[int]] = {}
+        base = self.root / self.node
+        for run in sorted(_dir_names(base)):
+            out[run] = sorted(int(s) for s in _dir_names(base / run) if s.isdigit())
+        return out
+
+    def remove_step(
+        self, run: str, step: int, *, dry_run: bool = False, idle_since: float | None = None
+    ) -> Removal:
+        """Remove the data files of one step of this node, then its directory if empty.
+
+        Files a pending append still writes to are kept (`Removal.in_use`). A leased file is
+        removed: the data-plane client checks its file after writing and places the rows
+        again in a new lease when it is gone, so no acknowledged append is lost. The
+        daemon's cached read descriptor of a removed file is closed; a client's (or a read
+        in progress) keeps the file's blocks until closed.
+
+        Parameters
+        ----------
+        run, step : str, int
+            The step directory ``<root>/<node>/<run>/<step>``.
+        dry_run : bool
+            Count, remove nothing.
+        idle_since : float, optional
+            Monotonic time: remove nothing when the run was appended to or read after it
+            (checked under the lock that appends take).
+
+        Returns
+        -------
+        Removal
+            What was (or would be) removed.
+        """
+        rel_dir = f"{self.node}/{run}/{step}"
+        out = Removal()
+        with self._lock, os_errors(self.root):
+            if idle_since is not None and self.last_used.get(run, self.started) > idle_since:
+                return out
+            for name in _file_names(self.root / rel_dir):
+                rel = f"{rel_dir}/{name}"
+                f = self._open.get(rel)
+                if f is not None and f.users > f.leases:
+                    out.in_use += 1
+                    continue
+                try:
+                    size = os.lstat(self.root / rel).st_size
+                except FileNotFoundError:
+                    continue
+                out.files.append((rel, size))
+                if dry_run:
+                    continue
+                if f is not None and self._files.get(f.key) is f:
+                    del self._files[f.key]
+                    self._seal(f)
+                os.unlink(self.root / rel)
+                hit = self._readers.pop(rel, None)
+                if hit is not None:
+                    os.close(hit[0])
+            if not dry_run:
+                out.dirs += _rmdir_if_empty(self.root / rel_dir)
+        return out
+
+    def remove_run_dir(self, run: str) -> int:
+        """Remove the directory of ``run`` of this node if it is empty; 1 if removed."""
+        with self._lock:
+            return _rmdir_if_empty(self.root / self.node / run)
+
+    def remove_orphans(self, *, dry_run: bool = False) -> Removal:
+        """Remove this node's empty data files of earlier daemons, and empty directories.
+
+        An earlier daemon's file of 0 bytes never took a row, so no append was acknowledged
+        from it (a crash between creating a file and writing it leaves one). Files of this
+        daemon and non-empty files are never orphans: bytes written by an append in flight at
+        a crash (a torn tail) sit in files that also hold acknowledged segments and are
+        reclaimed with their step.
+        """
+        out = Removal()
+        base = self.root / self.node
+        for run, steps in self.runs().items():
+            for step in steps:
+                rel_dir = f"{self.node}/{run}/{step}"
+                with self._lock, os_errors(self.root):
+                    for name in _file_names(self.root / rel_dir):
+                        if f"-{self.instance}-" in name:
+                            continue
+                        rel = f"{rel_dir}/{name}"
+                        try:
+                            if os.lstat(self.root / rel).st_size:
+                                continue
+                        except FileNotFoundError:
+                            continue
+                        out.files.append((rel, 0))
+                        if not dry_run:
+                            os.unlink(self.root / rel)
+                    if not dry_run:
+                        out.dirs += _rmdir_if_empty(self.root / rel_dir)
+            if not dry_run:
+                with self._lock, os_errors(self.root):
+                    out.dirs += _rmdir_if_empty(base / run)
+        return out
 
     def open_extents(self, extents: Sequence[Extent]) -> ExtentReader:
         """Check a read of byte ranges and open its files; nothing is read yet.
@@ -652,6 +805,7 @@ class Store:
                     os.close(f.fd)
                     f.fd = -1
             self._files.clear()
+            self._open.clear()
             for fd, _, _ in self._readers.values():
                 os.close(fd)
             self._readers.clear()
@@ -755,6 +909,50 @@ class ExtentReader:
     def close(self) -> None:
         """Close the read's descriptors (again: nothing)."""
         self._closer()
+
+
+@dataclass
+class Removal:
+    """What one removal took (or would take): files as ``(path, size in bytes)``, the
+    directories removed, and files kept because an append was writing to them."""
+
+    files: list[tuple[str, int]] = field(default_factory=list)
+    dirs: int = 0
+    in_use: int = 0
+
+
+_DATA_FILE = re.compile(r".+-[0-9a-f]{8}-[0-9]{6,}\.bin")
+
+
+def _dir_names(path: Path) -> list[str]:
+    """Names of the sub-directories of ``path`` (none when it is missing)."""
+    try:
+        with os.scandir(path) as it:
+            return [e.name for e in it if e.is_dir(follow_symlinks=False)]
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+def _file_names(path: Path) -> list[str]:
+    """Names of the data files in ``path`` (regular files named as the store names them)."""
+    try:
+        with os.scandir(path) as it:
+            return sorted(
+                e.name
+                for e in it
+                if e.is_file(follow_symlinks=False) and _DATA_FILE.fullmatch(e.name)
+            )
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+def _rmdir_if_empty(path: Path) -> int:
+    """Remove ``path`` if it is an empty directory; return 1 if removed, else 0."""
+    try:
+        os.rmdir(path)
+    except OSError:  # not empty, missing
+        return 0
+    return 1
 
 
 def _close_all(fds: list[int]) -> None:

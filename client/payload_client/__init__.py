@@ -33,7 +33,7 @@ from ._segment import (
     validate_segment,
     validate_segments,
 )
-from ._wire import Health, Stats
+from ._wire import GcCount, GcReport, Health, Stats
 
 __version__ = "0.1.0"
 
@@ -45,6 +45,8 @@ __all__ = [
     "ConnectError",
     "FileGoneError",
     "FileMissingError",
+    "GcCount",
+    "GcReport",
     "Health",
     "InvalidRequestError",
     "InvalidSegmentError",

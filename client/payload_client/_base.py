@@ -37,6 +37,8 @@ from ._wire import (
     AppendResponse,
     ErrorBody,
     Extent,
+    GcReport,
+    GcRequest,
     Health,
     ReadRequest,
     Stats,
@@ -402,16 +404,43 @@ class BaseClient:
     # -- small calls --------------------------------------------------------------------
 
     @staticmethod
-    def _json_call(path: str, typ: type[T]) -> Call[T]:
+    def _json_call(path: str, typ: type[T], method: str = "GET", body: Any = None) -> Call[T]:
         decoder = msgspec.json.Decoder(typ)
 
-        def decode(body: bytes) -> T:
+        def decode(answer: bytes) -> T:
             try:
-                return decoder.decode(body)
+                return decoder.decode(answer)
             except msgspec.DecodeError as exc:
                 raise ProtocolError(f"malformed answer from {path}: {exc}") from exc
 
-        return Call("GET", path, decode=decode, headers={"Accept": "application/json"})
+        headers = {"Accept": "application/json"}
+        chunks = None
+        if body is not None:
+            headers["Content-Type"] = "application/json"
+            encoded = msgspec.json.encode(body)
+            chunks = lambda: [encoded]  # noqa: E731
+        return Call(method, path, decode=decode, headers=headers, body=chunks)
+
+    def _gc_call(
+        self, run: str | None, before_step: int | None, ttl_s: float | None, dry_run: bool
+    ) -> Call[GcReport]:
+        if (run is None) != (before_step is None):
+            raise InvalidRequestError("run and before_step go together: give both or neither")
+        if run is not None:
+            check_name(run, "run")
+        if before_step is not None:
+            before_step = check_int(before_step, "before_step")
+        if ttl_s is not None and (
+            isinstance(ttl_s, bool) or not isinstance(ttl_s, int | float) or not ttl_s > 0
+        ):
+            raise InvalidRequestError(f"ttl_s must be a number of seconds > 0, got {ttl_s!r}")
+        req = GcRequest(run, before_step, None if ttl_s is None else float(ttl_s), bool(dry_run))
+        return self._json_call("/v1/admin/gc", GcReport, "POST", req)
+
+    def _delete_run_call(self, run: str, dry_run: bool) -> Call[GcReport]:
+        check_name(run, "run")
+        query = "?dry_run=true" if dry_run else ""
+        return self._json_call(f"/v1/admin/runs/{run}{query}", GcReport, "DELETE")
 
     def _stats_call(self) -> Call[Stats]:
         return self._json_call("/v1/stats", Stats)

@@ -20,7 +20,7 @@ from ._base import BaseClient, Call, Window, WindowLike
 from ._dataplane import AsyncDataPlane, DataPlaneDownError, SyncDataPlane, note_steps
 from ._errors import ConnectError, ProtocolError, TimeoutError, TransportError
 from ._segment import PayloadSegment
-from ._wire import Health, Stats
+from ._wire import GcReport, Health, Stats
 
 __all__ = ["AsyncPayloadClient", "PayloadClient"]
 
@@ -243,6 +243,62 @@ class PayloadClient(BaseClient):
         """
         return self._send(self._read_call(windows))
 
+    def gc(
+        self,
+        run: str | None = None,
+        before_step: int | None = None,
+        *,
+        ttl_s: float | None = None,
+        dry_run: bool = False,
+    ) -> GcReport:
+        """Garbage-collect on the daemon's node: an admin call.
+
+        Parameters
+        ----------
+        run : str, optional
+            With ``before_step``: remove the steps ``<= before_step`` of this run (the
+            training watermark). Both or neither.
+        before_step : int, optional
+            The watermark step, inclusive.
+        ttl_s : float, optional
+            Also remove every step whose files are all older than this (seconds), of runs
+            not appended to or read for as long. Default: the daemon's ``ttl_s`` setting.
+        dry_run : bool, default False
+            Report what would go; remove nothing.
+
+        Returns
+        -------
+        GcReport
+            Files, bytes (the files' sizes), directories removed, per reason, and the steps
+            collected. Orphans (empty files of an earlier daemon) and empty directories are
+            removed by every call.
+
+        Raises
+        ------
+        InvalidRequestError
+            ``run`` without ``before_step`` (or the reverse), a bad run name or step.
+        AuthenticationError
+            The daemon wants an admin token and this client has none, or a wrong one.
+
+        Notes
+        -----
+        Reads of a collected segment then raise `FileGoneError` (410), naming its run and
+        step; a file a pending append writes to is kept (``GcReport.in_use``). DESIGN §5, §8.
+        """
+        return self._send(self._gc_call(run, before_step, ttl_s, dry_run))
+
+    def delete_run(self, run: str, *, dry_run: bool = False) -> GcReport:
+        """Remove every step of ``run`` on the daemon's node: an admin call.
+
+        Raises
+        ------
+        InvalidRequestError
+            A bad run name.
+        AuthenticationError
+            As `gc`.
+        """
+        return self._send(self._delete_run_call(run, dry_run))
+
     def stats(self) -> Stats:
         """Return the daemon's counters (`Stats`), this client's appends included."""
         self._tell_counters(ack=True)
@@ -367,6 +423,21 @@ class AsyncPayloadClient(BaseClient):
     async def read_many(self, windows: Sequence[WindowLike]) -> list[np.ndarray | None]:
         """Awaitable `PayloadClient.read_many`."""
         return await self._send(self._read_call(windows))
+
+    async def gc(
+        self,
+        run: str | None = None,
+        before_step: int | None = None,
+        *,
+        ttl_s: float | None = None,
+        dry_run: bool = False,
+    ) -> GcReport:
+        """Awaitable `PayloadClient.gc`."""
+        return await self._send(self._gc_call(run, before_step, ttl_s, dry_run))
+
+    async def delete_run(self, run: str, *, dry_run: bool = False) -> GcReport:
+        """Awaitable `PayloadClient.delete_run`."""
+        return await self._send(self._delete_run_call(run, dry_run))
 
     async def stats(self) -> Stats:
         """Awaitable `PayloadClient.stats`."""

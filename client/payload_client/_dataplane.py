@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import functools
 import os
 import select
 import socket
@@ -200,6 +201,18 @@ def reserve_steps(
     return done.segments
 
 
+def _write_leased(
+    places: list[tuple[tuple[str, int, str], Lease, int]], bodies: Sequence[memoryview]
+) -> list[tuple[str, int, str]]:
+    """pwrite each item at its place (fsync where the lease says so); return the keys whose
+    file garbage collection removed meanwhile: those rows are not acknowledged."""
+    for (_, lease, offset), body in zip(places, bodies, strict=True):
+        _pwrite_all(lease.fd, body, offset)
+    for fd in {lease.fd for _, lease, _ in places if lease.fsync}:
+        os.fsync(fd)
+    return [key for key, lease, _ in places if os.fstat(lease.fd).st_nlink == 0]
+
+
 def append_steps(
     items: Sequence[AppendItem], bodies: Sequence[memoryview], leases: LeaseCache
 ) -> Steps[list[list[PayloadSegment]]]:
@@ -210,51 +223,50 @@ def append_steps(
     """
     yield Fresh()
     sizes = [b.nbytes for b in bodies]
-    places: list[tuple[Lease, int]] = []
-    leases.begin()  # no lease descriptor is closed while this append writes
-    try:
-        for item, n in zip(items, sizes, strict=True):
-            key = (item.run, item.step, item.field)
-            got = leases.claim(key, n)
-            if got is None:
-                reply, fds = yield Exchange(LeaseRequest(item.run, item.step, item.field, n))
-                if isinstance(reply, ErrorReply) and reply.error == "PayloadTooLargeError":
-                    for fd in fds:
-                        os.close(fd)
-                    return (yield from reserve_steps(items, bodies))
-                _raise_for(reply, fds, LeaseReply)
-                assert isinstance(reply, LeaseReply)
-                if len(fds) != 1:
-                    for fd in fds:
-                        os.close(fd)
-                    raise ProtocolError(f"lease sent {len(fds)} descriptors, expected 1")
-                end = reply.offset + reply.nbytes
-                leases.put(key, Lease(reply.file, fds[0], reply.offset, end, reply.fsync))
+    while True:
+        places: list[tuple[tuple[str, int, str], Lease, int]] = []
+        leases.begin()  # no lease descriptor is closed while this append writes
+        try:
+            for item, n in zip(items, sizes, strict=True):
+                key = (item.run, item.step, item.field)
                 got = leases.claim(key, n)
                 if got is None:
-                    raise ProtocolError(f"lease of {reply.nbytes} bytes cannot hold {n}")
-            places.append(got)
+                    reply, fds = yield Exchange(LeaseRequest(item.run, item.step, item.field, n))
+                    if isinstance(reply, ErrorReply) and reply.error == "PayloadTooLargeError":
+                        for fd in fds:
+                            os.close(fd)
+                        return (yield from reserve_steps(items, bodies))
+                    _raise_for(reply, fds, LeaseReply)
+                    assert isinstance(reply, LeaseReply)
+                    if len(fds) != 1:
+                        for fd in fds:
+                            os.close(fd)
+                        raise ProtocolError(f"lease sent {len(fds)} descriptors, expected 1")
+                    end = reply.offset + reply.nbytes
+                    leases.put(key, Lease(reply.file, fds[0], reply.offset, end, reply.fsync))
+                    got = leases.claim(key, n)
+                    if got is None:
+                        raise ProtocolError(f"lease of {reply.nbytes} bytes cannot hold {n}")
+                places.append((key, *got))
 
-        def write() -> None:
-            for (lease, offset), body in zip(places, bodies, strict=True):
-                _pwrite_all(lease.fd, body, offset)
-            for fd in {lease.fd for lease, _ in places if lease.fsync}:
-                os.fsync(fd)
-
-        try:
-            yield Blocking(write, sum(sizes))
-        except OSError as exc:
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise StorageFullError(f"payload file system is full: {exc.strerror}") from exc
-            raise TransportError(f"writing rows through the data plane failed: {exc}") from exc
-    finally:
-        leases.end()
+            try:
+                gone = yield Blocking(functools.partial(_write_leased, places, bodies), sum(sizes))
+            except OSError as exc:
+                if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise StorageFullError(f"payload file system is full: {exc.strerror}") from exc
+                raise TransportError(f"writing rows through the data plane failed: {exc}") from exc
+        finally:
+            leases.end()
+        if not gone:
+            break
+        for key in set(gone):  # place the rows again, in new leases (new files)
+            leases.forget(key)
     note = leases.note(sum(it.rows for it in items), sum(sizes))
     if note is not None:
         yield Exchange(note, reply=False)
     return [
         [PayloadSegment(it.field, lease.file, offset, it.pos, it.rows, it.dtype, list(it.shape))]
-        for it, (lease, offset) in zip(items, places, strict=True)
+        for it, (_, lease, offset) in zip(items, places, strict=True)
     ]
 
 

@@ -154,13 +154,11 @@ class LeaseCache(_Cache[tuple[str, int, str], Lease]):
 
     def claim(self, key: tuple[str, int, str], nbytes: int) -> tuple[Lease, int] | None:
         """Take ``nbytes`` of the key's lease: ``(lease, offset)``, or ``None`` if it has
-        no lease or too little room left. Call between `begin` and `end`."""
+        no lease or too little room left. Call between `begin` and `end`; after writing,
+        check that the lease's file was not removed (`append_steps`)."""
         with self.lock:
             lease = self.items.get(key)
             if lease is None or lease.next + nbytes > lease.end:
-                return None
-            if os.fstat(lease.fd).st_nlink == 0:  # its file was removed: never write there
-                self.retired.append(self.items.pop(key).fd)
                 return None
             offset = lease.next
             lease.next += nbytes

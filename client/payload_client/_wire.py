@@ -29,6 +29,9 @@ __all__ = [
     "AppendResponse",
     "ErrorBody",
     "Extent",
+    "GcCount",
+    "GcReport",
+    "GcRequest",
     "Health",
     "ReadRequest",
     "Stats",
@@ -134,6 +137,69 @@ class Health(msgspec.Struct):
     status: str
     node: str
     version: str
+
+
+class GcRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """Body of ``POST /v1/admin/gc`` (JSON or msgpack): what to collect.
+
+    Attributes
+    ----------
+    run : str, optional
+        With ``before_step``: collect the steps ``<= before_step`` of this run (the
+        training step watermark). Both or neither.
+    before_step : int, optional
+        The watermark, inclusive.
+    ttl_s : float, optional
+        Also collect, across this node's runs, every step whose files are all older than
+        this many seconds, of runs not appended to or read for as long. Default: the
+        daemon's ``ttl_s`` setting (no age rule when that is 0).
+    dry_run : bool, default False
+        Report what would be removed; remove nothing.
+
+    Every call also removes orphans (files an earlier daemon created that hold no byte,
+    so no append was acknowledged from them) and empty directories of this node.
+    """
+
+    run: str | None = None
+    before_step: Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)] | None = None
+    ttl_s: Annotated[float, msgspec.Meta(gt=0)] | None = None
+    dry_run: bool = False
+
+
+class GcCount(msgspec.Struct):
+    """Files and bytes (the files' sizes) removed for one reason."""
+
+    files: int = 0
+    bytes: int = 0
+
+
+class GcReport(msgspec.Struct):
+    """Answer of ``POST /v1/admin/gc`` and ``DELETE /v1/admin/runs/{run}``.
+
+    Attributes
+    ----------
+    dry_run : bool
+        Nothing was removed: the counts say what would have been.
+    files, bytes : int
+        Files removed and the sum of their sizes (bytes).
+    dirs : int
+        Directories removed (emptied steps and runs).
+    by_reason : dict of str to GcCount
+        ``watermark``, ``run``, ``ttl``, ``orphan``: what each rule removed.
+    in_use : int
+        Files a rule matched but that were still being appended to (kept; a later GC gets
+        them).
+    steps : list of [run, step]
+        The steps collected, in order (their reads now answer 410 Gone).
+    """
+
+    dry_run: bool
+    files: int = 0
+    bytes: int = 0
+    dirs: int = 0
+    by_reason: dict[str, GcCount] = msgspec.field(default_factory=dict)
+    in_use: int = 0
+    steps: list[tuple[str, int]] = msgspec.field(default_factory=list)
 
 
 class ErrorBody(msgspec.Struct):

@@ -1,0 +1,152 @@
+"""Garbage collection: the rules that free what training has consumed.
+
+Three rules, each removing whole step directories of this daemon's node
+(``<root>/<node>/<run>/<step>``), and one clean-up:
+
+- **watermark** (``run``, ``before_step``): the steps ``<= before_step`` of a run, once the
+  trainer is done with them;
+- **run**: every step of a run (``DELETE /v1/admin/runs/{run}``);
+- **ttl**: a safety net for abandoned runs: a step whose files were all last written more
+  than ``ttl_s`` seconds ago, of a run nobody appended to or read for as long (since the
+  daemon started, for a restarted daemon: it cannot know older uses);
+- **orphans**: empty files of an earlier daemon (no append was acknowledged from them) and
+  empty directories.
+
+The collection is written to the node's ledger (`payloadd._ledger`) before any file goes,
+so a read of a collected segment answers 410 Gone naming its run and step, across restarts.
+A file a pending append writes to is never removed (`Store.remove_step`). A read already in
+progress holds its descriptors open and completes intact.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterable
+
+from payload_client import InvalidRequestError
+from payload_client._segment import check_name
+from payload_client._wire import GcCount, GcReport, GcRequest
+
+from ._store import Removal, Store
+
+__all__ = ["Collector"]
+
+log = logging.getLogger("payloadd.gc")
+
+
+class Collector:
+    """Applies the GC rules to a `Store`; one collection at a time.
+
+    Parameters
+    ----------
+    store : Store
+        The store whose node is collected.
+    ttl_s : float
+        Default age rule in seconds; 0 turns it off.
+    """
+
+    def __init__(self, store: Store, ttl_s: float = 0.0) -> None:
+        self.store = store
+        self.ttl_s = ttl_s
+        self._lock = threading.Lock()
+
+    def collect(self, req: GcRequest) -> GcReport:
+        """Apply the watermark of ``req`` (if any), the age rule, and the clean-up.
+
+        Raises
+        ------
+        InvalidRequestError
+            ``run`` without ``before_step`` or the reverse, or a bad run name.
+        """
+        if (req.run is None) != (req.before_step is None):
+            raise InvalidRequestError("run and before_step go together: give both or neither")
+        report = GcReport(dry_run=req.dry_run)
+        with self._lock:
+            if req.run is not None and req.before_step is not None:
+                run = check_name(req.run, "run")
+                steps = [s for s in self.store.runs().get(run, []) if s <= req.before_step]
+                self._remove(report, "watermark", run, steps, 0, req.before_step)
+            ttl = req.ttl_s if req.ttl_s is not None else self.ttl_s
+            if ttl > 0:
+                self._expire(report, ttl)
+            self._add(report, "orphan", self.store.remove_orphans(dry_run=req.dry_run))
+        return report
+
+    def delete_run(self, run: str, *, dry_run: bool = False) -> GcReport:
+        """Remove every step of ``run`` on this node.
+
+        Raises
+        ------
+        InvalidRequestError
+            A bad run name.
+        """
+        run = check_name(run, "run")
+        report = GcReport(dry_run=dry_run)
+        with self._lock:
+            steps = self.store.runs().get(run, [])
+            self._remove(report, "run", run, steps, 0, None)
+            if not dry_run:
+                report.dirs += self.store.remove_run_dir(run)
+        return report
+
+    def _expire(self, report: GcReport, ttl: float) -> None:
+        """The age rule: steps whose newest file is older than ``ttl`` seconds, of runs idle
+        for as long."""
+        now_wall, now = time.time(), time.monotonic()
+        base = self.store.root / self.store.node
+        for run, steps in self.store.runs().items():
+            if self.store.last_used.get(run, self.store.started) > now - ttl:
+                continue
+            for step in steps:
+                newest = _newest_mtime(base / run / str(step))
+                if newest is not None and newest <= now_wall - ttl:
+                    self._remove(report, "ttl", run, [step], step, step, idle_since=now - ttl)
+
+    def _remove(
+        self,
+        report: GcReport,
+        reason: str,
+        run: str,
+        steps: Iterable[int],
+        first: int,
+        last: int | None,
+        idle_since: float | None = None,
+    ) -> None:
+        steps = list(steps)
+        if not report.dry_run and (steps or reason != "ttl"):
+            self.store.ledger().record(run, first, last, reason)  # before any file goes
+        for step in steps:
+            removal = self.store.remove_step(
+                run, step, dry_run=report.dry_run, idle_since=idle_since
+            )
+            self._add(report, reason, removal)
+            if removal.files or removal.dirs:
+                report.steps.append((run, step))
+        if steps:
+            dry = " (dry run)" if report.dry_run else ""
+            log.info("gc %s: run %s, steps %s..%s%s", reason, run, steps[0], steps[-1], dry)
+
+    @staticmethod
+    def _add(report: GcReport, reason: str, removal: Removal) -> None:
+        nbytes = sum(size for _, size in removal.files)
+        if removal.files:
+            count = report.by_reason.setdefault(reason, GcCount())
+            count.files += len(removal.files)
+            count.bytes += nbytes
+        report.files += len(removal.files)
+        report.bytes += nbytes
+        report.dirs += removal.dirs
+        report.in_use += removal.in_use
+
+
+def _newest_mtime(path: os.PathLike[str]) -> float | None:
+    """The latest modification time (seconds since the epoch) of the files in ``path``."""
+    try:
+        with os.scandir(path) as it:
+            times = [e.stat(follow_symlinks=False).st_mtime for e in it if e.is_file()]
+    except FileNotFoundError:
+        return None
+    return max(times, default=None)

@@ -1,0 +1,61 @@
+"""``payloadd gc``: garbage-collect on a running daemon, from a shell or a cron job."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import msgspec
+
+from payload_client import PayloadClient, PayloadError
+
+__all__ = ["add_gc_flags", "run_gc"]
+
+
+def add_gc_flags(parser: argparse.ArgumentParser) -> None:
+    """Add the flags of ``payloadd gc`` to ``parser``."""
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument(
+        "--socket",
+        help="the daemon's Unix socket [default: $PAYLOADD_SOCKET or /run/payloadd/payloadd.sock]",
+    )
+    where.add_argument("--base-url", help="the daemon's TCP listener, http://host:port")
+    parser.add_argument(
+        "--token-file",
+        type=Path,
+        help="file holding the admin token [default: $PAYLOADD_ADMIN_TOKEN, if set]",
+    )
+    parser.add_argument("--run", help="with --before-step: the run whose steps go")
+    parser.add_argument(
+        "--before-step", type=int, metavar="STEP", help="remove the run's steps <= STEP"
+    )
+    parser.add_argument(
+        "--ttl-s",
+        type=float,
+        metavar="SECONDS",
+        help="also remove steps older than this, of runs idle as long [default: the daemon's]",
+    )
+    parser.add_argument(
+        "--delete-run", metavar="RUN", help="remove every step of RUN (instead of the rules)"
+    )
+    parser.add_argument("--dry-run", action="store_true", help="report only, remove nothing")
+
+
+def run_gc(args: argparse.Namespace) -> int:
+    """Run ``payloadd gc``: print the report as JSON; exit status 1 on an error."""
+    token = os.environ.get("PAYLOADD_ADMIN_TOKEN") or None
+    try:
+        if args.token_file is not None:
+            token = args.token_file.read_text().strip()
+        with PayloadClient(args.socket, base_url=args.base_url, token=token) as c:
+            if args.delete_run is not None:
+                report = c.delete_run(args.delete_run, dry_run=args.dry_run)
+            else:
+                report = c.gc(args.run, args.before_step, ttl_s=args.ttl_s, dry_run=args.dry_run)
+    except (PayloadError, OSError) as exc:
+        print(f"payloadd gc: {exc}", file=sys.stderr)
+        return 1
+    print(msgspec.json.format(msgspec.json.encode(report)).decode())
+    return 0

@@ -1,0 +1,192 @@
+"""Garbage collection in the storage core: the rules, the ledger, what is never removed."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from payload_client import FileGoneError, FileMissingError, InvalidRequestError, PayloadSegment
+from payload_client._wire import AppendItem, Extent, GcRequest
+from payloadd import Store
+from payloadd._gc import Collector
+from payloadd._ledger import LEDGER_NAME
+
+
+def item(rows: int, run: str = "r", step: int = 0, field: str = "f") -> AppendItem:
+    return AppendItem(field, "uint8", [4], rows, 0, run, step)
+
+
+def rows(n: int, seed: int) -> bytes:
+    return (np.arange(n * 4, dtype=np.uint8) + seed).tobytes()
+
+
+def append(store: Store, run: str, step: int, n: int = 3, field: str = "f") -> PayloadSegment:
+    (segs,) = store.append([item(n, run, step, field)], rows(n, step))
+    return segs[0]
+
+
+def read(store: Store, s: PayloadSegment) -> bytes:
+    return bytes(store.read_extents([Extent(s.file, s.offset, s.rows * 4, s.offset + s.rows * 4)]))
+
+
+def steps_on_disk(store: Store, run: str) -> list[int]:
+    return store.runs().get(run, [])
+
+
+def test_watermark_removes_steps_up_to_it_and_reads_then_answer_gone(tmp_path: Path) -> None:
+    store = Store(tmp_path, "n")
+    segs = {step: append(store, "r1", step) for step in range(5)}
+    other = append(store, "r2", 1)
+    report = Collector(store).collect(GcRequest(run="r1", before_step=2))
+    assert report.steps == [("r1", 0), ("r1", 1), ("r1", 2)]
+    assert (report.files, report.bytes, report.by_reason["watermark"].files) == (3, 36, 3)
+    assert report.dirs == 3  # the three step directories
+    assert steps_on_disk(store, "r1") == [3, 4]
+    for step in (0, 1, 2):
+        with pytest.raises(FileGoneError, match=rf"step {step} of run 'r1' was garbage-collected"):
+            read(store, segs[step])
+    assert read(store, segs[3]) == rows(3, 3)
+    assert read(store, other) == rows(3, 1)  # another run is untouched
+
+
+def test_a_file_that_never_existed_is_404_not_410(tmp_path: Path) -> None:
+    store = Store(tmp_path, "n")
+    append(store, "r", 0)
+    Collector(store).collect(GcRequest(run="r", before_step=0))
+    with pytest.raises(FileMissingError):  # a step the ledger does not cover
+        store.open_for_read("n/r/7/f-00000000-000001.bin", 1)
+    with pytest.raises(FileMissingError):  # another run
+        store.open_for_read("n/q/0/f-00000000-000001.bin", 1)
+    with pytest.raises(FileGoneError):  # a collected step, any file name
+        store.open_for_read("n/r/0/f-00000000-000099.bin", 1)
+
+
+def test_the_ledger_survives_a_restart_and_a_torn_last_line(tmp_path: Path) -> None:
+    store = Store(tmp_path, "n")
+    seg = append(store, "r", 3)
+    Collector(store).collect(GcRequest(run="r", before_step=5))
+    store.close()
+    with open(tmp_path / "n" / LEDGER_NAME, "ab") as f:
+        f.write(b'{"run": "r", "fir')  # a crash while the ledger was written
+    again = Store(tmp_path, "n")
+    with pytest.raises(FileGoneError, match="step 3 of run 'r'"):
+        read(again, seg)
+
+
+def test_dry_run_reports_the_same_and_removes_nothing(tmp_path: Path) -> None:
+    store = Store(tmp_path, "n")
+    segs = [append(store, "r", step) for step in range(3)]
+    dry = Collector(store).collect(GcRequest(run="r", before_step=1, dry_run=True))
+    assert dry.dry_run and (dry.files, dry.bytes, dry.steps) == (2, 24, [("r", 0), ("r", 1)])
+    assert [read(store, s) for s in segs] == [rows(3, i) for i in range(3)]
+    assert not (tmp_path / "n" / LEDGER_NAME).exists()  # nothing collected: no 410 either
+    real = Collector(store).collect(GcRequest(run="r", before_step=1))
+    assert (real.files, real.bytes, real.steps) == (dry.files, dry.bytes, dry.steps)
+
+
+def test_a_file_being_appended_to_is_kept_until_its_append_is_done(tmp_path: Path) -> None:
+    store = Store(tmp_path, "n")
+    done = append(store, "r", 0)
+    pending = store.begin_append([item(2, "r", 0)])  # same file, rows not written yet
+    report = Collector(store).collect(GcRequest(run="r", before_step=0))
+    assert (report.files, report.in_use) == (0, 1)
+    assert read(store, done) == rows(3, 0)
+    pending.write(rows(2, 9))
+    (segs,) = pending.commit()
+    assert read(store, segs[0]) == rows(2, 9)  # the append went through whole
+    report = Collector(store).collect(GcRequest(run="r", before_step=0))
+    assert (report.files, report.in_use, steps_on_disk(store, "r")) == (1, 0, [])
+
+
+def test_later_appends_to_a_collected_step_go_to_a_new_file(tmp_path: Path) -> None:
+    store = Store(tmp_path, "n")
+    old = append(store, "r", 0)
+    Collector(store).collect(GcRequest(run="r", before_step=0))
+    new = append(store, "r", 0)  # a late writer
+    assert new.file != old.file and read(store, new) == rows(3, 0)
+
+
+def test_a_leased_file_is_collected(tmp_path: Path) -> None:
+    store = Store(tmp_path, "n")
+    lease = store.lease("r", 0, "f", 100, 1000)
+    report = Collector(store).collect(GcRequest(run="r", before_step=0))
+    assert (report.files, report.in_use) == (1, 0)  # the client re-checks after writing
+    assert not (tmp_path / lease.file).exists()
+    lease.release()
+    assert append(store, "r", 0).file != lease.file
+
+
+def test_delete_run_removes_every_step_and_the_run_directory(tmp_path: Path) -> None:
+    store = Store(tmp_path, "n")
+    segs = [append(store, "r", step) for step in (0, 5, 9)]
+    keep = append(store, "q", 0)
+    report = Collector(store).delete_run("r")
+    assert (report.files, report.by_reason["run"].files, report.dirs) == (3, 3, 4)
+    assert not (tmp_path / "n" / "r").exists()
+    for s in segs:
+        with pytest.raises(FileGoneError, match="garbage-collected \\(run"):
+            read(store, s)
+    assert read(store, keep) == rows(3, 0)
+    with pytest.raises(InvalidRequestError, match="run"):
+        Collector(store).delete_run("../x")
+
+
+def test_bad_requests_are_refused(tmp_path: Path) -> None:
+    c = Collector(Store(tmp_path, "n"))
+    with pytest.raises(InvalidRequestError, match="go together"):
+        c.collect(GcRequest(run="r"))
+    with pytest.raises(InvalidRequestError, match="go together"):
+        c.collect(GcRequest(before_step=3))
+    with pytest.raises(InvalidRequestError, match="run"):
+        c.collect(GcRequest(run="a/b", before_step=3))
+
+
+def test_orphans_of_a_crashed_daemon_and_empty_directories_go(tmp_path: Path) -> None:
+    crashed = Store(tmp_path, "n")
+    kept = append(crashed, "r", 0)
+    crashed.begin_append([item(2, "r", 1)])  # a file created, its rows never written
+    (tmp_path / "n" / "r" / "7").mkdir()  # an empty step directory
+    (tmp_path / "n" / "r" / "0" / "notes.txt").write_text("not a data file")
+    # the daemon died: a new one starts on the same root
+    store = Store(tmp_path, "n")
+    own = store.lease("r", 2, "f", 10, 10)  # this daemon's empty file is not an orphan
+    report = Collector(store, ttl_s=0).collect(GcRequest())
+    assert report.by_reason["orphan"].files == 1 and report.steps == []
+    assert sorted(os.listdir(tmp_path / "n" / "r")) == ["0", "2"]  # step 1 and 7 went
+    assert read(store, kept) == rows(3, 0)
+    assert (tmp_path / "n" / "r" / "0" / "notes.txt").exists()  # not ours: never touched
+    assert (tmp_path / own.file).exists()
+
+
+def test_ttl_removes_old_steps_of_idle_runs_only(tmp_path: Path) -> None:
+    store = Store(tmp_path, "n")
+    old = [append(store, "idle", step) for step in (0, 1)]
+    fresh = append(store, "idle", 2)
+    busy = append(store, "busy", 0)
+    hour_ago = time.time() - 3600
+    for s in (*old, busy):
+        os.utime(tmp_path / s.file, (hour_ago, hour_ago))
+    collector = Collector(store, ttl_s=60)
+    # the daemon itself started just now: no run counts as idle yet
+    assert collector.collect(GcRequest()).files == 0
+    store.started -= 120
+    store.last_used.clear()  # nothing used in the last two minutes...
+    os.close(store.open_for_read(busy.file, 1))  # ...but busy is being read
+    report = collector.collect(GcRequest())
+    assert report.steps == [("idle", 0), ("idle", 1)]
+    assert report.by_reason["ttl"].files == 2
+    assert read(store, fresh) == rows(3, 2) and read(store, busy) == rows(3, 0)
+    with pytest.raises(FileGoneError, match="ttl"):
+        read(store, old[0])
+    # a request's own TTL overrides the setting (0 in the settings: no age rule)
+    store.last_used.clear()
+    os.utime(tmp_path / fresh.file, (hour_ago, hour_ago))
+    assert Collector(store, ttl_s=0).collect(GcRequest()).files == 0
+    assert Collector(store, ttl_s=0).collect(GcRequest(ttl_s=60)).steps == [
+        ("busy", 0),
+        ("idle", 2),
+    ]

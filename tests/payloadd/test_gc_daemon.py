@@ -1,0 +1,165 @@
+"""Garbage collection through the real daemon: admin routes, clients, 410 Gone, the sweep."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from payload_client import (
+    AsyncPayloadClient,
+    FileGoneError,
+    FileMissingError,
+    InvalidRequestError,
+    PayloadClient,
+    PayloadSegment,
+)
+from payloadd._process import start_daemon
+from tests.conftest import Daemon
+
+PAYLOADD = [sys.executable, "-m", "payloadd"]
+
+
+def rows(n: int, seed: int = 0) -> np.ndarray:
+    return ((np.arange(n * 384) + seed) % 251).astype(np.uint8).reshape(n, 48, 8)
+
+
+def read(c: PayloadClient, segs: list[PayloadSegment]) -> np.ndarray:
+    out = c.read_field(segs, "f", segs[0].pos, segs[0].pos + segs[0].rows, 0, dtype=np.uint8)
+    assert out is not None
+    return out
+
+
+def test_watermark_then_reads_answer_gone_naming_run_and_step(client: PayloadClient) -> None:
+    run = f"wm-{uuid.uuid4().hex[:8]}"
+    segs = {step: client.append("f", rows(4, step), 0, run=run, step=step) for step in range(4)}
+    dry = client.gc(run, 1, dry_run=True)
+    assert dry.dry_run and dry.steps == [(run, 0), (run, 1)] and dry.files == 2
+    assert np.array_equal(read(client, segs[0]), rows(4, 0))  # a dry run removed nothing
+    report = client.gc(run, 1)
+    assert report.steps == [(run, 0), (run, 1)] and report.bytes == 2 * 4 * 384
+    for step in (0, 1):
+        with pytest.raises(FileGoneError, match=f"step {step} of run '{run}'"):
+            read(client, segs[step])
+    for step in (2, 3):
+        assert np.array_equal(read(client, segs[step]), rows(4, step))
+    never = PayloadSegment("f", f"test/{run}/9/f-00000000-000001.bin", 0, 0, 1, "uint8", [48, 8])
+    with pytest.raises(FileMissingError):
+        read(client, [never])
+    report = client.delete_run(run)
+    assert report.by_reason["run"].files == 2
+    with pytest.raises(FileGoneError, match=r"step 3 .*\(run,"):
+        read(client, segs[3])
+
+
+def test_gone_is_http_410_and_bad_requests_are_400(daemon: Daemon) -> None:
+    run = f"h-{uuid.uuid4().hex[:8]}"
+    with PayloadClient(daemon.socket, data_plane=False) as c:
+        (seg,) = c.append("f", rows(2), 0, run=run, step=0)
+    transport = httpx.HTTPTransport(uds=str(daemon.socket))
+    with httpx.Client(transport=transport, base_url="http://payloadd") as http:
+        answer = http.post("/v1/admin/gc", json={"run": run, "before_step": 0})
+        assert answer.status_code == 200 and answer.json()["files"] == 1
+        body = {"extents": [[seg.file, 0, 768, 768]]}
+        gone = http.post("/v1/read", json=body)
+        assert gone.status_code == 410 and gone.json()["error"] == "FileGoneError"
+        assert f"run '{run}'" in gone.json()["message"]
+        for bad in ({"run": run}, {"before_step": -1}, {"ttl_s": 0}, {"nope": 1}):
+            answer = http.post("/v1/admin/gc", json=bad)
+            assert answer.status_code == 400, bad
+        assert http.delete("/v1/admin/runs/..%2Fx").status_code in (400, 404)
+        assert http.delete("/v1/admin/runs/a.b?dry_run=true").json()["dry_run"] is True
+
+
+@pytest.mark.asyncio
+async def test_async_client_collects(aclient: AsyncPayloadClient) -> None:
+    run = f"a-{uuid.uuid4().hex[:8]}"
+    segs = await aclient.append("f", rows(3), 0, run=run, step=5)
+    assert (await aclient.gc(run, 5)).steps == [(run, 5)]
+    with pytest.raises(FileGoneError):
+        await aclient.read_field(segs, "f", 0, 3, 0)
+    with pytest.raises(InvalidRequestError, match="go together"):
+        await aclient.gc(run)
+    assert (await aclient.delete_run(run, dry_run=True)).files == 0
+
+
+def test_cached_descriptors_never_read_collected_files(daemon: Daemon) -> None:
+    run = f"dp-{uuid.uuid4().hex[:8]}"
+    with PayloadClient(daemon.socket) as c, PayloadClient(daemon.socket) as admin:
+        segs = c.append("f", rows(8), 0, run=run, step=0)
+        assert np.array_equal(read(c, segs), rows(8))  # the client now caches the descriptor
+        admin.gc(run, 0)
+        with pytest.raises(FileGoneError):  # neither the old bytes nor fill
+            read(c, segs)
+        # the writer's lease pointed into the removed file: the next append lands in a new one
+        again = c.append("f", rows(8, 1), 0, run=run, step=0)
+        assert again[0].file != segs[0].file
+        assert (daemon.root / again[0].file).exists()
+        assert np.array_equal(read(c, again), rows(8, 1))
+
+
+def test_a_read_in_progress_completes_intact(daemon: Daemon) -> None:
+    run = f"ip-{uuid.uuid4().hex[:8]}"
+    data = rows(16384, 3)  # 6 MiB: streamed in 1 MiB chunks
+    with PayloadClient(daemon.socket) as c:
+        (seg,) = c.append("f", data, 0, run=run, step=0)
+        transport = httpx.HTTPTransport(uds=str(daemon.socket))
+        with httpx.Client(transport=transport, base_url="http://payloadd") as http:
+            n = data.nbytes
+            body = {"extents": [[seg.file, seg.offset, n, seg.offset + n]]}
+            with http.stream("POST", "/v1/read", json=body) as answer:
+                chunks = answer.iter_bytes()
+                got = bytearray(next(chunks))
+                assert c.gc(run, 0).files == 1  # collected while the answer is streaming
+                for chunk in chunks:
+                    got += chunk
+        assert bytes(got) == data.tobytes()
+        with pytest.raises(FileGoneError):
+            read(c, [seg])
+
+
+def test_ledger_survives_a_restart_and_the_cli_collects(tmp_path: Path) -> None:
+    root, sock = tmp_path / "root", tmp_path / "d.sock"
+    with start_daemon(root, sock, "--node", "n"), PayloadClient(sock) as c:
+        segs = c.append("f", rows(2), 0, run="r", step=1)
+        keep = c.append("f", rows(2), 0, run="r", step=2)
+        done = subprocess.run([*PAYLOADD, "gc", "--socket", str(sock), "--run", "r",
+                               "--before-step", "1", "--dry-run"], capture_output=True, text=True)  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout)["steps"] == [["r", 1]]
+        bad = subprocess.run([*PAYLOADD, "gc", "--socket", str(sock), "--run", "r"],
+                             capture_output=True, text=True)  # fmt: skip
+        assert bad.returncode == 1 and "go together" in bad.stderr
+        done = subprocess.run([*PAYLOADD, "gc", "--socket", str(sock), "--run", "r",
+                               "--before-step", "1"], capture_output=True, text=True)  # fmt: skip
+        assert json.loads(done.stdout)["files"] == 1
+    with start_daemon(root, sock, "--node", "n"), PayloadClient(sock) as c:
+        with pytest.raises(FileGoneError, match="step 1 of run 'r'"):
+            read(c, segs)
+        assert np.array_equal(read(c, keep), rows(2))
+
+
+def test_background_sweep_removes_old_steps_and_orphans(tmp_path: Path) -> None:
+    root, sock = tmp_path / "root", tmp_path / "d.sock"
+    orphan = root / "n" / "crashed" / "0" / "f-deadbeef-000001.bin"
+    orphan.parent.mkdir(parents=True)
+    orphan.touch()  # an earlier daemon created it and died before writing
+    sweep = ("--node", "n", "--ttl-s", "1", "--gc-interval-s", "0.2")
+    with start_daemon(root, sock, *sweep), PayloadClient(sock) as c:
+        segs = c.append("f", rows(2), 0, run="old", step=0)
+        hour_ago = time.time() - 3600
+        os.utime(root / segs[0].file, (hour_ago, hour_ago))
+        deadline = time.monotonic() + 30
+        while (root / "n" / "old").exists() or (root / "n" / "crashed").exists():
+            assert time.monotonic() < deadline, "the sweep did not collect"
+            time.sleep(0.1)
+        with pytest.raises(FileGoneError, match="ttl"):
+            read(c, segs)
