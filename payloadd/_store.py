@@ -681,9 +681,14 @@ class Store:
                 out.files.append((rel, size))
                 if dry_run:
                     continue
-                if f is not None and self._files.get(f.key) is f:
-                    del self._files[f.key]
-                    self._seal(f)
+                if f is not None:
+                    if self._files.get(f.key) is f:
+                        del self._files[f.key]
+                    f.sealed = True
+                    if f.users == f.leases and f.fd >= 0:  # leases write through their own
+                        os.close(f.fd)  # descriptors: this one would only hold the space
+                        f.fd = -1
+                        self._open.pop(rel, None)
                 os.unlink(self.root / rel)
                 hit = self._readers.pop(rel, None)
                 if hit is not None:

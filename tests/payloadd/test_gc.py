@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from pathlib import Path
@@ -31,6 +32,15 @@ def append(store: Store, run: str, step: int, n: int = 3, field: str = "f") -> P
 
 def read(store: Store, s: PayloadSegment) -> bytes:
     return bytes(store.read_extents([Extent(s.file, s.offset, s.rows * 4, s.offset + s.rows * 4)]))
+
+
+def open_files() -> list[str]:
+    """Targets of this process's descriptors (a removed file shows as '... (deleted)')."""
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(FileNotFoundError):  # the listing's own descriptor
+            out.append(os.readlink(f"/proc/self/fd/{fd}"))
+    return out
 
 
 def steps_on_disk(store: Store, run: str) -> list[int]:
@@ -116,6 +126,7 @@ def test_a_leased_file_is_collected(tmp_path: Path) -> None:
     report = Collector(store).collect(GcRequest(run="r", before_step=0))
     assert (report.files, report.in_use) == (1, 0)  # the client re-checks after writing
     assert not (tmp_path / lease.file).exists()
+    assert lease.file not in " ".join(open_files())  # the store let go of its space at once
     lease.release()
     assert append(store, "r", 0).file != lease.file
 
