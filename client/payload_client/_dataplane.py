@@ -20,6 +20,7 @@ import os
 import select
 import socket
 import threading
+import time
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -27,6 +28,7 @@ from typing import Any, TypeVar
 import msgspec
 import numpy as np
 
+from . import _descriptors
 from ._descriptors import Lease, LeaseCache, ReadCache, Scratch
 from ._errors import (
     ProtocolError,
@@ -430,6 +432,7 @@ class _DataPlane:
         self.sock: socket.socket | None = None
         self.cache = ReadCache()
         self.leases = LeaseCache()
+        self._checked = time.monotonic()  # last look for removed files
         self.scratch = Scratch()
 
     def _drop(self) -> None:
@@ -465,6 +468,11 @@ class _DataPlane:
         self._check_owner(exact=True)
         if _closed_by_peer(self.sock):  # restarted: a new connection, fresh descriptors
             self._drop()
+        now = time.monotonic()
+        if now - self._checked >= _descriptors.DROP_REMOVED_S:
+            self._checked = now  # collected files: close their descriptors, free their space
+            self.cache.drop_removed()
+            self.leases.drop_removed()
 
 
 class SyncDataPlane(_DataPlane):

@@ -19,6 +19,7 @@ from ._wire import NoteRequest
 
 __all__ = [
     "CACHE_FDS",
+    "DROP_REMOVED_S",
     "KEPT_SCRATCH",
     "LEASES",
     "NOTE_EVERY",
@@ -37,6 +38,9 @@ NOTE_EVERY = 64
 """Appends a client places in its leases before it tells the daemon's counters."""
 KEPT_SCRATCH = 64 << 20
 """Largest scratch buffer a client keeps for the next read (it keeps at most four)."""
+DROP_REMOVED_S = 1.0
+"""Seconds between two checks of every cached descriptor for files garbage collection
+removed (at the start of a call): their space is freed once the client closes them."""
 
 K = TypeVar("K")
 V = TypeVar("V")
@@ -88,6 +92,16 @@ class _Cache(Generic[K, V]):
             for fd in self.retired:
                 os.close(fd)
             self.retired.clear()
+
+    def drop_removed(self) -> int:
+        """Forget every entry whose file was removed (link count 0), so that its descriptor
+        closes and the file's space is freed; return how many."""
+        with self.lock:
+            gone = [k for k, v in self.items.items() if os.fstat(self.fd_of(v)).st_nlink == 0]
+            for k in gone:
+                self.retired.append(self.fd_of(self.items.pop(k)))
+            self._sweep()
+        return len(gone)
 
     def forget(self, key: K) -> None:
         """Forget one entry (its descriptor closes once no I/O uses it)."""

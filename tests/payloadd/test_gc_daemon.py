@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -21,6 +22,7 @@ from payload_client import (
     InvalidRequestError,
     PayloadClient,
     PayloadSegment,
+    _descriptors,
 )
 from payloadd._process import start_daemon
 from tests.conftest import Daemon
@@ -163,3 +165,26 @@ def test_background_sweep_removes_old_steps_and_orphans(tmp_path: Path) -> None:
             time.sleep(0.1)
         with pytest.raises(FileGoneError, match="ttl"):
             read(c, segs)
+
+
+def test_a_client_lets_go_of_collected_files(
+    daemon: Daemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run = f"held-{uuid.uuid4().hex[:8]}"
+    with PayloadClient(daemon.socket) as trainer, PayloadClient(daemon.socket) as admin:
+        old = trainer.append("f", rows(4), 0, run=run, step=0)  # a lease on step 0's file
+        read(trainer, old)  # and a cached read descriptor of it
+        admin.gc(run, 0)
+        monkeypatch.setattr(_descriptors, "DROP_REMOVED_S", 0.0)  # check at the next call
+        new = trainer.append("f", rows(4), 0, run=run, step=1)
+        assert np.array_equal(read(trainer, new), rows(4))
+        assert old[0].file not in " ".join(open_files())  # its space is free
+
+
+def open_files() -> list[str]:
+    """Targets of this process's descriptors (a removed file shows as '... (deleted)')."""
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(FileNotFoundError):
+            out.append(os.readlink(f"/proc/self/fd/{fd}"))
+    return out
