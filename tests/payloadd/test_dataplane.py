@@ -242,6 +242,7 @@ def test_a_stuck_daemon_times_out(tmp_path: Path) -> None:
         for fd in dp._exchange(OpenRequest([(seg.file, 0)]))[1]:  # connected and answering
             os.close(fd)
         os.kill(proc.pid, signal.SIGSTOP)
+        os.waitpid(proc.pid, os.WUNTRACED)  # stopped for sure, not merely signalled
         try:
             t0 = time.monotonic()
             with pytest.raises(DataPlaneDownError, match="timed out"):  # then HTTP is tried
