@@ -66,6 +66,7 @@ def serve(settings: Settings) -> None:
         loop="uvloop",
         http="httptools",
         timeout_graceful_shutdown=30,
+        timeout_keep_alive=settings.keep_alive_s,  # type: ignore[arg-type]
     )
     # uvicorn drains in-flight requests on SIGTERM/SIGINT, then re-raises the signal with the
     # handlers found at start restored: these make that a clean exit (status 0, socket removed).

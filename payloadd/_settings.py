@@ -85,6 +85,14 @@ class Settings(BaseSettings):
         description="Seconds between background GC sweeps (age rule, orphans, empty "
         "directories); the first runs at start.",
     )
+    keep_alive_s: float = Field(
+        5.0,
+        gt=0,
+        le=3600,
+        description="Seconds an idle HTTP connection is kept open before the daemon closes it; "
+        "keep it above clients' keep-alive (payload_client: 2 s) so they never send on a "
+        "connection being closed.",
+    )
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field(
         "info", description="Log level of the daemon and uvicorn."
     )

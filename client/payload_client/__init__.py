@@ -9,7 +9,9 @@ from ._base import DEFAULT_SOCKET, Window
 from ._clients import AsyncPayloadClient, PayloadClient
 from ._errors import (
     STATUS_BY_ERROR,
+    AppendInDoubtError,
     ConnectError,
+    ConnectionLostError,
     FileGoneError,
     FileMissingError,
     InvalidRequestError,
@@ -33,6 +35,7 @@ from ._segment import (
     validate_segment,
     validate_segments,
 )
+from ._timeout import Timeout
 from ._wire import GcCount, GcReport, Health, Stats
 
 __version__ = "0.1.0"
@@ -41,8 +44,10 @@ __all__ = [
     "DEFAULT_SOCKET",
     "STATUS_BY_ERROR",
     "SUPPORTED_DTYPES",
+    "AppendInDoubtError",
     "AsyncPayloadClient",
     "ConnectError",
+    "ConnectionLostError",
     "FileGoneError",
     "FileMissingError",
     "GcCount",
@@ -60,6 +65,7 @@ __all__ = [
     "ServerError",
     "Stats",
     "StorageFullError",
+    "Timeout",
     "TimeoutError",
     "TransportError",
     "Window",

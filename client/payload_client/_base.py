@@ -27,6 +27,7 @@ from ._segment import (
     check_int,
     check_name,
 )
+from ._timeout import DEFAULT_TIMEOUT_S, Timeout
 from ._wire import (
     APPEND_CONTENT_TYPE,
     DATA_SOCKET_SUFFIX,
@@ -118,6 +119,10 @@ class Call(Generic[T]):
         ``expected``), e.g. the output arrays themselves.
     decode : callable
         Turns the successful answer's body into the result.
+    idempotent : bool
+        True when sending the call twice has the effect of sending it once (a read, stats,
+        health): it is retried once, on a new connection, when its connection drops. Other
+        calls (an append) are never re-sent by the client.
     """
 
     method: str
@@ -129,6 +134,7 @@ class Call(Generic[T]):
     local: bool = False
     fast: Callable[[Any], Steps[T]] | None = None
     targets: Callable[[], list[Target]] | None = None
+    idempotent: bool = False
 
     def http_body(self) -> tuple[dict[str, str], list[Any]]:
         """The request headers and body chunks for HTTP (built only when HTTP is used)."""
@@ -243,8 +249,9 @@ class BaseClient:
         ``http://host:port`` of a daemon's TCP listener instead of a socket.
     token : str, optional
         Admin/TCP token, sent as ``Authorization: Bearer``.
-    timeout : float or httpx.Timeout, default 60.0
-        Seconds for connect, read, write and pool waits.
+    timeout : float, Timeout or httpx.Timeout, default 60.0
+        Seconds for connect, read, write and pool waits, or a `Timeout` setting each (and
+        how long a pooled connection may idle).
     data_plane : bool, default True
         Move row bytes through file descriptors the daemon passes over ``<socket>.data``
         when it serves one (same node); else, and always over TCP, over HTTP.
@@ -252,7 +259,7 @@ class BaseClient:
     Raises
     ------
     InvalidRequestError
-        If both ``socket_path`` and ``base_url`` are given.
+        If both ``socket_path`` and ``base_url`` are given, or ``timeout`` is not valid.
     """
 
     def __init__(
@@ -261,7 +268,7 @@ class BaseClient:
         *,
         base_url: str | None = None,
         token: str | None = None,
-        timeout: float | httpx.Timeout = 60.0,
+        timeout: float | Timeout | httpx.Timeout = DEFAULT_TIMEOUT_S,
         data_plane: bool = True,
     ) -> None:
         if socket_path is not None and base_url is not None:
@@ -270,10 +277,11 @@ class BaseClient:
             socket_path = socket_path or os.environ.get("PAYLOADD_SOCKET") or DEFAULT_SOCKET
         self.socket_path = os.fspath(socket_path) if socket_path is not None else None
         self.base_url = base_url or "http://payloadd"
-        self.timeout = timeout if isinstance(timeout, httpx.Timeout) else httpx.Timeout(timeout)
+        self.timeout = Timeout.of(timeout)
         self.data_socket = (
             self.socket_path + DATA_SOCKET_SUFFIX if data_plane and self.socket_path else None
         )
+        self.where = self.socket_path or self.base_url
         self.headers = {"User-Agent": "payload-client", "Accept": MSGPACK_CONTENT_TYPE}
         if token:
             self.headers["Authorization"] = f"Bearer {token}"
@@ -399,6 +407,7 @@ class BaseClient:
             expected=total,
             local=not pieces,
             fast=lambda dp: _then(read_steps(plans, outs, dp.cache, dp.scratch), outs),
+            idempotent=True,
         )
 
     # -- small calls --------------------------------------------------------------------
@@ -419,7 +428,8 @@ class BaseClient:
             headers["Content-Type"] = "application/json"
             encoded = msgspec.json.encode(body)
             chunks = lambda: [encoded]  # noqa: E731
-        return Call(method, path, decode=decode, headers=headers, body=chunks)
+        # every one is idempotent: a repeated GC removes nothing more
+        return Call(method, path, decode=decode, headers=headers, body=chunks, idempotent=True)
 
     def _gc_call(
         self, run: str | None, before_step: int | None, ttl_s: float | None, dry_run: bool

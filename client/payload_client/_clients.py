@@ -1,15 +1,14 @@
 """The two thin shells over `BaseClient`: sync (`PayloadClient`) and async (`AsyncPayloadClient`).
 
 They only move bytes; `BaseClient` builds every request and decodes every answer.
-httpx errors are translated here, once, into the `PayloadError` tree.
+httpx errors are translated once, by `_transport.translate`, into the `PayloadError` tree.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import AsyncIterator, Iterator, Sequence
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -18,31 +17,15 @@ import numpy as np
 
 from ._base import BaseClient, Call, Window, WindowLike
 from ._dataplane import AsyncDataPlane, DataPlaneDownError, SyncDataPlane, note_steps
-from ._errors import ConnectError, ProtocolError, TimeoutError, TransportError
+from ._errors import TransportError
 from ._segment import PayloadSegment
+from ._timeout import DEFAULT_TIMEOUT_S, Timeout
+from ._transport import Body, dropped, translate
 from ._wire import GcReport, Health, Stats
 
 __all__ = ["AsyncPayloadClient", "PayloadClient"]
 
 T = TypeVar("T")
-
-
-def _translate(exc: httpx.HTTPError, where: str) -> TransportError:
-    if isinstance(exc, httpx.TimeoutException):
-        return TimeoutError(f"timed out talking to {where}: {exc!r}")
-    if isinstance(exc, httpx.ConnectError):
-        return ConnectError(f"cannot connect to {where}: {exc}")
-    if isinstance(exc, httpx.RemoteProtocolError | httpx.DecodingError):
-        return ProtocolError(f"malformed answer from {where}: {exc}")
-    return TransportError(f"transport error talking to {where}: {exc!r}")
-
-
-@contextmanager
-def _translated(where: str) -> Iterator[None]:
-    try:
-        yield
-    except httpx.HTTPError as exc:
-        raise _translate(exc, where) from exc
 
 
 _DOC_ARGS = """
@@ -55,8 +38,28 @@ _DOC_ARGS = """
         ``http://host:port`` of a daemon's TCP listener, instead of a socket.
     token : str, optional
         Token sent as ``Authorization: Bearer`` (admin calls; every call over TCP).
-    timeout : float or httpx.Timeout, default 60.0
-        Seconds allowed for connecting, each read and write, and waiting for the pool.
+    timeout : float, Timeout or httpx.Timeout, default 60.0
+        Seconds allowed for connecting, each read and write (over HTTP and on the data
+        plane), and waiting for a pooled connection; a `Timeout` sets each apart, and how
+        long a pooled connection may idle before it is closed rather than reused (2 s, below
+        the daemon's ``keep_alive_s``).
+    data_plane : bool, default True
+        Move row bytes through file descriptors the daemon passes over ``<socket>.data``
+        when it serves one (same node); else, and always over TCP, over HTTP.
+
+    Raises
+    ------
+    InvalidRequestError
+        Both ``socket_path`` and ``base_url``, or a ``timeout`` that is not valid.
+
+    Notes
+    -----
+    A read, `stats` or `health` whose connection drops (the daemon restarted, or closed the
+    connection just as the call went out) is retried once on a new connection; then
+    `ConnectionLostError`. An append is never re-sent: if its connection fails before its
+    whole body was sent, the error (`ConnectError`, `TimeoutError`, `ConnectionLostError`)
+    says it was not stored; after that, `AppendInDoubtError`: it may or may not be stored.
+    On the data plane, an append whose rows were written is never sent again over HTTP.
 """
 
 
@@ -73,17 +76,24 @@ class PayloadClient(BaseClient):
         *,
         base_url: str | None = None,
         token: str | None = None,
-        timeout: float | httpx.Timeout = 60.0,
+        timeout: float | Timeout | httpx.Timeout = DEFAULT_TIMEOUT_S,
         data_plane: bool = True,
     ) -> None:
         super().__init__(
             socket_path, base_url=base_url, token=token, timeout=timeout, data_plane=data_plane
         )
-        wait = self.timeout.read
-        self._dp = SyncDataPlane(self.data_socket, wait) if self.data_socket else None
-        transport = httpx.HTTPTransport(uds=self.socket_path) if self.socket_path else None
+        t = self.timeout
+        self._dp = SyncDataPlane(self.data_socket, t.read, t.connect) if self.data_socket else None
+        timeout, limits = t.for_httpx()
+        transport = None
+        if self.socket_path:
+            transport = httpx.HTTPTransport(uds=self.socket_path, limits=limits)
         self._http = httpx.Client(
-            transport=transport, base_url=self.base_url, headers=self.headers, timeout=self.timeout
+            transport=transport,
+            base_url=self.base_url,
+            headers=self.headers,
+            timeout=timeout,
+            limits=limits,
         )
 
     def _send(self, call: Call[T]) -> T:
@@ -92,15 +102,23 @@ class PayloadClient(BaseClient):
         if call.fast is not None and self._dp is not None and self._data_plane_due():
             try:
                 return self._dp.run(call.fast(self._dp))
-            except DataPlaneDownError:
+            except DataPlaneDownError:  # raised only before any row reached a file
                 self._data_plane_failed()
-        headers, chunks = call.http_body()
-        content = iter(chunks) if chunks else None
-        where = self.socket_path or self.base_url
-        with (
-            _translated(where),
-            self._http.stream(call.method, call.path, headers=headers, content=content) as r,
-        ):
+        for attempt in (1, 2):
+            headers, chunks = call.http_body()
+            body = Body(chunks)
+            try:
+                return self._exchange(call, headers, body)
+            except httpx.HTTPError as exc:
+                if attempt == 1 and call.idempotent and dropped(exc):
+                    continue  # a new connection: httpx never reuses one that failed
+                raise translate(
+                    exc, self.where, idempotent=call.idempotent, sent=body.sent, retried=attempt > 1
+                ) from exc
+        raise AssertionError("unreachable")
+
+    def _exchange(self, call: Call[T], headers: dict[str, str], body: Body) -> T:
+        with self._http.stream(call.method, call.path, headers=headers, content=body.sync()) as r:
             if r.status_code >= 400:
                 call.raise_for_answer(r.status_code, r.read())
             sink = call.new_sink()
@@ -140,8 +158,14 @@ class PayloadClient(BaseClient):
             Bad field, run, step, position or rows (checked before anything is sent).
         PayloadTooLargeError
             The body is above the daemon's request size limit.
+        StorageFullError
+            The payload root is full (nothing was stored).
+        AppendInDoubtError
+            The connection failed after the whole append was sent: it may or may not be
+            stored. Never re-sent by the client; appending again may store the rows twice.
         TransportError
-            The daemon cannot be reached or answered badly.
+            The daemon cannot be reached or answered badly (`ConnectError`,
+            `TimeoutError`, `ConnectionLostError`: nothing was stored).
         """
         return self._send(self._append_call([(field, rows, pos)], run, step))[0]
 
@@ -164,7 +188,7 @@ class PayloadClient(BaseClient):
 
         Raises
         ------
-        InvalidRequestError, PayloadTooLargeError, TransportError
+        InvalidRequestError, PayloadTooLargeError, AppendInDoubtError, TransportError
             As `append`; nothing is written when any item is invalid.
         """
         return self._send(self._append_call(items, run, step))
@@ -218,6 +242,10 @@ class PayloadClient(BaseClient):
         FileMissingError, FileGoneError, SegmentFileError
             A segment intersecting the window points to a missing or collected file, one
             outside the root, or one shorter than the segment.
+        TimeoutError
+            The daemon did not answer within the read timeout.
+        ConnectionLostError
+            The connection dropped, and again on the one retry.
         TransportError
             The daemon cannot be reached or answered badly.
         """
@@ -306,7 +334,7 @@ class PayloadClient(BaseClient):
 
     def _tell_counters(self, ack: bool = False) -> None:
         if self._dp is not None and self._dp.sock is not None:
-            with contextlib.suppress(DataPlaneDownError):
+            with contextlib.suppress(DataPlaneDownError, TransportError):
                 self._dp.run(note_steps(self._dp.leases, ack))
 
     def health(self) -> Health:
@@ -332,19 +360,6 @@ class PayloadClient(BaseClient):
         self.close()
 
 
-@asynccontextmanager
-async def _atranslated(where: str) -> AsyncIterator[None]:
-    try:
-        yield
-    except httpx.HTTPError as exc:
-        raise _translate(exc, where) from exc
-
-
-async def _aiter(chunks: list[Any]) -> AsyncIterator[bytes]:
-    for chunk in chunks:
-        yield chunk
-
-
 class AsyncPayloadClient(BaseClient):
     __doc__ = (
         """Asyncio client of a payloadd daemon: the methods of `PayloadClient`, awaitable.
@@ -358,17 +373,26 @@ class AsyncPayloadClient(BaseClient):
         *,
         base_url: str | None = None,
         token: str | None = None,
-        timeout: float | httpx.Timeout = 60.0,
+        timeout: float | Timeout | httpx.Timeout = DEFAULT_TIMEOUT_S,
         data_plane: bool = True,
     ) -> None:
         super().__init__(
             socket_path, base_url=base_url, token=token, timeout=timeout, data_plane=data_plane
         )
-        wait = self.timeout.read
-        self._adp = AsyncDataPlane(self.data_socket, wait) if self.data_socket else None
-        transport = httpx.AsyncHTTPTransport(uds=self.socket_path) if self.socket_path else None
+        t = self.timeout
+        self._adp = (
+            AsyncDataPlane(self.data_socket, t.read, t.connect) if self.data_socket else None
+        )
+        timeout, limits = t.for_httpx()
+        transport = None
+        if self.socket_path:
+            transport = httpx.AsyncHTTPTransport(uds=self.socket_path, limits=limits)
         self._http = httpx.AsyncClient(
-            transport=transport, base_url=self.base_url, headers=self.headers, timeout=self.timeout
+            transport=transport,
+            base_url=self.base_url,
+            headers=self.headers,
+            timeout=timeout,
+            limits=limits,
         )
 
     async def _send(self, call: Call[T]) -> T:
@@ -377,15 +401,24 @@ class AsyncPayloadClient(BaseClient):
         if call.fast is not None and self._adp is not None and self._data_plane_due():
             try:
                 return await self._adp.run(call.fast(self._adp))
-            except DataPlaneDownError:
+            except DataPlaneDownError:  # raised only before any row reached a file
                 self._data_plane_failed()
-        headers, chunks = call.http_body()
-        content = _aiter(chunks) if chunks else None
-        where = self.socket_path or self.base_url
-        async with (
-            _atranslated(where),
-            self._http.stream(call.method, call.path, headers=headers, content=content) as r,
-        ):
+        for attempt in (1, 2):
+            headers, chunks = call.http_body()
+            body = Body(chunks)
+            try:
+                return await self._exchange(call, headers, body)
+            except httpx.HTTPError as exc:
+                if attempt == 1 and call.idempotent and dropped(exc):
+                    continue
+                raise translate(
+                    exc, self.where, idempotent=call.idempotent, sent=body.sent, retried=attempt > 1
+                ) from exc
+        raise AssertionError("unreachable")
+
+    async def _exchange(self, call: Call[T], headers: dict[str, str], body: Body) -> T:
+        content = body.async_()
+        async with self._http.stream(call.method, call.path, headers=headers, content=content) as r:
             if r.status_code >= 400:
                 call.raise_for_answer(r.status_code, await r.aread())
             sink = call.new_sink()
@@ -446,7 +479,7 @@ class AsyncPayloadClient(BaseClient):
 
     async def _tell_counters(self, ack: bool = False) -> None:
         if self._adp is not None and self._adp.sock is not None:
-            with contextlib.suppress(DataPlaneDownError):
+            with contextlib.suppress(DataPlaneDownError, TransportError):
                 await self._adp.run(note_steps(self._adp.leases, ack))
 
     async def health(self) -> Health:

@@ -14,6 +14,8 @@ with descriptors; `Blocking`: file I/O); `SyncDataPlane` and `AsyncDataPlane` on
 from __future__ import annotations
 
 import asyncio
+import builtins
+import contextlib
 import errno
 import functools
 import os
@@ -31,9 +33,11 @@ import numpy as np
 from . import _descriptors
 from ._descriptors import Lease, LeaseCache, ReadCache, Scratch
 from ._errors import (
+    AppendInDoubtError,
     ProtocolError,
     SegmentFileError,
     StorageFullError,
+    TimeoutError,
     TransportError,
     error_from_wire,
 )
@@ -77,7 +81,13 @@ _decoder = msgspec.msgpack.Decoder(DataReply)
 
 
 class DataPlaneDownError(Exception):
-    """The data plane cannot be used right now; the caller falls back to HTTP."""
+    """The data plane cannot be used right now; the caller falls back to HTTP.
+
+    It leaves the steps only while nothing of the call reached a file: once an append's rows
+    are written, a failing exchange ends in the segments (a lease append: the note is only
+    counters) or in `AppendInDoubtError` (a reservation whose commit was lost), never in the
+    rows being sent again over HTTP.
+    """
 
 
 @dataclass
@@ -187,7 +197,8 @@ def reserve_steps(
         try:
             yield Blocking(write, total)
         except OSError as exc:
-            yield Exchange(AbortRequest(reply.txn))
+            with contextlib.suppress(DataPlaneDownError, TransportError):  # the write's error wins
+                yield Exchange(AbortRequest(reply.txn))
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise StorageFullError(f"payload file system is full: {exc.strerror}") from exc
             raise TransportError(f"writing rows through the data plane failed: {exc}") from exc
@@ -196,8 +207,11 @@ def reserve_steps(
             os.close(fd)
     try:
         done, more = yield Exchange(CommitRequest(reply.txn))
-    except DataPlaneDownError as exc:  # the rows are written but unacknowledged: never retried
-        raise TransportError(f"commit of an append was lost: {exc}") from exc
+    except (DataPlaneDownError, TransportError) as exc:  # rows written, commit unanswered
+        raise AppendInDoubtError(
+            f"the commit of an append got no answer ({exc}): the append may or may not have "
+            "been stored; it is not re-sent, and appending the rows again may store them twice"
+        ) from exc
     _raise_for(done, more, CommitReply)
     assert isinstance(done, CommitReply)
     return done.segments
@@ -264,8 +278,9 @@ def append_steps(
         for key in set(gone):  # place the rows again, in new leases (new files)
             leases.forget(key)
     note = leases.note(sum(it.rows for it in items), sum(sizes))
-    if note is not None:
-        yield Exchange(note, reply=False)
+    if note is not None:  # counters only: the rows are in place, the append is done
+        with contextlib.suppress(DataPlaneDownError, TransportError):
+            yield Exchange(note, reply=False)
     return [
         [PayloadSegment(it.field, lease.file, offset, it.pos, it.rows, it.dtype, list(it.shape))]
         for it, (_, lease, offset) in zip(items, places, strict=True)
@@ -425,9 +440,12 @@ class _Frame:
 class _DataPlane:
     """What both drivers hold: the socket, descriptor caches, leases, scratch buffers."""
 
-    def __init__(self, path: str, timeout: float | None = None) -> None:
+    def __init__(
+        self, path: str, timeout: float | None = None, connect_timeout: float | None = None
+    ) -> None:
         self.path = path
         self.timeout = timeout
+        self.connect_timeout = connect_timeout
         self.pid = _pid[0]
         self.sock: socket.socket | None = None
         self.cache = ReadCache()
@@ -448,6 +466,12 @@ class _DataPlane:
             frame.close_fds()
         self._drop()
         return DataPlaneDownError(f"data plane at {self.path} failed: {exc}")
+
+    def _timed_out(self, frame: _Frame | None) -> TimeoutError:
+        """A daemon that does not answer in time is stuck: HTTP would wait as long again, so
+        the call fails (a late reply must not reach the next exchange: the connection goes)."""
+        self._failed(None, frame)
+        return TimeoutError(f"data plane at {self.path} gave no answer within {self.timeout} s")
 
     def _check_owner(self, exact: bool = False) -> None:
         """A forked child starts over: its parent's leases and socket are not its own.
@@ -482,21 +506,28 @@ class SyncDataPlane(_DataPlane):
     ----------
     path : str
         The daemon's data socket.
+    timeout : float or None
+        Seconds to wait for each send and reply; then `TimeoutError` (``None``: forever).
+    connect_timeout : float or None
+        Seconds to wait for the connection; then the caller falls back to HTTP.
     """
 
-    def __init__(self, path: str, timeout: float | None = None) -> None:
-        super().__init__(path, timeout)
+    def __init__(
+        self, path: str, timeout: float | None = None, connect_timeout: float | None = None
+    ) -> None:
+        super().__init__(path, timeout, connect_timeout)
         self.lock = threading.Lock()
 
     def _connect(self) -> socket.socket:
         if self.sock is None:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            sock.settimeout(self.timeout)  # a stuck daemon fails the call, as over HTTP
+            sock.settimeout(self.connect_timeout)
             try:
                 sock.connect(self.path)
             except OSError as exc:
                 sock.close()
                 raise DataPlaneDownError(f"no data plane at {self.path}: {exc}") from exc
+            sock.settimeout(self.timeout)  # a stuck daemon fails the call, as over HTTP
             self.sock = sock
         return self.sock
 
@@ -513,6 +544,8 @@ class SyncDataPlane(_DataPlane):
                 frame = _Frame(msg, _fds_of(anc))
                 while (n := frame.missing()) > 0:
                     frame.add(sock.recv(max(n, 1 << 16)))
+            except builtins.TimeoutError as exc:
+                raise self._timed_out(frame) from exc
             except OSError as exc:
                 raise self._failed(exc, frame) from exc
             except BaseException:  # cancelled, interrupted: its reply would go to the next
@@ -557,8 +590,10 @@ class SyncDataPlane(_DataPlane):
 class AsyncDataPlane(_DataPlane):
     """Runs data-plane steps on the event loop; file I/O above 1 MiB goes to a thread."""
 
-    def __init__(self, path: str, timeout: float | None = None) -> None:
-        super().__init__(path, timeout)
+    def __init__(
+        self, path: str, timeout: float | None = None, connect_timeout: float | None = None
+    ) -> None:
+        super().__init__(path, timeout, connect_timeout)
         self.lock: asyncio.Lock | None = None
 
     async def _connect(self) -> socket.socket:
@@ -566,8 +601,9 @@ class AsyncDataPlane(_DataPlane):
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             sock.setblocking(False)
             try:
-                await asyncio.get_running_loop().sock_connect(sock, self.path)
-            except OSError as exc:
+                connect = asyncio.get_running_loop().sock_connect(sock, self.path)
+                await asyncio.wait_for(connect, self.connect_timeout)
+            except OSError as exc:  # TimeoutError included
                 sock.close()
                 raise DataPlaneDownError(f"no data plane at {self.path}: {exc}") from exc
             self.sock = sock
@@ -596,7 +632,14 @@ class AsyncDataPlane(_DataPlane):
             sock = await self._connect()
             loop = asyncio.get_running_loop()
             try:
-                await loop.sock_sendall(sock, _frame(request))
+                data = _frame(request)
+                try:
+                    sent = sock.send(data)  # a frame fits the socket buffer: no task, no wait
+                except BlockingIOError:
+                    sent = 0
+                if sent < len(data):
+                    rest = loop.sock_sendall(sock, memoryview(data)[sent:])
+                    await asyncio.wait_for(rest, self.timeout)
                 if not reply:
                     return None
                 msg, fds = await asyncio.wait_for(self._recvmsg(sock), self.timeout)
@@ -604,6 +647,8 @@ class AsyncDataPlane(_DataPlane):
                 while (n := frame.missing()) > 0:
                     more = loop.sock_recv(sock, max(n, 1 << 16))
                     frame.add(await asyncio.wait_for(more, self.timeout))
+            except builtins.TimeoutError as exc:
+                raise self._timed_out(frame) from exc
             except OSError as exc:
                 raise self._failed(exc, frame) from exc
             except BaseException:  # cancelled, interrupted: its reply would go to the next

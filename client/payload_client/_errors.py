@@ -15,7 +15,10 @@
     └── TransportError                no usable answer from the daemon (client side)
         ├── ConnectError              cannot reach the socket or URL
         ├── TimeoutError              the configured timeout elapsed
-        └── ProtocolError             the answer is malformed
+        ├── ProtocolError             the answer is malformed
+        ├── ConnectionLostError       the connection dropped before the whole answer came
+        └── AppendInDoubtError        an append's connection failed after the daemon may
+                                      have received all of it: stored or not, unknown
 
 `STATUS_BY_ERROR` is the one table mapping error classes to HTTP status codes: the
 daemon answers with it, the client inverts it (the error body also names the class).
@@ -29,7 +32,9 @@ import builtins
 
 __all__ = [
     "STATUS_BY_ERROR",
+    "AppendInDoubtError",
     "ConnectError",
+    "ConnectionLostError",
     "FileGoneError",
     "FileMissingError",
     "InvalidRequestError",
@@ -110,6 +115,26 @@ class TimeoutError(TransportError, builtins.TimeoutError):
 
 class ProtocolError(TransportError):
     """The daemon's answer does not follow the wire format."""
+
+
+class ConnectionLostError(TransportError, ConnectionError):
+    """The connection dropped before the daemon's whole answer came back (it stopped or
+    restarted).
+
+    Reads and other idempotent calls have already been retried once on a new connection when
+    this is raised; an append raising it was provably not stored (its body never fully
+    reached the daemon), so appending again is safe.
+    """
+
+
+class AppendInDoubtError(TransportError):
+    """An append's connection failed (dropped, or timed out waiting for the answer) after the
+    daemon may have received all of it.
+
+    The rows may or may not be stored. The client never re-sends an append by itself:
+    appending the rows again may store them twice (the copy whose segments were never
+    returned stays unreferenced until GC removes its step).
+    """
 
 
 STATUS_BY_ERROR: dict[type[PayloadError], int] = {

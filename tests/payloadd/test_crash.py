@@ -313,9 +313,13 @@ def test_kill_9_during_concurrent_appends_loses_nothing(tmp_path: Path) -> None:
 
         # every writer thread stopped on a PayloadError (a clear transport error, no crash)
         assert len(stops) == 2 * WRITERS
-        assert {s.error for s in stops} <= {"ConnectError", "TransportError", "ProtocolError"}, (
-            stops
-        )
+        assert {s.error for s in stops} <= {
+            "ConnectError",
+            "TransportError",
+            "ProtocolError",
+            "AppendInDoubtError",
+            "ConnectionLostError",
+        }, stops
         via = Counter(a.via for a in acked)
         assert len(acked) >= 300 and min(via["dp"], via["http"]) >= PER_TRANSPORT, via
 
@@ -356,7 +360,12 @@ def test_kill_9_during_concurrent_appends_loses_nothing(tmp_path: Path) -> None:
         for a in mine[1:]:
             for s in itertools.chain.from_iterable(a.segments):
                 assert s.file not in before, f"{a.name} appended to {s.file}, a file of before"
-        assert {f: after[f] for f in before} == before
+        # ... except empty ones: no append was acknowledged from them, and the restarted
+        # daemon's first GC sweep removes them as orphans
+        assert {f: after[f] for f in before if f in after} == {
+            f: v for f, v in before.items() if f in after
+        }
+        assert all(before[f][0] == 0 for f in before if f not in after)
 
         # a segment reaching past what a file holds (a torn tail) is an error naming the
         # file on both transports, never fill
