@@ -22,6 +22,7 @@ from ._errors import (
     StorageFullError,
     TimeoutError,
     TransportError,
+    UnauthorizedError,
 )
 from ._ops import clip_segments, merge_pd_segments, shift_segments
 from ._read import Piece, WindowPlan, assemble, plan_window
@@ -60,6 +61,7 @@ __all__ = [
     "StorageFullError",
     "TimeoutError",
     "TransportError",
+    "UnauthorizedError",
     "Window",
     "WindowPlan",
     "assemble",
