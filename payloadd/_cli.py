@@ -88,7 +88,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; return the exit status."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    for arg in argv:
+    for arg in argv if argv[:1] == ["serve"] else ():
         if arg.replace("_", "-").split("=")[0] in ENV_ONLY_FLAGS:
             print(
                 f"payloadd serve: {arg.split('=')[0]} is not a flag: every user can read a "

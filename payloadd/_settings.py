@@ -2,7 +2,8 @@
 
 Every field is also a CLI flag of ``payloadd serve`` (``max_file_bytes`` ->
 ``--max-file-bytes``) and an environment variable (``PAYLOADD_MAX_FILE_BYTES``).
-Precedence: flag > environment > default.
+Precedence: flag > environment > default. The one exception is ``admin_token``, an
+environment variable only: a command line is visible to every user.
 """
 
 from __future__ import annotations

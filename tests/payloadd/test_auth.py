@@ -14,7 +14,7 @@ import httpx
 import numpy as np
 import pytest
 
-from payload_client import PayloadClient, PayloadError, UnauthorizedError
+from payload_client import AsyncPayloadClient, PayloadClient, PayloadError, UnauthorizedError
 from payload_client._base import Call
 from payloadd._process import start_daemon
 from payloadd._settings import Settings
@@ -233,3 +233,14 @@ def test_the_token_is_in_no_help_and_no_repr(monkeypatch: pytest.MonkeyPatch) ->
     assert out.returncode == 0 and "--admin-token-file" in out.stdout
     assert "--admin-token " not in out.stdout and TOKEN not in out.stdout
     assert "PAYLOADD_ADMIN_TOKEN" in out.stdout
+
+
+@pytest.mark.asyncio
+async def test_the_async_client_over_tcp(guarded: Guarded) -> None:
+    rows = np.arange(6, dtype=np.uint8).reshape(3, 2)
+    async with AsyncPayloadClient(base_url=guarded.url, token=TOKEN) as c:
+        segs = await c.append("f", rows, 0, run="atcp", step=0)
+        np.testing.assert_array_equal(await c.read_field(segs, "f", 0, 3, 0), rows)
+    async with AsyncPayloadClient(base_url=guarded.url) as c:
+        with pytest.raises(UnauthorizedError, match="calls over TCP"):
+            await c.read_field(segs, "f", 0, 3, 0)
