@@ -39,6 +39,7 @@ from payload_client._wire import (
 )
 
 from . import __version__
+from ._auth import TokenGuard, load_admin_token
 from ._dataplane import DataPlaneServer
 from ._gc import Collector
 from ._openapi import install_openapi, operation
@@ -134,8 +135,16 @@ def create_app(settings: Settings, data_listener: socket.socket | None = None) -
     -------
     fastapi.FastAPI
         Routes ``GET /healthz``, ``GET /v1/stats``, ``POST /v1/append``, ``POST /v1/read``,
-        ``POST /v1/admin/gc``, ``DELETE /v1/admin/runs/{run}`` and ``GET /openapi.json``.
+        ``POST /v1/admin/gc``, ``DELETE /v1/admin/runs/{run}`` and ``GET /openapi.json``;
+        behind `TokenGuard` (the admin token, if configured, on ``/v1/admin``; on every call
+        that does not come over a Unix socket).
+
+    Raises
+    ------
+    StartError
+        The admin token settings are unusable (see `load_admin_token`).
     """
+    token = load_admin_token(settings)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
@@ -336,4 +345,5 @@ def create_app(settings: Settings, data_listener: socket.socket | None = None) -
         return _answer(request, report)
 
     install_openapi(app)
+    app.add_middleware(TokenGuard, token=token)
     return app

@@ -19,11 +19,20 @@ from ._settings import Settings
 __all__ = ["main"]
 
 
+ENV_ONLY = frozenset({"admin_token"})
+"""Settings that are not flags: secrets, since every user can read a process's command line."""
+ENV_ONLY_FLAGS = frozenset(f"--{name.replace('_', '-')}" for name in ENV_ONLY)
+
+
 def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
     for name, info in Settings.model_fields.items():
+        if name in ENV_ONLY:
+            continue
         default = info.get_default(call_default_factory=True)
         if name == "socket_mode":
             default = f"{default:o}"
+        elif default is None:
+            default = "none"
         choices = get_args(info.annotation) if get_origin(info.annotation) is Literal else None
         parser.add_argument(
             f"--{name.replace('_', '-')}",
@@ -44,9 +53,12 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser(
         "serve",
+        allow_abbrev=False,  # "--admin-token" must not pass for "--admin-token-file"
         help="run the daemon on a Unix socket",
         description="Run the daemon: own the payload root, serve the HTTP API on a Unix socket. "
-        "Every flag is also a PAYLOADD_* environment variable; a flag wins. Sizes are in bytes.",
+        "Every flag is also a PAYLOADD_* environment variable; a flag wins. Sizes are in bytes. "
+        "The admin token itself is only an environment variable, PAYLOADD_ADMIN_TOKEN (or "
+        "a file: --admin-token-file).",
     )
     _add_settings_flags(serve)
     demo = sub.add_parser(
@@ -86,6 +98,15 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; return the exit status."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    for arg in argv if argv[:1] == ["serve"] else ():
+        if arg.replace("_", "-").split("=")[0] in ENV_ONLY_FLAGS:
+            print(
+                f"payloadd serve: {arg.split('=')[0]} is not a flag: every user can read a "
+                "command line. Set PAYLOADD_ADMIN_TOKEN or --admin-token-file instead.",
+                file=sys.stderr,
+            )
+            return 2
     args = _parser().parse_args(argv)
     if args.command == "serve":
         values = {k: v for k, v in vars(args).items() if k != "command"}
@@ -95,11 +116,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"payloadd serve: invalid settings:\n{exc}", file=sys.stderr)
             return 2
         from ._server import serve
-        from ._sockets import SocketInUseError
+        from ._sockets import StartError
 
         try:
             serve(settings)
-        except (SocketInUseError, OSError) as exc:
+        except (StartError, OSError) as exc:
             print(f"payloadd serve: {exc}", file=sys.stderr)
             return 1
         return 0

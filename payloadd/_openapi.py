@@ -116,7 +116,18 @@ def install_openapi(app: FastAPI) -> None:
                 summary=app.summary,
                 routes=app.routes,
             )
-            doc.setdefault("components", {}).setdefault("schemas", {}).update(COMPONENTS)
+            components = doc.setdefault("components", {})
+            components.setdefault("schemas", {}).update(COMPONENTS)
+            components["securitySchemes"] = {
+                "adminToken": {
+                    "type": "http",
+                    "scheme": "bearer",
+                    "description": "The daemon's admin token, when one is configured: needed "
+                    "by /v1/admin calls over the Unix socket, and by every call over TCP "
+                    "(401 UnauthorizedError without it).",
+                }
+            }
+            doc["security"] = [{}, {"adminToken": []}]
             app.openapi_schema = doc
         return app.openapi_schema
 

@@ -9,6 +9,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from payload_client import PayloadClient, PayloadError
 
@@ -17,9 +18,12 @@ __all__ = ["start_daemon"]
 
 @contextlib.contextmanager
 def start_daemon(
-    root: Path, socket_path: Path, *extra: str, log_level: str = "warning"
+    root: Path, socket_path: Path, *extra: str, log_level: str = "warning", **popen: Any
 ) -> Iterator[subprocess.Popen[bytes]]:
-    """Run ``payloadd serve`` in a child process until the block ends; wait until it answers."""
+    """Run ``payloadd serve`` in a child process until the block ends; wait until it answers.
+
+    ``popen`` goes to `subprocess.Popen` (e.g. ``env``, ``umask``, ``stderr``).
+    """
     cmd = [
         sys.executable,
         "-m",
@@ -30,7 +34,7 @@ def start_daemon(
         "--socket",
         str(socket_path),
     ]
-    proc = subprocess.Popen([*cmd, "--log-level", log_level, *extra])
+    proc = subprocess.Popen([*cmd, "--log-level", log_level, *extra], **popen)
     try:
         deadline = time.monotonic() + 30
         with PayloadClient(socket_path, timeout=5) as probe:

@@ -1,4 +1,4 @@
-"""Run the app under uvicorn on a Unix socket the daemon binds itself (mode, stale files)."""
+"""Run the app under uvicorn on sockets the daemon binds itself, under its socket lock."""
 
 from __future__ import annotations
 
@@ -13,8 +13,16 @@ import uvicorn
 from payload_client._wire import DATA_SOCKET_SUFFIX
 
 from ._app import create_app
+from ._auth import load_admin_token
 from ._settings import Settings
-from ._sockets import bind_unix_socket
+from ._sockets import (
+    SocketLock,
+    StartError,
+    bind_tcp_socket,
+    bind_unix_socket,
+    remove_socket_file,
+    resolve_group,
+)
 from ._store import Store
 
 __all__ = ["serve"]
@@ -27,19 +35,33 @@ def _exit_cleanly(signum: int, frame: object) -> None:
 
 
 def serve(settings: Settings) -> None:
-    """Serve ``settings`` until SIGINT/SIGTERM; remove the socket file on exit.
+    """Serve ``settings`` until SIGINT/SIGTERM, then remove the socket files and the lock.
+
+    Everything that can be checked is checked before any socket file is touched: the root,
+    the admin token, the TCP listener's need for it, the socket group, then the lock
+    ``<socket>.lock``, held until exit so that no second daemon can bind beside this one.
 
     Raises
     ------
     OSError
-        The root cannot be created or written, or the socket cannot be bound.
+        The root cannot be created or written, or a socket cannot be bound.
+    StartError
+        Unusable token settings; a TCP listener without a token, or its address in use; an
+        unknown socket group.
     SocketInUseError
-        Another daemon answers on the socket.
+        Another daemon answers on the socket or holds its lock.
     """
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(levelname)s %(name)s: %(message)s"
     )
     Store.check_root(settings.root)  # fail here, with a clear message, not in the lifespan
+    token = load_admin_token(settings)
+    if settings.tcp_port is not None and token is None:
+        raise StartError(
+            "the TCP listener (tcp_port) needs an admin token: set admin_token_file or "
+            "PAYLOADD_ADMIN_TOKEN"
+        )
+    gid = resolve_group(settings.socket_group) if settings.socket_group is not None else None
     longest = len(os.fsencode(settings.socket)) + (
         len(DATA_SOCKET_SUFFIX) if settings.data_plane else 0
     )
@@ -48,33 +70,42 @@ def serve(settings: Settings) -> None:
             f"socket path {settings.socket} (and its data socket, {DATA_SOCKET_SUFFIX}) is "
             "longer than the 107 bytes AF_UNIX allows"
         )
-    sock = bind_unix_socket(settings.socket, settings.socket_mode)
-    data = None
-    if settings.data_plane:
-        try:
+    lock = SocketLock(settings.socket)
+    lock.acquire()
+    with contextlib.ExitStack() as cleanup:  # undone in reverse order, the lock last
+        cleanup.callback(lock.release)
+        sock = cleanup.enter_context(
+            bind_unix_socket(settings.socket, settings.socket_mode, gid=gid)
+        )
+        cleanup.callback(remove_socket_file, settings.socket)  # only once it is ours
+        sockets = [sock]
+        data = None
+        if settings.data_plane:
             data_path = Path(f"{settings.socket}{DATA_SOCKET_SUFFIX}")
-            data = bind_unix_socket(data_path, settings.socket_mode)
-        except BaseException:
-            sock.close()
-            os.unlink(settings.socket)
-            raise
-    config = uvicorn.Config(
-        create_app(settings, data),
-        log_level=settings.log_level,
-        access_log=False,
-        lifespan="on",
-        loop="uvloop",
-        http="httptools",
-        timeout_graceful_shutdown=30,
-        timeout_keep_alive=settings.keep_alive_s,  # type: ignore[arg-type]
-    )
-    # uvicorn drains in-flight requests on SIGTERM/SIGINT, then re-raises the signal with the
-    # handlers found at start restored: these make that a clean exit (status 0, socket removed).
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, _exit_cleanly)
-    try:
-        uvicorn.Server(config).run(sockets=[sock])
-    finally:
-        sock.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(settings.socket)
+            data = cleanup.enter_context(bind_unix_socket(data_path, settings.socket_mode, gid=gid))
+            cleanup.callback(remove_socket_file, data_path)
+        if settings.tcp_port is not None:
+            tcp = cleanup.enter_context(bind_tcp_socket(settings.tcp_host, settings.tcp_port))
+            sockets.append(tcp)
+            log.info(
+                "HTTP API also on TCP %s:%d; every call needs the admin token",
+                settings.tcp_host,
+                settings.tcp_port,
+            )
+        config = uvicorn.Config(
+            create_app(settings, data),
+            log_level=settings.log_level,
+            access_log=False,
+            lifespan="on",
+            loop="uvloop",
+            http="httptools",
+            proxy_headers=False,
+            timeout_graceful_shutdown=30,
+            timeout_keep_alive=settings.keep_alive_s,  # type: ignore[arg-type]
+        )
+        # uvicorn drains in-flight requests on SIGTERM/SIGINT, then re-raises the signal with
+        # the handlers found at start restored: these make that a clean exit (status 0,
+        # socket files and lock removed by the cleanup above).
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, _exit_cleanly)
+        uvicorn.Server(config).run(sockets=sockets)

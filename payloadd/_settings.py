@@ -2,7 +2,8 @@
 
 Every field is also a CLI flag of ``payloadd serve`` (``max_file_bytes`` ->
 ``--max-file-bytes``) and an environment variable (``PAYLOADD_MAX_FILE_BYTES``).
-Precedence: flag > environment > default.
+Precedence: flag > environment > default. The one exception is ``admin_token``, an
+environment variable only: a command line is visible to every user.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import socket as _socket
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 __all__ = ["Settings", "default_node"]
@@ -38,7 +39,32 @@ class Settings(BaseSettings):
         Path("/run/payloadd/payloadd.sock"), description="Unix socket the HTTP API listens on."
     )
     socket_mode: int = Field(
-        0o660, description="File mode of the socket (octal, e.g. 0660): who may connect."
+        0o660, description="File mode of both sockets (octal, e.g. 0660): who may connect."
+    )
+    socket_group: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z0-9._][A-Za-z0-9._-]{0,63}$",
+        description="Group (name or gid) given to both sockets; default: the daemon's group.",
+    )
+    admin_token_file: Path | None = Field(
+        None,
+        description="File holding the admin token (surrounding whitespace stripped): admin "
+        "calls must send it; the TCP listener needs it on every call.",
+    )
+    admin_token: SecretStr | None = Field(
+        None,
+        description="The admin token itself. Environment variable only (a flag would show it "
+        "to every user in the process list); give it or admin_token_file, not both.",
+    )
+    tcp_host: str = Field(
+        "127.0.0.1", description="Address the TCP listener binds (when tcp_port is set)."
+    )
+    tcp_port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description="Also serve the HTTP API (not the data plane) on TCP at this port, every "
+        "call needing the admin token. Default: off.",
     )
     node: str = Field(
         default_factory=default_node,

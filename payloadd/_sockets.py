@@ -1,24 +1,138 @@
-"""Unix sockets the daemon binds itself: exact file mode, stale files replaced, live ones kept."""
+"""Sockets the daemon binds itself, and the lock that makes it the only daemon on its socket.
+
+Unix sockets get an exact file mode (and optionally a group); a stale socket file is
+replaced, a live one kept. ``<socket>.lock`` (`SocketLock`) is taken before any socket file
+is touched, so two daemons started at the same moment cannot both get past it.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
+import grp
 import os
 import socket
 import stat
 from pathlib import Path
 
-__all__ = ["SocketInUseError", "bind_unix_socket"]
+__all__ = [
+    "LOCK_SUFFIX",
+    "SocketInUseError",
+    "SocketLock",
+    "StartError",
+    "bind_tcp_socket",
+    "bind_unix_socket",
+    "remove_socket_file",
+    "resolve_group",
+]
+
+LOCK_SUFFIX = ".lock"
+"""The lock file is the socket path plus this suffix."""
 
 
-class SocketInUseError(RuntimeError):
-    """Another live daemon answers on the socket path."""
+class StartError(RuntimeError):
+    """The daemon cannot start as configured (the message says why)."""
 
 
-def bind_unix_socket(path: Path, mode: int = 0o660, backlog: int = 1024) -> socket.socket:
+class SocketInUseError(StartError):
+    """Another live daemon answers on the socket path, or holds its lock."""
+
+
+class SocketLock:
+    """An exclusive `fcntl.flock` on ``<socket>.lock``, held for the daemon's life.
+
+    The file holds the owner's pid (for people; the lock itself is what counts). The kernel
+    drops the lock when the process dies, however it dies, so a killed daemon never blocks
+    a restart. `release` removes the file while still holding the lock; `acquire` checks
+    after locking that the path still names the file it locked, so a daemon that opened
+    the file just before an earlier one removed it does not run beside a third one.
+    """
+
+    def __init__(self, socket_path: str | os.PathLike[str]) -> None:
+        self.socket_path = Path(socket_path)
+        self.path = Path(f"{socket_path}{LOCK_SUFFIX}")
+        self._fd = -1
+
+    def acquire(self) -> None:
+        """Take the lock without waiting.
+
+        Raises
+        ------
+        SocketInUseError
+            Another process holds it (a daemon serves, or is starting on, the socket).
+        OSError
+            The lock file cannot be created or opened.
+        """
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        while True:
+            flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
+            fd = os.open(self.path, flags, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                owner = self._owner(fd)
+                os.close(fd)
+                who = f"payloadd (pid {owner})" if owner else "another payloadd"
+                raise SocketInUseError(
+                    f"a live daemon already listens on {self.socket_path}: {who} holds {self.path}"
+                ) from None
+            except BaseException:
+                os.close(fd)
+                raise
+            try:
+                same = os.stat(self.path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)  # removed by the daemon that held it: lock the current file
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._fd = fd
+
+    @staticmethod
+    def _owner(fd: int) -> int | None:
+        with contextlib.suppress(OSError, ValueError):
+            return int(os.pread(fd, 32, 0).decode().strip())
+        return None
+
+    def release(self) -> None:
+        """Remove the lock file and drop the lock (idempotent)."""
+        if self._fd < 0:
+            return
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+        os.close(self._fd)
+        self._fd = -1
+
+
+def resolve_group(group: str) -> int:
+    """Return the gid of ``group``: a group name, or a number taken as a gid.
+
+    Raises
+    ------
+    StartError
+        No group of that name exists.
+    """
+    if group.isdigit():
+        return int(group)
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise StartError(f"socket_group: no group named {group!r} on this host") from None
+
+
+def bind_unix_socket(
+    path: Path, mode: int = 0o660, backlog: int = 1024, gid: int | None = None
+) -> socket.socket:
     """Bind and listen on a Unix stream socket at ``path`` with file mode ``mode``.
 
     A socket file left by a dead daemon (connecting is refused) is replaced; one a live
-    process accepts on is not, nor one this user may not connect to.
+    process accepts on is not, nor one this user may not connect to. The file is created
+    accessible to its owner only, given group ``gid`` (when not ``None``), then mode
+    ``mode``, before it listens: nobody else can connect until it has its final owner and
+    mode.
 
     Raises
     ------
@@ -27,7 +141,8 @@ def bind_unix_socket(path: Path, mode: int = 0o660, backlog: int = 1024) -> sock
     FileExistsError
         When ``path`` exists and is not a socket.
     PermissionError
-        When ``path`` exists and this user may not connect to it.
+        When ``path`` exists and this user may not connect to it, or ``gid`` cannot be set
+        (a group this user is not in).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -44,11 +159,57 @@ def bind_unix_socket(path: Path, mode: int = 0o660, backlog: int = 1024) -> sock
         finally:
             probe.close()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    old = os.umask(0o777 & ~mode)
     try:
-        sock.bind(os.fspath(path))
-    finally:
-        os.umask(old)
-    os.chmod(path, mode)
-    sock.listen(backlog)
+        old = os.umask(0o177)
+        try:
+            sock.bind(os.fspath(path))
+        finally:
+            os.umask(old)
+        try:
+            if gid is not None and os.stat(path).st_gid != gid:
+                os.chown(path, -1, gid)
+            os.chmod(path, mode)
+        except PermissionError as exc:
+            os.unlink(path)
+            raise PermissionError(
+                exc.errno, f"cannot give socket {path} group {gid} and mode {mode:o}: {exc}"
+            ) from None
+        sock.listen(backlog)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def remove_socket_file(path: str | os.PathLike[str]) -> None:
+    """Remove the socket file ``path`` if it is there and is a socket."""
+    with contextlib.suppress(FileNotFoundError):
+        if stat.S_ISSOCK(os.lstat(path).st_mode):
+            os.unlink(path)
+
+
+def bind_tcp_socket(host: str, port: int, backlog: int = 1024) -> socket.socket:
+    """Bind and listen on TCP ``host:port`` (IPv4 or IPv6, the first address ``host`` has).
+
+    Raises
+    ------
+    StartError
+        ``host`` does not resolve, or the address is in use or cannot be bound.
+    """
+    try:
+        infos = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE | socket.AI_NUMERICSERV
+        )
+    except socket.gaierror as exc:
+        raise StartError(f"tcp_host {host!r} does not resolve: {exc.strerror}") from None
+    family, _, _, _, address = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(backlog)
+    except OSError as exc:
+        sock.close()
+        what = "is in use" if exc.errno == errno.EADDRINUSE else f"cannot be bound: {exc}"
+        raise StartError(f"TCP address {host}:{port} {what}") from None
     return sock

@@ -24,6 +24,7 @@ from ._errors import (
     StorageFullError,
     TimeoutError,
     TransportError,
+    UnauthorizedError,
 )
 from ._ops import clip_segments, merge_pd_segments, shift_segments
 from ._read import Piece, WindowPlan, assemble, plan_window
@@ -68,6 +69,7 @@ __all__ = [
     "Timeout",
     "TimeoutError",
     "TransportError",
+    "UnauthorizedError",
     "Window",
     "WindowPlan",
     "assemble",

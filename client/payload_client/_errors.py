@@ -6,6 +6,7 @@
     ├── InvalidSegmentError           segment metadata breaks DESIGN §2         422
     ├── InvalidRequestError           bad argument, window, name or body        400
     │   └── PayloadTooLargeError      body or item above a configured limit     413
+    ├── UnauthorizedError             admin token missing or wrong              401
     ├── FileMissingError              a segment's file does not exist           404
     ├── FileGoneError                 a segment's file was garbage-collected    410
     ├── SegmentFileError              file not a regular file in the root, or   409
@@ -47,6 +48,7 @@ __all__ = [
     "StorageFullError",
     "TimeoutError",
     "TransportError",
+    "UnauthorizedError",
     "error_from_wire",
 ]
 
@@ -79,6 +81,14 @@ class InvalidRequestError(PayloadError, ValueError):
 
 class PayloadTooLargeError(InvalidRequestError):
     """A request body, item or row count exceeds a configured limit."""
+
+
+class UnauthorizedError(PayloadError):
+    """The call needs the daemon's admin token and none, or another, was sent.
+
+    Admin calls need it when the daemon has one configured; calls over TCP always do. Pass
+    it as ``PayloadClient(..., token=...)``.
+    """
 
 
 class FileMissingError(PayloadError, LookupError):
@@ -139,6 +149,7 @@ class AppendInDoubtError(TransportError):
 
 STATUS_BY_ERROR: dict[type[PayloadError], int] = {
     InvalidRequestError: 400,
+    UnauthorizedError: 401,
     FileMissingError: 404,
     SegmentFileError: 409,
     FileGoneError: 410,

@@ -23,6 +23,7 @@ from payload_client import (
     ProtocolError,
     ServerError,
     TransportError,
+    UnauthorizedError,
 )
 from payload_client._base import _Sink
 from payload_client._errors import error_from_wire, status_of
@@ -115,6 +116,9 @@ def test_status_table_and_wire_errors() -> None:
     assert type(error_from_wire(418, "NoSuchError", "teapot")) is InvalidRequestError
     assert type(error_from_wire(404, "HTTPError", "Not Found")) is InvalidRequestError  # a route
     assert type(error_from_wire(503, None, "busy")) is ServerError
+    assert STATUS_BY_ERROR[UnauthorizedError] == 401
+    assert type(error_from_wire(401, None, "no token")) is UnauthorizedError
+    assert type(error_from_wire(401, "UnauthorizedError", "wrong")) is UnauthorizedError
     assert all(issubclass(cls, PayloadError) for cls in STATUS_BY_ERROR)
 
 

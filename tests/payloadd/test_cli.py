@@ -54,6 +54,8 @@ def test_demo_parity_check_can_fail() -> None:
         (["--node", "../x"], "node"),
         (["--socket-mode", "9z"], "socket_mode"),
         (["--fsync", "sometimes"], "fsync"),
+        (["--socket-group", "a b"], "socket_group"),
+        (["--tcp-port", "0"], "tcp_port"),
     ],
 )
 def test_serve_refuses_invalid_settings(tmp_path: Path, flags: list[str], match: str) -> None:

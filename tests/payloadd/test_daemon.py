@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Iterator
 
 import httpx
@@ -361,3 +362,85 @@ def test_large_http_reads_stream_and_errors_still_come_first(
     big = [[s.file, s.offset, 5000 * 384, s.offset + 5000 * 384], ["nope/missing.bin", 0, 1, 1]]
     r = http.post("/v1/read", json={"extents": big})
     assert r.status_code == 404 and "missing.bin" in r.json()["message"]
+
+
+# -- file paths stay inside the root; request limits ---------------------------------------
+
+
+def test_symlinked_directories_cannot_lead_out_of_the_root(
+    client: PayloadClient, daemon: Daemon
+) -> None:
+    tag = "dp" if client.data_socket else "http"
+    (seg,) = client.append(R, np.full((2, 2), 9, np.uint8), 0, run=f"dirlink-{tag}", step=0)
+    outside = daemon.root.parent / f"outside-{tag}"
+    outside.mkdir()
+    (outside / "x.bin").write_bytes(bytes(64))
+    base = daemon.root / "test" / f"dirlink-{tag}"
+    os.symlink(outside, base / "out")  # a directory outside the root
+    os.symlink("../../..", base / "up")  # a relative link up to the root's parent
+    os.symlink(base / "0", base / "in")  # a directory inside the root: fine
+    for file in (f"test/dirlink-{tag}/out/x.bin", f"test/dirlink-{tag}/up/outside-{tag}/x.bin"):
+        escape = msgspec.structs.replace(seg, file=file)
+        with pytest.raises(SegmentFileError, match="outside the payload root"):
+            client.read_field([escape], R, 0, 2, 0)
+    inside = msgspec.structs.replace(seg, file=f"test/dirlink-{tag}/in/{seg.file.split('/')[-1]}")
+    np.testing.assert_array_equal(client.read_field([inside], R, 0, 2, 0), np.full((2, 2), 9))
+
+
+@pytest.mark.parametrize(
+    ("path", "match"),
+    [("/etc/passwd", "relative"), ("../secret.bin", "normalised"), ("test/../../x", "normalised"),
+     ("test/a\x00.bin", "NUL"), ("test/./a.bin", "normalised"), ("test//a.bin", "normalised"),
+     ("./test/a.bin", "normalised"), ("test\\a.bin", "normalised"), ("", "non-empty")],
+)  # fmt: skip
+def test_file_paths_that_leave_the_root_are_refused_on_both_planes(
+    http: httpx.Client, daemon: Daemon, path: str, match: str
+) -> None:
+    from payload_client._dataplane import SyncDataPlane
+    from payload_client._wire import ErrorReply, OpenRequest
+
+    r = http.post("/v1/read", json={"extents": [[path, 0, 1, 1]]})
+    assert r.status_code == 422 and r.json()["error"] == "InvalidSegmentError", r.text
+    assert match in r.json()["message"]
+    dp = SyncDataPlane(f"{daemon.socket}.data", timeout=10.0)
+    try:
+        reply, fds = dp._exchange(OpenRequest([(path, 1)]))
+    finally:
+        dp.close()
+    assert fds == [] and isinstance(reply, ErrorReply), reply
+    assert reply.error == "InvalidSegmentError" and match in reply.message
+
+
+def test_request_limits_answer_413_before_reading_the_body(small_daemon: Daemon) -> None:
+    """Content-Length above the limit: 413 at once, though not a byte of the body was sent."""
+    for path, ctype, n in (("/v1/append", APPEND_CONTENT_TYPE, (1 << 20) + 1),
+                           ("/v1/read", "application/json", (16 << 20) + 1)):  # fmt: skip
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as raw:
+            raw.settimeout(30)
+            raw.connect(str(small_daemon.socket))
+            raw.sendall(
+                f"POST {path} HTTP/1.1\r\nHost: d\r\nContent-Type: {ctype}\r\n"
+                f"Content-Length: {n}\r\n\r\n".encode()
+            )
+            answer = b""
+            while b"\r\n\r\n" not in answer or not answer.endswith(b"}"):
+                answer += raw.recv(1 << 16)  # the JSON error body ends with "}"
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 413"), answer
+        assert b"PayloadTooLargeError" in body and f"body of {n} bytes".encode() in body
+
+
+def test_append_header_and_read_answer_limits_are_413(small_daemon: Daemon) -> None:
+    with httpx.Client(
+        transport=httpx.HTTPTransport(uds=str(small_daemon.socket)), base_url="http://d"
+    ) as http:
+        body = FRAME_PREFIX.pack((16 << 20) + 1) + b"\x90" * 16  # a header above 16 MiB
+        r = http.post("/v1/append", content=body, headers={"Content-Type": APPEND_CONTENT_TYPE})
+        assert r.status_code == 413 and "append header of" in r.json()["message"], r.text
+    rows = np.ones((200, 48, 8), np.uint8)  # 75 KiB a call, 1.1 MiB in all: above 1 MiB
+    with PayloadClient(small_daemon.socket, data_plane=False) as c:
+        segs = [s for i in range(15) for s in c.append(R, rows, 200 * i, run="cap", step=0)]
+        assert c.read_field(segs, R, 0, 2000, 0) is not None  # 750 KiB: within the limit
+        with pytest.raises(PayloadTooLargeError, match="above the limit"):
+            c.read_field(segs, R, 0, 3000, 0)
+        assert c.health().status == "ok"

@@ -315,3 +315,24 @@ def test_a_reader_dropped_unread_closes_its_descriptors(tmp_path: Path) -> None:
     reader.close()
     reader.close()  # closing twice closes nothing else
     assert open_on_file() == held
+
+
+def test_symlinked_directories_out_of_the_root_are_refused_even_after_a_cached_read(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "root"
+    store = Store(root, "n")
+    (s,) = store.append([item(1)], bytes(range(128)) * 3)[0]
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    name = s.file.split("/")[-1]
+    (outside / name).write_bytes(b"\xff" * 384)
+    os.symlink(outside, root / "n" / "d")
+    with pytest.raises(SegmentFileError, match="outside the payload root"):
+        store.read_extents([Extent(f"n/d/{name}", 0, 1, 1)])
+    assert store.read_extents([Extent(s.file, 0, 4, 384)]) == bytes(range(4))  # now cached
+    step = root / s.file.rsplit("/", 1)[0]
+    step.rename(tmp_path / "moved")
+    os.symlink(outside, step)  # the step directory now leads out of the root
+    with pytest.raises(SegmentFileError, match="outside the payload root"):
+        store.read_extents([Extent(s.file, 0, 4, 384)])
