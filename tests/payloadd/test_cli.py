@@ -54,6 +54,9 @@ def test_demo_parity_check_can_fail() -> None:
         (["--node", "../x"], "node"),
         (["--socket-mode", "9z"], "socket_mode"),
         (["--fsync", "sometimes"], "fsync"),
+        (["--fsync-interval-s", "0"], "fsync_interval_s"),
+        (["--max-root-bytes", "-1"], "max_root_bytes"),
+        (["--min-free-bytes", "-1"], "min_free_bytes"),
     ],
 )
 def test_serve_refuses_invalid_settings(tmp_path: Path, flags: list[str], match: str) -> None:
@@ -118,8 +121,11 @@ def test_bench_quick_run_writes_parsable_figures(tmp_path: Path) -> None:
             rows["append (data plane)", size]["median"] / rows["raw pwrite", size]["median"]
         )
     assert rows["one-row append p50, sync (data plane)", "384B"]["unit"] == "ms"
-    fsynced = rows["append, fsync always (data plane)", "1MiB"]
-    assert fsynced["baseline"] == "append (data plane)" and fsynced["median"] > 0
+    for policy in ("interval", "always"):  # beside never, the main daemon's figures
+        fsynced = rows[f"append, fsync {policy} (data plane)", "1MiB"]
+        assert fsynced["baseline"] == "append (data plane)" and fsynced["median"] > 0
+        one = rows[f"one-row append p50, fsync {policy} (data plane)", "384B"]
+        assert one["unit"] == "ms" and one["baseline"] == "one-row append p50, sync (data plane)"
     for name, unit in (("RL orchestrator resident", "MiB"), ("RL bytes sent", "MiB"),
                        ("RL pack + encode", "s"), ("RL decode + materialise, a rank", "s")):  # fmt: skip
         inline, handle = rows[f"{name} (inline)", "4x4k"], rows[f"{name} (by handle)", "4x4k"]
