@@ -85,9 +85,9 @@ class DiskBudget:
         """Sum the apparent sizes of the files under ``node_dir`` (O(files))."""
         return sum(tree_sizes(self.node_dir).values())
 
-    def free_bytes(self, fresh: bool = False) -> int:
+    def free_bytes(self) -> int:
         """Bytes an unprivileged writer may still use on the root's file system: a sample at
-        most `FREE_SPACE_TTL` old (or ``fresh``) less what was reserved since.
+        most `FREE_SPACE_TTL` old, less what was reserved since.
 
         Raises
         ------
@@ -95,7 +95,7 @@ class DiskBudget:
             ``statvfs`` of the root fails.
         """
         now = time.monotonic()
-        if fresh or now - self._sampled_at > FREE_SPACE_TTL:
+        if now - self._sampled_at > FREE_SPACE_TTL:
             st = os.statvfs(self.root)
             self._sample, self._sampled_at, self._since = st.f_bavail * st.f_frsize, now, 0
         return max(0, self._sample - self._since)

@@ -716,14 +716,15 @@ class Store:
     def stats(self) -> Stats:
         """Counters since start, durability and disk limits (bytes in bytes, uptime in
         seconds)."""
+        try:
+            st = os.statvfs(self.root)  # outside the lock: on a network file system, a round trip
+            free = st.f_bavail * st.f_frsize
+        except OSError:
+            free = 0
         with self._lock:
             c = dict(self._counts)
             open_files = len(self._files)
             b = self._budget
-            try:
-                free = b.free_bytes(fresh=True)
-            except OSError:
-                free = 0
             disk = {"root_bytes": b.used, "max_root_bytes": b.max_root_bytes}
             disk |= {"free_bytes": free, "min_free_bytes": b.min_free_bytes}
             disk |= {"appends_refused": b.refused}

@@ -121,11 +121,17 @@ def test_bench_quick_run_writes_parsable_figures(tmp_path: Path) -> None:
             rows["append (data plane)", size]["median"] / rows["raw pwrite", size]["median"]
         )
     assert rows["one-row append p50, sync (data plane)", "384B"]["unit"] == "ms"
-    for policy in ("interval", "always"):  # beside never, the main daemon's figures
-        fsynced = rows[f"append, fsync {policy} (data plane)", "1MiB"]
-        assert fsynced["baseline"] == "append (data plane)" and fsynced["median"] > 0
+    for policy in ("never", "interval", "always"):  # measured alike; never is the baseline
+        big = rows[f"append, fsync {policy} (data plane)", "1MiB"]
         one = rows[f"one-row append p50, fsync {policy} (data plane)", "384B"]
-        assert one["unit"] == "ms" and one["baseline"] == "one-row append p50, sync (data plane)"
+        assert big["unit"] == "GB/s" and big["median"] > 0 and one["unit"] == "ms"
+        if policy != "never":
+            assert big["baseline"] == "append, fsync never (data plane)"
+            assert one["baseline"] == "one-row append p50, fsync never (data plane)"
+            assert one["ratio"] == pytest.approx(
+                one["median"]
+                / rows["one-row append p50, fsync never (data plane)", "384B"]["median"]
+            )
     for name, unit in (("RL orchestrator resident", "MiB"), ("RL bytes sent", "MiB"),
                        ("RL pack + encode", "s"), ("RL decode + materialise, a rank", "s")):  # fmt: skip
         inline, handle = rows[f"{name} (inline)", "4x4k"], rows[f"{name} (by handle)", "4x4k"]
