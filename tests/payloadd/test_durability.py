@@ -54,7 +54,7 @@ def test_interval_flush_covers_appends_leases_and_sealed_files(tmp_path: Path) -
     store.close()
 
 
-def test_interval_flush_skips_a_removed_file_and_counts_failures(tmp_path: Path) -> None:
+def test_interval_flush_skips_a_file_removed_since(tmp_path: Path) -> None:
     store = Store(tmp_path, "n", fsync="interval")
     ((a,),) = store.append([item(1, step=0)], bytes(384))
     ((b,),) = store.append([item(1, step=1)], bytes(384))
