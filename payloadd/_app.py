@@ -41,6 +41,7 @@ from payload_client._wire import (
 from . import __version__
 from ._auth import TokenGuard, load_admin_token
 from ._dataplane import DataPlaneServer
+from ._durability import Flusher
 from ._gc import Collector
 from ._openapi import install_openapi, operation
 from ._settings import Settings
@@ -126,7 +127,9 @@ def create_app(settings: Settings, data_listener: socket.socket | None = None) -
     Parameters
     ----------
     settings : Settings
-        Root, node, rotation size, limits and durability policy.
+        Root, node, rotation size, limits, disk limits and durability policy (under
+        ``fsync="interval"`` a `Flusher` runs for the lifespan and flushes once more at its
+        end).
     data_listener : socket.socket, optional
         The data plane's listening socket, already bound to ``<socket>.data`` (so that
         `serve` reports a busy path before starting); bound at start-up when not given.
@@ -156,8 +159,14 @@ def create_app(settings: Settings, data_listener: socket.socket | None = None) -
             max_read_bytes=settings.max_request_bytes,
             max_append_bytes=settings.max_request_bytes,
             max_append_items=settings.max_append_items,
+            max_root_bytes=settings.max_root_bytes,
+            min_free_bytes=settings.min_free_bytes,
         )
         log.info("payloadd %s: root %s, node %s", __version__, store.root, store.node)
+        flusher = None
+        if settings.fsync == "interval":
+            flusher = Flusher(store.flush, settings.fsync_interval_s)
+            flusher.start()
         data_plane = None
         if settings.data_plane:
             path = f"{settings.socket}{DATA_SOCKET_SUFFIX}"
@@ -173,6 +182,8 @@ def create_app(settings: Settings, data_listener: socket.socket | None = None) -
                 await sweeper
             if data_plane is not None:
                 data_plane.stop()
+            if flusher is not None:
+                flusher.stop()  # a last flush: leased files included
             store.close()
 
     app = FastAPI(

@@ -11,7 +11,8 @@ repeated, interleaved with the others, and reported as median (min-max):
   over HTTP; reads go into a preallocated ``out=`` array, ``int32`` and stored ``uint8``;
 - one-row append round trips, p50 and p99, sync and async, on both transports;
 - 1, 4 and 8 concurrent writers (one client each) on the data plane;
-- the cost of ``--fsync always``: 1 MiB and one-row appends on a second daemon so configured;
+- the cost of each ``--fsync`` policy: 1 MiB and one-row appends, measured alike on a daemon
+  so configured (``never`` on the main one), as ratios to ``never``;
 - the seed's RL batch (`payloadd._rl`) carried inline versus by handle (`payloadd._bench_rl`):
   orchestrator memory, bytes sent, pack + encode and per-rank decode times;
 - the RL job end to end on Ray's object store versus payloadd (`payloadd._bench_ray`), when
@@ -230,19 +231,32 @@ class Bench:
     # -- durability ----------------------------------------------------------------------
 
     def fsync_cost(self) -> None:
-        """Appends under ``--fsync always`` (a second daemon on the same file system)."""
-        root, socket = self.root.parent / "root-fsync", self.root.parent / "fsync.sock"
+        """1 MiB and one-row appends under each ``--fsync`` policy, measured alike: ``never``
+        on the main daemon, ``interval`` (default interval) and ``always`` each on a daemon
+        of its own on the same file system; ``never`` is the baseline of the others."""
+        for policy in ("never", "interval", "always"):
+            if policy == "never":
+                self._fsync_cost(policy, self.root, self.socket)
+                continue
+            root = self.root.parent / f"root-fsync-{policy}"
+            socket = self.root.parent / f"fs-{policy[0]}.sock"  # AF_UNIX paths are short
+            with start_daemon(root, socket, "--fsync", policy):
+                self._fsync_cost(policy, root, socket)
+
+    def _fsync_cost(self, policy: str, root: Path, socket: Path) -> None:
         rows, one = _rows(1 << 20), _rows(ROW_BYTES)
         k, count = (8, 50) if self.quick else (32, 200)
-        with start_daemon(root, socket, "--fsync", "always"), PayloadClient(socket) as c:
+        big, small = "append, fsync {} (data plane)", "one-row append p50, fsync {} (data plane)"
+        baseline = policy != "never"
+        with PayloadClient(socket) as c:
             for _ in range(self.repeat):
                 _append(c, rows)()  # lease held
                 per_call = _timed(_append(c, rows), k)
-                self.add("append, fsync always (data plane)", "1MiB", "GB/s",
-                         rows.nbytes / per_call / 1e9, "append (data plane)")  # fmt: skip
+                self.add(big.format(policy), "1MiB", "GB/s", rows.nbytes / per_call / 1e9,
+                         big.format("never") if baseline else None)  # fmt: skip
                 ts = [_timed(_append(c, one), 1) for _ in range(count)]
-                self.add("one-row append p50, fsync always (data plane)", "384B", "ms",
-                         _pct(ts, 50), "one-row append p50, sync (data plane)")  # fmt: skip
+                self.add(small.format(policy), "384B", "ms", _pct(ts, 50),
+                         small.format("never") if baseline else None)  # fmt: skip
                 for d in root.glob(f"*/{WRITE_RUN}"):
                     shutil.rmtree(d, ignore_errors=True)
 

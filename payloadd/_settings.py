@@ -94,10 +94,30 @@ class Settings(BaseSettings):
         description="Bytes a data-plane client leases at a time: it places appends in its "
         "lease itself, without a round trip, until the lease is used up.",
     )
-    fsync: Literal["never", "always"] = Field(
+    fsync: Literal["never", "interval", "always"] = Field(
         "never",
         description="never: bytes reach the page cache before a segment is returned (survives "
-        "a daemon crash); always: also fsync'd (survives a node crash).",
+        "a daemon crash, not a node crash); interval: also fsync'd by a background flusher "
+        "every fsync_interval_s (a node crash loses at most about that much); always: fsync'd "
+        "before a segment is returned (survives a node crash).",
+    )
+    fsync_interval_s: float = Field(
+        1.0,
+        gt=0,
+        description="Seconds between two flushes under fsync=interval: every data file written "
+        "since the last flush (and every file with a data-plane lease) is fsync'd.",
+    )
+    max_root_bytes: int = Field(
+        0,
+        ge=0,
+        description="Cap on the bytes of this daemon's files under <root>/<node> (apparent "
+        "sizes, reserved bytes included); an append past it fails with 507. 0: no cap.",
+    )
+    min_free_bytes: int = Field(
+        1 * GiB,
+        ge=0,
+        description="Free-space floor of the root's file system: an append that would leave "
+        "less free fails with 507. 0: no floor (only a real ENOSPC fails appends).",
     )
     ttl_s: float = Field(
         86400.0,

@@ -6,7 +6,12 @@ every start, so a restarted daemon never appends to a file an earlier one wrote.
 Appends are two-phase so that many writers can share a file: `Store.begin_append` reserves
 byte ranges under one lock (placement and rotation), the caller writes the rows with
 ``os.pwrite`` outside the lock (`PendingAppend.write`), and `PendingAppend.commit` returns the
-segments once every byte is written (and fsync'd under ``fsync="always"``).
+segments once every byte is written (and fsync'd under ``fsync="always"``; under
+``fsync="interval"`` the files are marked for the next flush, `Store.flush`).
+
+Every reservation is checked against the disk limits first (`payloadd._limits`): an append
+or lease that does not fit under ``max_root_bytes`` or above ``min_free_bytes`` fails with
+`StorageFullError` before anything is reserved.
 """
 
 from __future__ import annotations
@@ -44,7 +49,9 @@ from payload_client import (
 from payload_client._segment import INT64_MAX, check_name, check_relative_path
 from payload_client._wire import AppendItem, Extent, Stats
 
+from ._durability import DirtyFiles
 from ._ledger import LEDGER_NAME, Ledger
+from ._limits import DiskBudget, tree_sizes
 
 __all__ = ["ExtentReader", "Lease", "PendingAppend", "Removal", "Store"]
 
@@ -205,6 +212,8 @@ class PendingAppend:
                 with os_errors(self._store.root):
                     for f in self._files:
                         os.fsync(f.fd)
+            elif self._store._dirty is not None:
+                self._store._dirty.wrote(f.rel for f in self._files)
         finally:
             self.close()
         out: list[list[PayloadSegment]] = [[] for _ in self._items]
@@ -239,6 +248,8 @@ class Lease:
             self._released = True
             with self._store._lock:
                 self._file.leases -= 1
+            if self._store._dirty is not None:
+                self._store._dirty.released(self.file)
             self._store._release([self._file])
 
 
@@ -253,14 +264,21 @@ class Store:
         This daemon's node prefix (a path component).
     max_file_bytes : int
         Rotation size: a file is not grown past it, except by a single row larger than it.
-    fsync : {"never", "always"}
-        Whether `PendingAppend.commit` fsyncs before returning segments.
+    fsync : {"never", "interval", "always"}
+        ``always``: `PendingAppend.commit` fsyncs before returning segments (and new files'
+        directories are fsync'd when created); ``interval``: what was written is marked for
+        `flush`, which the daemon calls every ``fsync_interval_s``; ``never``: neither.
     max_read_bytes : int
         Largest total of one `read_extents` call.
     max_append_bytes : int
         Largest total of the rows of one `begin_append` call.
     max_append_items : int
         Most items in one `begin_append` call.
+    max_root_bytes : int
+        Cap on the bytes of the files under ``<root>/<node>``; 0 for none. Counted as the
+        files' apparent sizes plus reserved bytes (see `payloadd._limits`).
+    min_free_bytes : int
+        Free-space floor of the root's file system; 0 for none.
     """
 
     def __init__(
@@ -269,10 +287,12 @@ class Store:
         node: str,
         *,
         max_file_bytes: int = 1 << 30,
-        fsync: Literal["never", "always"] = "never",
+        fsync: Literal["never", "interval", "always"] = "never",
         max_read_bytes: int = 4 << 30,
         max_append_bytes: int = 4 << 30,
         max_append_items: int = 65536,
+        max_root_bytes: int = 0,
+        min_free_bytes: int = 0,
     ) -> None:
         self.node = check_name(node, "node")
         self.root = self.check_root(root)
@@ -282,6 +302,8 @@ class Store:
         self.max_append_bytes = max_append_bytes
         self.max_append_items = max_append_items
         self.fsync = fsync
+        self._dirty = DirtyFiles(self.root) if fsync == "interval" else None
+        self._budget = DiskBudget(self.root, self.root / node, max_root_bytes, min_free_bytes)
         self.instance = secrets.token_hex(4)
         self.started = time.monotonic()
         self._lock = threading.Lock()
@@ -320,9 +342,16 @@ class Store:
         """No more appends to ``f``; close it once no pending append uses it. Lock held."""
         f.sealed = True
         if f.users == 0 and f.fd >= 0:
-            os.close(f.fd)
-            f.fd = -1
-            self._open.pop(f.rel, None)
+            self._close_file(f)
+
+    def _close_file(self, f: _File) -> None:
+        """Close ``f``'s descriptor; reserved bytes past its end were never written, and stop
+        counting against the cap. Lock held."""
+        with contextlib.suppress(OSError):
+            self._budget.forget(max(0, f.size - os.fstat(f.fd).st_size))
+        os.close(f.fd)
+        f.fd = -1
+        self._open.pop(f.rel, None)
 
     def _current(self, key: tuple[str, int, str]) -> _File:
         """The file ``key`` appends to now (a new one if none, or it was removed). Lock held."""
@@ -343,36 +372,44 @@ class Store:
             for f in files:
                 f.users -= 1
                 if f.sealed and f.users == 0 and f.fd >= 0:
-                    os.close(f.fd)
-                    f.fd = -1
-                    self._open.pop(f.rel, None)
+                    self._close_file(f)
 
-    def _mkdirs(self, rel_dir: str) -> None:
-        """Create ``rel_dir`` and its parents under the root, each with mode 0750."""
-        path = self.root
+    def _mkdirs(self, rel_dir: str) -> list[str]:
+        """Create ``rel_dir`` and its parents under the root, each with mode 0750; return the
+        directories that got a new entry (relative, ``"."`` for the root)."""
+        path, parent = self.root, "."
+        grown: list[str] = []
         for part in rel_dir.split("/"):
             path = path / part
+            rel = part if parent == "." else f"{parent}/{part}"
             try:
                 os.mkdir(path, DIR_MODE)
             except FileExistsError:
+                parent = rel
                 continue
             os.chmod(path, DIR_MODE)  # exact mode, whatever the umask
+            grown.append(parent)
+            parent = rel
+        return grown
 
     def _new_file(self, run: str, step: int, field: str) -> _File:
         """Create the next data file of ``(run, step, field)``; caller holds the lock."""
         d = f"{self.node}/{run}/{step}"
-        self._mkdirs(d)
+        grown = [*self._mkdirs(d), d]  # directories with a new entry: parents first
         self._seq += 1
         rel = f"{d}/{field}-{self.instance}-{self._seq:06d}.bin"
         fd = os.open(
             self.root / rel, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE
         )
         if self.fsync == "always":
-            dfd = os.open(self.root / d, os.O_RDONLY | os.O_DIRECTORY)
-            try:
-                os.fsync(dfd)
-            finally:
-                os.close(dfd)
+            for g in reversed(grown):  # the file's entry first, up to the root's
+                dfd = os.open(self.root / g, os.O_RDONLY | os.O_DIRECTORY)
+                try:
+                    os.fsync(dfd)
+                finally:
+                    os.close(dfd)
+        elif self._dirty is not None:
+            self._dirty.created(grown)
         key = (run, step, field)
         old = self._files.pop(key, None)
         if old is not None:
@@ -431,7 +468,8 @@ class Store:
         PayloadTooLargeError
             More items or row bytes than the limits; nothing is reserved.
         StorageFullError
-            The file system has no room for a new file or directory.
+            The rows do not fit under ``max_root_bytes`` or above ``min_free_bytes`` (nothing
+            is reserved then), or the file system has no room for a new file or directory.
         """
         if not items:
             raise InvalidRequestError("an append needs at least one item")
@@ -447,12 +485,14 @@ class Store:
             )
         held: dict[int, _File] = {}  # files this append writes to, kept open until it is done
         with self._lock, os_errors(self.root):
+            self._budget.room(total, f"append of {total} bytes")
             extents = [
                 e for i, it in enumerate(items) for e in self._place(i, it, sizes[i][0], held)
             ]
             now = time.monotonic()
             for it in items:
                 self.last_used[it.run] = now
+            self._budget.reserve(total)
         return PendingAppend(self, items, extents, list(held.values()))
 
     def lease(self, run: str, step: int, field: str, nbytes: int, size: int) -> Lease:
@@ -468,6 +508,11 @@ class Store:
             A bad run or field name.
         PayloadTooLargeError
             ``nbytes`` is above the rotation size (use `begin_append`, which splits).
+        StorageFullError
+            ``nbytes`` does not fit under ``max_root_bytes`` or above ``min_free_bytes``;
+            nothing is reserved. Near a limit, the range shrinks to what fits (at least
+            ``nbytes``). The whole range counts against the cap from now on, until its file
+            is closed (then an unused tail at the file's end stops counting).
         """
         check_name(run, "run")
         check_name(field, "field")
@@ -477,15 +522,19 @@ class Store:
             )
         key = (run, step, field)
         with self._lock, os_errors(self.root):
+            room = self._budget.room(nbytes, f"lease of {nbytes} bytes")
             f = self._current(key)
             if f.size + nbytes > self.max_file_bytes and f.size > 0:
                 f = self._new_file(*key)
-            granted = max(nbytes, min(size, self.max_file_bytes - f.size))
+            granted = max(nbytes, min(size, self.max_file_bytes - f.size, room))
             offset = f.size
             f.size += granted
             f.users += 1
             f.leases += 1
             self.last_used[run] = time.monotonic()
+            self._budget.reserve(granted)
+            if self._dirty is not None:
+                self._dirty.leased(f.rel)
             self._counts["leases"] += 1
             self._counts["leased_bytes"] += granted
         return Lease(self, f, offset, granted)
@@ -685,11 +734,10 @@ class Store:
                     if self._files.get(f.key) is f:
                         del self._files[f.key]
                     f.sealed = True
-                    if f.users == f.leases and f.fd >= 0:  # leases write through their own
-                        os.close(f.fd)  # descriptors: this one would only hold the space
-                        f.fd = -1
-                        self._open.pop(rel, None)
+                    if f.fd >= 0:  # leases write through their own descriptors: this one
+                        self._close_file(f)  # would only hold the space
                 os.unlink(self.root / rel)
+                self._budget.forget(size)
                 hit = self._readers.pop(rel, None)
                 if hit is not None:
                     os.close(hit[0])
@@ -807,8 +855,7 @@ class Store:
         with self._lock:
             for f in self._files.values():
                 if f.fd >= 0:
-                    os.close(f.fd)
-                    f.fd = -1
+                    self._close_file(f)
             self._files.clear()
             self._open.clear()
             for fd, _, _ in self._readers.values():
@@ -823,18 +870,83 @@ class Store:
             self._counts[name] += n
 
     def stats(self) -> Stats:
-        """Counters since start (bytes in bytes, uptime in seconds)."""
+        """Counters since start, durability and disk limits (bytes in bytes, uptime in
+        seconds)."""
+        try:
+            st = os.statvfs(self.root)  # outside the lock: on a network file system, a round trip
+            free = st.f_bavail * st.f_frsize
+        except OSError:
+            free = 0
         with self._lock:
             c = dict(self._counts)
             open_files = len(self._files)
+            b = self._budget
+            disk = {"root_bytes": b.used, "max_root_bytes": b.max_root_bytes}
+            disk |= {"free_bytes": free, "min_free_bytes": b.min_free_bytes}
+            disk |= {"appends_refused": b.refused}
+        d = self._dirty
+        flushed = {"flushes": 0, "files_flushed": 0, "files_dirty": 0, "flush_errors": 0}
+        if d is not None:
+            flushed = {"flushes": d.flushes, "files_flushed": d.files_flushed}
+            flushed |= {"files_dirty": d.pending(), "flush_errors": d.flush_errors}
         return Stats(
             node=self.node,
             root=str(self.root),
             uptime_s=time.monotonic() - self.started,
             files_open_for_append=open_files,
             max_file_bytes=self.max_file_bytes,
+            fsync=self.fsync,
             **c,
+            **flushed,
+            **disk,
         )
+
+    # -- durability and disk limits -----------------------------------------------------
+
+    def flush(self) -> list[str]:
+        """fsync what was written since the last flush (``fsync="interval"``).
+
+        Every data file an append committed to, every file with a data-plane lease (the
+        client writes it unseen), every file whose lease ended since, and every directory
+        that got a new entry. A file closed in the meantime is flushed by path; one removed
+        in the meantime is skipped.
+
+        Returns
+        -------
+        list of str
+            The data files fsync'd, relative to the root; empty under another policy.
+        """
+        return [] if self._dirty is None else self._dirty.flush()
+
+    def forget_bytes(self, nbytes: int) -> None:
+        """Stop counting ``nbytes`` against ``max_root_bytes``: call it after removing files
+        under this node's prefix (garbage collection), with the sum of their apparent sizes
+        (``st_size``) as seen just before removal. Cheap; never below zero.
+        """
+        with self._lock:
+            self._budget.forget(nbytes)
+
+    def recount(self) -> int:
+        """Count this node's bytes anew by scanning ``<root>/<node>``; return the count.
+
+        The apparent sizes of its files, plus bytes reserved but not written yet in the files
+        open for appends. O(files): for after a large removal, or to correct drift (files
+        removed by hand). Appends go on during the scan; a file sealed during it may be
+        counted at the size the scan saw.
+        """
+        sizes = tree_sizes(self.root / self.node)
+        with self._lock:
+            used = sum(sizes.values())
+            for f in self._files.values():
+                used += max(0, f.size - sizes.get(self.root / f.rel, 0))
+            self._budget.used = used
+        return used
+
+    @property
+    def root_bytes(self) -> int:
+        """Bytes counted against ``max_root_bytes`` now (see `recount`)."""
+        with self._lock:
+            return self._budget.used
 
 
 class ExtentReader:

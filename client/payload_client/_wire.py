@@ -113,6 +113,14 @@ class Stats(msgspec.Struct):
     appends the daemon places row by row. On the data plane clients pread and pwrite
     themselves: the daemon counts its requests, the descriptors it handed out, and the
     leases (byte ranges clients place small appends in) it granted.
+
+    Durability: ``fsync`` is the policy (``never``, ``interval`` or ``always``); under
+    ``interval``, ``flushes`` counts the flushes that fsync'd something, ``files_flushed`` the
+    data files fsync'd, ``files_dirty`` those the next flush will fsync, ``flush_errors`` the
+    fsyncs that failed. Disk limits: ``root_bytes`` is what counts against the cap
+    ``max_root_bytes`` (0: none), ``free_bytes`` the free space of the root's file system
+    against the floor ``min_free_bytes`` (0: none), ``appends_refused`` the appends and leases
+    refused by either limit (507).
     """
 
     node: str
@@ -129,6 +137,16 @@ class Stats(msgspec.Struct):
     data_plane_fds: int = 0
     leases: int = 0
     leased_bytes: int = 0
+    fsync: str = ""
+    flushes: int = 0
+    files_flushed: int = 0
+    files_dirty: int = 0
+    flush_errors: int = 0
+    root_bytes: int = 0
+    max_root_bytes: int = 0
+    free_bytes: int = 0
+    min_free_bytes: int = 0
+    appends_refused: int = 0
 
 
 class Health(msgspec.Struct):

@@ -56,6 +56,9 @@ def test_demo_parity_check_can_fail() -> None:
         (["--fsync", "sometimes"], "fsync"),
         (["--socket-group", "a b"], "socket_group"),
         (["--tcp-port", "0"], "tcp_port"),
+        (["--fsync-interval-s", "0"], "fsync_interval_s"),
+        (["--max-root-bytes", "-1"], "max_root_bytes"),
+        (["--min-free-bytes", "-1"], "min_free_bytes"),
     ],
 )
 def test_serve_refuses_invalid_settings(tmp_path: Path, flags: list[str], match: str) -> None:
@@ -120,8 +123,17 @@ def test_bench_quick_run_writes_parsable_figures(tmp_path: Path) -> None:
             rows["append (data plane)", size]["median"] / rows["raw pwrite", size]["median"]
         )
     assert rows["one-row append p50, sync (data plane)", "384B"]["unit"] == "ms"
-    fsynced = rows["append, fsync always (data plane)", "1MiB"]
-    assert fsynced["baseline"] == "append (data plane)" and fsynced["median"] > 0
+    for policy in ("never", "interval", "always"):  # measured alike; never is the baseline
+        big = rows[f"append, fsync {policy} (data plane)", "1MiB"]
+        one = rows[f"one-row append p50, fsync {policy} (data plane)", "384B"]
+        assert big["unit"] == "GB/s" and big["median"] > 0 and one["unit"] == "ms"
+        if policy != "never":
+            assert big["baseline"] == "append, fsync never (data plane)"
+            assert one["baseline"] == "one-row append p50, fsync never (data plane)"
+            assert one["ratio"] == pytest.approx(
+                one["median"]
+                / rows["one-row append p50, fsync never (data plane)", "384B"]["median"]
+            )
     for name, unit in (("RL orchestrator resident", "MiB"), ("RL bytes sent", "MiB"),
                        ("RL pack + encode", "s"), ("RL decode + materialise, a rank", "s")):  # fmt: skip
         inline, handle = rows[f"{name} (inline)", "4x4k"], rows[f"{name} (by handle)", "4x4k"]

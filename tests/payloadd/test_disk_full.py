@@ -31,16 +31,43 @@ def small_fs(tmp_path: Path) -> Iterator[Path]:
         subprocess.run(["umount", "-l", str(mnt)], check=True)
 
 
-def test_enospc_is_507_and_earlier_segments_still_read(small_fs: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("transport", ["http", "data-plane"])
+def test_enospc_is_507_and_earlier_segments_still_read(
+    small_fs: Path, tmp_path: Path, transport: str
+) -> None:
     sock = tmp_path / "payloadd.sock"
-    with start_daemon(small_fs / "root", sock), PayloadClient(sock) as c:
+    no_floor = ("--min-free-bytes", "0")  # the file system itself runs full
+    with start_daemon(small_fs / "root", sock, *no_floor), PayloadClient(sock) as c:
         kept: list[tuple[np.ndarray, list[PayloadSegment]]] = []
         rng = np.random.default_rng(0)
-        with pytest.raises(StorageFullError, match="full"):
+        w = PayloadClient(sock, data_plane=transport == "data-plane")
+        with w, pytest.raises(StorageFullError, match="full") as err:
             for _ in range(100):  # 100 x 100 KiB > 1 MiB
                 rows = rng.integers(0, 255, (256, 400)).astype(np.uint8)
-                kept.append((rows, c.append("f", rows, 0, run="full", step=0)))
+                kept.append((rows, w.append("f", rows, 0, run="full", step=0)))
+        # over the data plane the client's own pwrite met ENOSPC; over HTTP the daemon's
+        assert ("(HTTP 507)" in str(err.value)) == (transport == "http")
         assert 3 <= len(kept) < 100
         for rows, segs in kept:  # everything acknowledged reads back, bit for bit
             np.testing.assert_array_equal(c.read_field(segs, "f", 0, len(rows), 0), rows)
         assert c.health().status == "ok"
+
+
+@pytest.mark.parametrize("transport", ["http", "data-plane"])
+def test_the_floor_refuses_before_the_file_system_is_full(
+    small_fs: Path, tmp_path: Path, transport: str
+) -> None:
+    sock = tmp_path / "payloadd.sock"
+    floor = ("--min-free-bytes", str(512 << 10), "--lease-bytes", str(64 << 10))
+    with start_daemon(small_fs / "root", sock, *floor), PayloadClient(sock) as c:
+        kept: list[tuple[np.ndarray, list[PayloadSegment]]] = []
+        w = PayloadClient(sock, data_plane=transport == "data-plane")
+        with w, pytest.raises(StorageFullError, match="min_free_bytes is 524288"):
+            for k in range(100):
+                rows = np.full((256, 100), k, np.uint8)  # 25 KiB
+                kept.append((rows, w.append("f", rows, 0, run="floor", step=0)))
+        assert 5 <= len(kept) < 21  # stopped at about half of 1 MiB, never at ENOSPC
+        free = os.statvfs(small_fs).f_bavail * os.statvfs(small_fs).f_frsize
+        assert free >= (512 << 10) - (64 << 10)  # a lease's unwritten tail at most below it
+        for rows, segs in kept:
+            np.testing.assert_array_equal(c.read_field(segs, "f", 0, len(rows), 0), rows)

@@ -10,7 +10,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from payload_client import FileGoneError, FileMissingError, InvalidRequestError, PayloadSegment
+from payload_client import (
+    FileGoneError,
+    FileMissingError,
+    InvalidRequestError,
+    PayloadSegment,
+    StorageFullError,
+)
 from payload_client._wire import AppendItem, Extent, GcRequest
 from payloadd import Store
 from payloadd._gc import Collector
@@ -201,3 +207,16 @@ def test_ttl_removes_old_steps_of_idle_runs_only(tmp_path: Path) -> None:
         ("busy", 0),
         ("idle", 2),
     ]
+
+
+def test_collected_bytes_no_longer_count_against_the_cap(tmp_path: Path) -> None:
+    store = Store(tmp_path, "n", max_root_bytes=100)
+    append(store, "r", 0, n=20)  # 80 bytes
+    with pytest.raises(StorageFullError, match="max_root_bytes"):
+        append(store, "r", 1, n=10)
+    lease = store.lease("r", 2, "f", 8, 8)  # 88 with a lease
+    report = Collector(store).collect(GcRequest(run="r", before_step=2))
+    assert report.files == 2 and store.root_bytes == 0
+    assert read(store, append(store, "r", 3, n=20)) == rows(20, 3)  # room again
+    lease.release()
+    assert store.root_bytes == 80

@@ -1,0 +1,148 @@
+"""Disk limits: a cap on this node's bytes (``max_root_bytes``) and a free-space floor
+(``min_free_bytes``) refuse appends with 507 before anything is reserved; reads go on."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from payload_client import PayloadClient, PayloadSegment, StorageFullError
+from payload_client._wire import AppendItem
+from payloadd import Store
+from payloadd._process import start_daemon
+
+R = "routed_experts"
+KiB = 1 << 10
+
+
+def item(rows: int, *, run: str = "r", step: int = 0) -> AppendItem:
+    return AppendItem(R, "uint8", [48, 8], rows, 0, run, step)
+
+
+def node_bytes(root: Path, node: str) -> int:
+    return sum(p.stat().st_size for p in (root / node).rglob("*") if p.is_file())
+
+
+def test_the_cap_refuses_before_reserving_and_counts_reservations(tmp_path: Path) -> None:
+    store = Store(tmp_path, "n", max_root_bytes=4000)
+    store.append([item(5)], bytes(5 * 384))  # 1920 bytes
+    store.append([item(5)], bytes(5 * 384))  # 3840
+    files = sorted(p.name for p in tmp_path.rglob("*.bin"))
+    with pytest.raises(StorageFullError) as err:
+        store.begin_append([item(1)])
+    msg = str(err.value)
+    assert "append of 384 bytes" in msg and "3840" in msg and "max_root_bytes is 4000" in msg
+    assert sorted(p.name for p in tmp_path.rglob("*.bin")) == files  # nothing reserved
+    assert store.root_bytes == 3840 == node_bytes(tmp_path, "n")
+    with pytest.raises(StorageFullError, match="lease of 384 bytes"):
+        store.lease("r", 1, R, 384, 1 << 20)
+    assert not (tmp_path / "n" / "r" / "1").exists()  # not even a directory
+    store.forget_bytes(3840)  # what garbage collection calls after removing files
+    lease = store.lease("r", 1, R, 384, 1 << 20)
+    assert lease.nbytes == 4000  # near the cap a lease shrinks to what fits
+    assert store.stats().appends_refused == 2
+    store.close()
+
+
+def test_a_lease_tail_stops_counting_when_its_file_closes(tmp_path: Path) -> None:
+    store = Store(tmp_path, "n", max_root_bytes=1 << 20)
+    lease = store.lease("r", 0, R, 384, 10_000)
+    assert store.root_bytes == 10_000  # the whole range counts from the grant
+    with open(tmp_path / lease.file, "r+b") as f:  # the client writes 2 rows of it
+        f.write(bytes(768))
+    lease.release()
+    assert store.root_bytes == 10_000  # the file is still open for appends
+    store.close()  # closing it: the unused tail at its end was never written
+    assert store.root_bytes == 768 == node_bytes(tmp_path, "n")
+
+
+def test_recount_and_a_restart_count_the_files_on_disk(tmp_path: Path) -> None:
+    store = Store(tmp_path, "n")
+    store.append([item(3)], bytes(3 * 384))
+    lease = store.lease("r", 1, R, 384, 5000)
+    other = tmp_path / "other-node" / "x.bin"  # another node's files never count
+    other.parent.mkdir()
+    other.write_bytes(bytes(999))
+    (tmp_path / "n" / "r" / "0" / "by-hand.bin").write_bytes(bytes(100))
+    assert store.recount() == 3 * 384 + 5000 + 100  # files plus the lease, reserved
+    lease.release()
+    store.close()
+    assert Store(tmp_path, "n").root_bytes == 3 * 384 + 100 == node_bytes(tmp_path, "n")
+
+
+def test_the_floor_refuses_with_the_free_space_in_the_message(tmp_path: Path) -> None:
+    store = Store(tmp_path, "n", min_free_bytes=1 << 62)
+    with pytest.raises(StorageFullError) as err:
+        store.append([item(1)], bytes(384))
+    msg = str(err.value)
+    assert "append of 384 bytes" in msg and "min_free_bytes is 4611686018427387904" in msg
+    assert "bytes free" in msg and not (tmp_path / "n").exists()
+    free = store.stats().free_bytes
+    assert free > 0 and store.stats().min_free_bytes == 1 << 62
+    store.close()
+    near = Store(tmp_path, "n", min_free_bytes=max(1, free - (1 << 30)))  # ~1 GiB above it
+    assert near.lease("r", 0, R, 384, 1 << 40).nbytes <= 1 << 30  # a lease shrinks to fit
+    near.close()
+
+
+def _fill(c: PayloadClient, rows: np.ndarray, run: str) -> list[tuple[int, list[PayloadSegment]]]:
+    """Append ``rows`` until the daemon refuses; return what was acknowledged."""
+    kept: list[tuple[int, list[PayloadSegment]]] = []
+    with pytest.raises(StorageFullError, match="max_root_bytes is 1048576") as err:
+        for k in range(100):
+            kept.append((k, c.append(R, rows + k, 0, run=run, step=0)))
+    assert f"of {rows.nbytes} bytes" in str(err.value) or "lease" in str(err.value)
+    return kept
+
+
+@pytest.mark.parametrize("transport", ["http", "data-plane"])
+def test_at_the_cap_appends_fail_507_and_reads_go_on(tmp_path: Path, transport: str) -> None:
+    sock, root = tmp_path / "payloadd.sock", tmp_path / "root"
+    flags = ("--node", "n", "--max-root-bytes", str(1 << 20), "--lease-bytes", str(256 * KiB))
+    rows = np.zeros((256, 48, 8), np.uint8)  # 96 KiB
+    with start_daemon(root, sock, *flags), PayloadClient(sock) as probe:
+        with PayloadClient(sock, data_plane=transport == "data-plane") as c:
+            kept = _fill(c, rows, "cap")
+            before = c.stats()
+            with pytest.raises(StorageFullError) as err:  # again: fast, reserves nothing
+                c.append(R, rows, 0, run="cap", step=0)
+            after = c.stats()
+            assert after.root_bytes == before.root_bytes <= 1 << 20
+            assert after.appends_refused == before.appends_refused + 1
+            assert after.leases == before.leases and after.appends == before.appends
+            if transport == "http":  # 10 appends fit, and the answer was a 507
+                assert len(kept) == 10 and "(HTTP 507)" in str(err.value)
+            else:  # leases (their unused tails count) shrink to fill the cap exactly
+                assert after.root_bytes == 1 << 20 and "HTTP" not in str(err.value)
+            for k, segs in kept:  # reads go on, on both transports
+                for reader in (c, probe):
+                    np.testing.assert_array_equal(reader.read_field(segs, R, 0, 256, 0), rows + k)
+            assert c.health().status == "ok"
+        if transport == "http":  # no lease tails: the count is the files' sizes
+            assert probe.stats().root_bytes == node_bytes(root, "n")
+
+
+def test_a_restarted_daemon_counts_what_is_on_disk_and_keeps_the_cap(tmp_path: Path) -> None:
+    sock, root = tmp_path / "payloadd.sock", tmp_path / "root"
+    rows = np.ones((256, 48, 8), np.uint8)
+    with start_daemon(root, sock, "--node", "n"), PayloadClient(sock) as c:
+        segs = [c.append(R, rows, 0, run="old", step=s) for s in range(3)]
+    on_disk = node_bytes(root, "n")  # three files of 96 KiB (lease tails are holes inside)
+    limits = ("--max-root-bytes", str(on_disk + 1000), "--min-free-bytes", str(1 << 62))
+    with start_daemon(root, sock, "--node", "n", *limits), PayloadClient(sock) as c:
+        assert c.stats().root_bytes == on_disk
+        with pytest.raises(StorageFullError, match=f"holds {on_disk} bytes"):
+            c.append(R, rows, 0, run="new", step=0)  # 96 KiB: above the cap
+        one = rows[:1]  # 384 bytes fit under the cap, but the floor is above any disk
+        for dp in (True, False):
+            with (
+                PayloadClient(sock, data_plane=dp) as w,
+                pytest.raises(StorageFullError, match="bytes free, the floor min_free_bytes"),
+            ):
+                w.append(R, one, 0, run="new", step=0)
+        for seg in segs:
+            np.testing.assert_array_equal(c.read_field(seg, R, 0, 256, 0), rows)
+        assert c.stats().appends_refused == 3
+        assert not (root / "n" / "new").exists()
