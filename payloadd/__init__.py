@@ -7,7 +7,8 @@ Start it with ``payloadd serve --root DIR --socket PATH``; talk to it with
 __version__ = "0.1.0"
 
 from ._app import create_app
+from ._appends import PendingAppend
 from ._settings import Settings
-from ._store import PendingAppend, Store
+from ._store import Store
 
 __all__ = ["PendingAppend", "Settings", "Store", "__version__", "create_app"]

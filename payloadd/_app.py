@@ -39,13 +39,15 @@ from payload_client._wire import (
 )
 
 from . import __version__
+from ._appends import item_nbytes
 from ._auth import TokenGuard, load_admin_token
 from ._dataplane import DataPlaneServer
 from ._durability import Flusher
 from ._gc import Collector
 from ._openapi import install_openapi, operation
+from ._reads import ExtentReader
 from ._settings import Settings
-from ._store import ExtentReader, Store, item_nbytes
+from ._store import Store
 
 __all__ = ["create_app"]
 

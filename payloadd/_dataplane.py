@@ -39,8 +39,9 @@ from payload_client._wire import (
     ReserveRequest,
 )
 
+from ._appends import Lease, PendingAppend
 from ._sockets import bind_unix_socket
-from ._store import Lease, PendingAppend, Store
+from ._store import Store
 
 __all__ = ["DataPlaneServer"]
 

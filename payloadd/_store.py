@@ -17,240 +17,38 @@ or lease that does not fit under ``max_root_bytes`` or above ``min_free_bytes`` 
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import re
 import secrets
-import stat
 import threading
 import time
-import weakref
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import numpy as np
-
 from payload_client import (
-    SUPPORTED_DTYPES,
-    FileGoneError,
-    FileMissingError,
     InvalidRequestError,
-    InvalidSegmentError,
-    PayloadError,
     PayloadSegment,
     PayloadTooLargeError,
-    SegmentFileError,
-    ServerError,
-    StorageFullError,
 )
-from payload_client._segment import INT64_MAX, check_name, check_relative_path
+from payload_client._segment import check_name
 from payload_client._wire import AppendItem, Extent, Stats
 
+from ._appends import Lease, PendingAppend, _Extent, _File, item_nbytes, os_errors
 from ._durability import DirtyFiles
-from ._ledger import LEDGER_NAME, Ledger
+from ._ledger import Ledger
 from ._limits import DiskBudget, tree_sizes
+from ._reads import ExtentReader, Readers
 
-__all__ = ["ExtentReader", "Lease", "PendingAppend", "Removal", "Store"]
+__all__ = ["Removal", "Store"]
 
 DIR_MODE = 0o750
 FILE_MODE = 0o640
-READ_CACHE = 256
-"""Read-only descriptors the store keeps open, least recently used closed first."""
 OPEN_FOR_APPEND = 256
 """Files kept open for appends (one per run, step and field); the least recently used is
 sealed beyond that: later appends of its key start a new file."""
-
-
-def item_nbytes(item: AppendItem, index: int = 0) -> tuple[int, int]:
-    """Validate an append item; return ``(row_nbytes, nbytes)`` of its rows.
-
-    Raises
-    ------
-    InvalidRequestError
-        Naming the item and the bad field.
-    """
-    where = f"item {index}"
-    check_name(item.field, f"{where} field")
-    check_name(item.run, f"{where} run")
-    if item.dtype not in SUPPORTED_DTYPES:
-        raise InvalidRequestError(
-            f"{where} dtype must be one of {sorted(SUPPORTED_DTYPES)}, got {item.dtype!r}"
-        )
-    if not item.shape or any(d <= 0 for d in item.shape):
-        raise InvalidRequestError(f"{where} shape must be non-empty with entries > 0")
-    row_nb = np.dtype(item.dtype).itemsize
-    for d in item.shape:
-        row_nb *= d
-        if row_nb > INT64_MAX:
-            raise InvalidRequestError(f"{where} row size overflows int64")
-    if item.pos + item.rows > INT64_MAX:
-        raise InvalidRequestError(f"{where} pos + rows overflows int64")
-    if row_nb * item.rows > INT64_MAX:
-        raise InvalidRequestError(f"{where} rows * row size overflows int64")
-    return row_nb, row_nb * item.rows
-
-
-@contextlib.contextmanager
-def os_errors(root: Path) -> Iterator[None]:
-    """Translate OS errors of the payload root: a full disk or quota is 507, others 500."""
-    try:
-        yield
-    except PayloadError:
-        raise
-    except OSError as exc:
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise StorageFullError(f"payload root {root} is full: {exc.strerror}") from exc
-        raise ServerError(f"I/O error under the payload root {root}: {exc}") from exc
-
-
-@dataclass(eq=False)
-class _File:
-    """A data file open for appends. ``size`` is the end of what has been reserved; ``fd``
-    stays open while the file takes appends or a pending append or lease still uses it.
-    ``users`` counts both; ``leases`` the leases among them (GC may remove a leased file:
-    the client checks after writing, see `Store.remove_step`)."""
-
-    rel: str
-    size: int
-    fd: int
-    key: tuple[str, int, str]
-    users: int = 0
-    leases: int = 0
-    sealed: bool = False
-
-
-@dataclass(frozen=True)
-class _Extent:
-    """A reserved byte range of one file for rows ``[pos, pos + rows)`` of one item."""
-
-    item: int
-    file: _File
-    offset: int
-    pos: int
-    rows: int
-    nbytes: int
-
-
-class PendingAppend:
-    """Reserved byte ranges waiting for their rows; fill with `write`, finish with `commit`.
-
-    The rows arrive as one byte stream: item 0's rows, then item 1's, ... in any chunking.
-    The files stay open (the store's descriptors) until `commit` or `close`.
-    """
-
-    def __init__(
-        self, store: Store, items: Sequence[AppendItem], extents: list[_Extent], files: list[_File]
-    ) -> None:
-        self._store = store
-        self._items = items
-        self._extents = extents
-        self._files = files
-        self._cursor = 0  # index into extents
-        self._done = 0  # bytes of extents[cursor] written
-        self.remaining = sum(e.nbytes for e in extents)
-        self._closed = False
-
-    def write(self, data: Any) -> None:
-        """Write the next bytes of the row stream (pwrite into the reserved ranges).
-
-        Raises
-        ------
-        InvalidRequestError
-            If more bytes arrive than the items announce.
-        """
-        view = memoryview(data).cast("B")
-        with os_errors(self._store.root):
-            self._write(view)
-
-    def _write(self, view: memoryview) -> None:
-        if view.nbytes > self.remaining:
-            raise InvalidRequestError(
-                f"body carries more row bytes than its items announce ({self.remaining} left)"
-            )
-        while view.nbytes:
-            ext = self._extents[self._cursor]
-            take = min(ext.nbytes - self._done, view.nbytes)
-            at = 0
-            while at < take:
-                at += os.pwrite(ext.file.fd, view[at:take], ext.offset + self._done + at)
-            view = view[take:]
-            self._done += take
-            self.remaining -= take
-            if self._done == ext.nbytes:
-                self._cursor += 1
-                self._done = 0
-
-    @property
-    def files(self) -> list[tuple[str, int]]:
-        """The files written to, with the store's descriptors: ``(file, fd)`` (borrowed)."""
-        return [(f.rel, f.fd) for f in self._files]
-
-    @property
-    def extents(self) -> list[tuple[str, int, int]]:
-        """The reserved ranges in row-stream order: ``(file, offset, nbytes)``."""
-        return [(e.file.rel, e.offset, e.nbytes) for e in self._extents]
-
-    def written_elsewhere(self) -> None:
-        """Declare every reserved byte written by the client (data plane) and not here."""
-        self.remaining = 0
-
-    def commit(self) -> list[list[PayloadSegment]]:
-        """Return the segments of every item, once all their bytes are written.
-
-        Raises
-        ------
-        InvalidRequestError
-            If fewer bytes were written than the items announce.
-        """
-        if self.remaining:
-            raise InvalidRequestError(f"body ended {self.remaining} row bytes early")
-        try:
-            if self._store.fsync == "always":
-                with os_errors(self._store.root):
-                    for f in self._files:
-                        os.fsync(f.fd)
-            elif self._store._dirty is not None:
-                self._store._dirty.wrote(f.rel for f in self._files)
-        finally:
-            self.close()
-        out: list[list[PayloadSegment]] = [[] for _ in self._items]
-        for e in self._extents:
-            it = self._items[e.item]
-            out[e.item].append(
-                PayloadSegment(
-                    it.field, e.file.rel, e.offset, e.pos, e.rows, it.dtype, list(it.shape)
-                )
-            )
-        self._store._count_append(self._items)
-        return out
-
-    def close(self) -> None:
-        """Let go of the files (an uncommitted append leaves unreferenced bytes)."""
-        if not self._closed:
-            self._closed = True
-            self._store._release(self._files)
-
-
-class Lease:
-    """A private byte range of a data file, handed to one client; see `Store.lease`."""
-
-    def __init__(self, store: Store, f: _File, offset: int, nbytes: int) -> None:
-        self._store, self._file = store, f
-        self.file, self.fd, self.offset, self.nbytes = f.rel, f.fd, offset, nbytes
-        self._released = False
-
-    def release(self) -> None:
-        """The client is done with the range (its unused tail stays a hole)."""
-        if not self._released:
-            self._released = True
-            with self._store._lock:
-                self._file.leases -= 1
-            if self._store._dirty is not None:
-                self._store._dirty.released(self.file)
-            self._store._release([self._file])
 
 
 class Store:
@@ -310,11 +108,10 @@ class Store:
         self._files: OrderedDict[tuple[str, int, str], _File] = OrderedDict()
         self._open: dict[str, _File] = {}  # every file whose descriptor is open, by path
         self.last_used: dict[str, float] = {}  # run of this node -> monotonic time
-        self._ledgers: dict[str, Ledger] = {}
-        self._readers: OrderedDict[str, tuple[int, int, int]] = OrderedDict()
+        self.reads = Readers(self.root, self.node, max_read_bytes, self._touch)
         self._seq = 0
         self._counts = {"appends": 0, "rows_appended": 0, "bytes_appended": 0}
-        self._counts |= {"reads": 0, "bytes_read": 0, "data_plane_requests": 0}
+        self._counts |= {"data_plane_requests": 0}
         self._counts |= {"data_plane_fds": 0, "leases": 0, "leased_bytes": 0}
 
     @staticmethod
@@ -554,127 +351,26 @@ class Store:
             self._counts["rows_appended"] += sum(it.rows for it in items)
             self._counts["bytes_appended"] += sum(item_nbytes(it)[1] for it in items)
 
-    # -- reads --------------------------------------------------------------------------
+    # -- reads (see payloadd._reads) ---------------------------------------------------
+
+    def _touch(self, run: str) -> None:
+        self.last_used[run] = time.monotonic()
 
     def open_for_read(self, rel: str, end: int) -> int:
-        """Open a data file for reading after checking it against a segment's end.
+        """`Readers.open_for_read` of this store."""
+        return self.reads.open_for_read(rel, end)
 
-        Parameters
-        ----------
-        rel : str
-            Path relative to the root.
-        end : int
-            Byte offset just past the segment: the file must be at least that long.
+    def open_extents(self, extents: Sequence[Extent]) -> ExtentReader:
+        """`Readers.open_extents` of this store."""
+        return self.reads.open_extents(extents)
 
-        Returns
-        -------
-        int
-            A read-only file descriptor of its own; the caller closes it.
-
-        Raises
-        ------
-        InvalidSegmentError
-            ``rel`` is not a normalised relative path.
-        FileMissingError
-            The file does not exist.
-        SegmentFileError
-            It resolves outside the root, is not a regular file, or is shorter than ``end``.
-
-        Notes
-        -----
-        Descriptors of recently read files are kept open (`READ_CACHE` of them). A cached one
-        is used only while ``rel`` still names the same file (one ``stat``), so a removed or
-        replaced file is never served from the cache.
-        """
-        node, _, rest = rel.partition("/")
-        with self._lock:
-            if node == self.node:  # a run being read is in use (the TTL rule spares it)
-                self.last_used[rest.partition("/")[0]] = time.monotonic()
-            hit = self._readers.get(rel)
-            if hit is not None:
-                self._readers.move_to_end(rel)
-                fd = os.dup(hit[0])
-        if hit is not None:
-            try:
-                st = os.stat(self.root / rel)
-                same = (st.st_dev, st.st_ino) == hit[1:]
-            except OSError:
-                same = False
-            if same:
-                if st.st_size < end:
-                    os.close(fd)
-                    raise SegmentFileError(
-                        f"payload file {rel!r} has {st.st_size} bytes but a segment ends at "
-                        f"byte {end}"
-                    )
-                return fd
-            os.close(fd)
-            self._drop_reader(rel)
-        fd = self._open_checked(rel, end)
-        st = os.fstat(fd)
-        with self._lock:
-            self._readers[rel] = (os.dup(fd), st.st_dev, st.st_ino)
-            while len(self._readers) > READ_CACHE:
-                os.close(self._readers.popitem(last=False)[1][0])
-        return fd
-
-    def _drop_reader(self, rel: str) -> None:
-        with self._lock:
-            hit = self._readers.pop(rel, None)
-        if hit is not None:
-            os.close(hit[0])
-
-    def _open_checked(self, rel: str, end: int) -> int:
-        try:
-            check_relative_path(rel)
-        except ValueError as exc:
-            raise InvalidSegmentError(f"file {exc}", field="file") from None
-        real = os.path.realpath(self.root / rel)
-        if not real.startswith(self._root_prefix):
-            raise SegmentFileError(f"payload file {rel!r} resolves outside the payload root")
-        try:
-            fd = os.open(real, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
-        except (FileNotFoundError, NotADirectoryError):
-            self._raise_if_collected(rel)
-            raise FileMissingError(f"payload file {rel!r} does not exist") from None
-        except OSError as exc:
-            raise SegmentFileError(f"payload file {rel!r} cannot be opened: {exc}") from None
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise SegmentFileError(f"payload file {rel!r} is not a regular file")
-            if st.st_size < end:
-                raise SegmentFileError(
-                    f"payload file {rel!r} has {st.st_size} bytes but a segment ends at byte {end}"
-                )
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd
+    def read_extents(self, extents: Sequence[Extent]) -> bytearray:
+        """`Readers.read_extents` of this store."""
+        return self.reads.read_extents(extents)
 
     def ledger(self, node: str | None = None) -> Ledger:
-        """The GC ledger of ``node`` (default: this daemon's), loaded on first use."""
-        node = node or self.node
-        with self._lock:
-            led = self._ledgers.get(node)
-            if led is None:
-                led = self._ledgers[node] = Ledger(self.root / node / LEDGER_NAME)
-        return led
-
-    def _raise_if_collected(self, rel: str) -> None:
-        """Raise `FileGoneError` when the ledger says the step of missing file ``rel`` was
-        collected."""
-        parts = rel.split("/")
-        if len(parts) != 4 or not parts[2].isdigit():
-            return
-        node, run, step = parts[0], parts[1], int(parts[2])
-        c = self.ledger(node).find(run, step)
-        if c is not None:
-            when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(c.at))
-            raise FileGoneError(
-                f"payload file {rel!r} is gone: step {step} of run {run!r} was "
-                f"garbage-collected ({c.reason}, {when})"
-            )
+        """The GC ledger of ``node`` (default: this daemon's)."""
+        return self.reads.ledger(node)
 
     # -- removal (garbage collection; the rules are in _gc.py) ---------------------------
 
@@ -738,9 +434,7 @@ class Store:
                         self._close_file(f)  # would only hold the space
                 os.unlink(self.root / rel)
                 self._budget.forget(size)
-                hit = self._readers.pop(rel, None)
-                if hit is not None:
-                    os.close(hit[0])
+                self.reads.drop(rel)
             if not dry_run:
                 out.dirs += _rmdir_if_empty(self.root / rel_dir)
         return out
@@ -784,72 +478,6 @@ class Store:
                     out.dirs += _rmdir_if_empty(base / run)
         return out
 
-    def open_extents(self, extents: Sequence[Extent]) -> ExtentReader:
-        """Check a read of byte ranges and open its files; nothing is read yet.
-
-        Every check that can fail before a byte is sent happens here, so that an HTTP answer
-        can still be an error.
-
-        Returns
-        -------
-        ExtentReader
-            Reads the ranges in order (`ExtentReader.chunks`); close it when done.
-
-        Raises
-        ------
-        InvalidRequestError
-            An extent reaches past its segment's end (``offset + nbytes > end``).
-        PayloadTooLargeError
-            The total is above ``max_read_bytes``.
-        FileMissingError, SegmentFileError, InvalidSegmentError
-            See `open_for_read`.
-        """
-        total = 0
-        for i, e in enumerate(extents):
-            if e.offset + e.nbytes > e.end:
-                raise InvalidRequestError(
-                    f"extent {i}: offset + nbytes = {e.offset + e.nbytes} is past end {e.end}"
-                )
-            total += e.nbytes
-        if total > self.max_read_bytes:
-            raise PayloadTooLargeError(
-                f"read of {total} bytes is above the limit of {self.max_read_bytes}"
-            )
-        fds: dict[str, int] = {}
-        try:
-            for e in extents:  # check every file before reading anything
-                if e.file not in fds:
-                    fds[e.file] = self.open_for_read(e.file, e.end)
-                elif e.end > os.fstat(fds[e.file]).st_size:
-                    self.open_for_read(e.file, e.end)  # raises the size error
-        except BaseException:
-            for fd in fds.values():
-                os.close(fd)
-            raise
-        return ExtentReader(self, list(extents), fds, total)
-
-    def read_extents(self, extents: Sequence[Extent]) -> bytearray:
-        """Read byte ranges with pread; return them concatenated in order.
-
-        Raises
-        ------
-        InvalidRequestError, PayloadTooLargeError, FileMissingError, SegmentFileError,
-        InvalidSegmentError
-            See `open_extents`; nothing is returned then.
-        """
-        reader = self.open_extents(extents)
-        try:
-            out = bytearray(reader.total)  # bounded by the files' sizes now
-            reader.read_into(memoryview(out))
-        finally:
-            reader.close()
-        return out
-
-    def _count_read(self, nbytes: int) -> None:
-        with self._lock:
-            self._counts["reads"] += 1
-            self._counts["bytes_read"] += nbytes
-
     def close(self) -> None:
         """Close every descriptor the store holds (at shutdown)."""
         with self._lock:
@@ -858,9 +486,7 @@ class Store:
                     self._close_file(f)
             self._files.clear()
             self._open.clear()
-            for fd, _, _ in self._readers.values():
-                os.close(fd)
-            self._readers.clear()
+        self.reads.close()
 
     # -- state --------------------------------------------------------------------------
 
@@ -879,6 +505,7 @@ class Store:
             free = 0
         with self._lock:
             c = dict(self._counts)
+            c |= {"reads": self.reads.reads, "bytes_read": self.reads.bytes_read}
             open_files = len(self._files)
             b = self._budget
             disk = {"root_bytes": b.used, "max_root_bytes": b.max_root_bytes}
@@ -949,85 +576,6 @@ class Store:
             return self._budget.used
 
 
-class ExtentReader:
-    """The open files of one checked read (`Store.open_extents`): reads its ranges in order.
-
-    Attributes
-    ----------
-    total : int
-        Bytes the read gives in all.
-    """
-
-    def __init__(
-        self, store: Store, extents: list[Extent], fds: dict[str, int], total: int
-    ) -> None:
-        self._store, self._extents, self._fds, self.total = store, extents, fds, total
-        # closed exactly once: by `close`, or when the reader is dropped unread (an HTTP
-        # client that went away before its answer started)
-        self._closer = weakref.finalize(self, _close_all, list(fds.values()))
-
-    def _pieces(self) -> Iterator[tuple[int, int, int, str]]:
-        """``(descriptor, file offset, bytes, file)`` of each extent, in order."""
-        for e in self._extents:
-            if e.nbytes:
-                yield self._fds[e.file], e.offset, e.nbytes, e.file
-
-    def read_into(self, view: memoryview) -> None:
-        """Fill ``view`` (``total`` bytes) with the read's bytes.
-
-        Raises
-        ------
-        SegmentFileError
-            A file shrank during the read.
-        InsufficientStorageError, ServerError
-            An I/O error (see `os_errors`).
-        """
-        self._fill(self._pieces(), view, [None])
-        self._store._count_read(self.total)
-
-    def chunks(self, size: int) -> Iterator[bytearray]:
-        """The read's bytes in order, ``size`` bytes a chunk (the last one shorter); each
-        extent is visited once, whatever the number of chunks.
-
-        Raises
-        ------
-        SegmentFileError, InsufficientStorageError, ServerError
-            As `read_into`, from the chunk being read.
-        """
-        pieces = self._pieces()
-        current: list[Any] = [None]  # the piece being read, carried from chunk to chunk
-        for start in range(0, self.total, size):
-            chunk = bytearray(min(size, self.total - start))
-            self._fill(pieces, memoryview(chunk), current)
-            yield chunk
-        self._store._count_read(self.total)
-
-    def _fill(
-        self, pieces: Iterator[tuple[int, int, int, str]], view: memoryview, current: list[Any]
-    ) -> None:
-        """pread the next ``len(view)`` bytes of ``pieces`` into ``view``; ``current[0]`` keeps
-        the rest of a piece that did not fit, for the next call."""
-        at = 0
-        with os_errors(self._store.root):
-            while at < view.nbytes:
-                if current[0] is None:
-                    current[0] = next(pieces)
-                fd, offset, nbytes, file = current[0]
-                k = min(nbytes, view.nbytes - at)
-                got = 0
-                while got < k:
-                    n = os.preadv(fd, [view[at + got : at + k]], offset + got)
-                    if n == 0:
-                        raise SegmentFileError(f"payload file {file!r} shrank during the read")
-                    got += n
-                at += k
-                current[0] = None if k == nbytes else (fd, offset + k, nbytes - k, file)
-
-    def close(self) -> None:
-        """Close the read's descriptors (again: nothing)."""
-        self._closer()
-
-
 @dataclass
 class Removal:
     """What one removal took (or would take): files as ``(path, size in bytes)``, the
@@ -1070,8 +618,3 @@ def _rmdir_if_empty(path: Path) -> int:
     except OSError:  # not empty, missing
         return 0
     return 1
-
-
-def _close_all(fds: list[int]) -> None:
-    for fd in fds:
-        os.close(fd)
