@@ -16,7 +16,8 @@ import httpx
 import numpy as np
 
 from ._base import BaseClient, Call, Window, WindowLike
-from ._dataplane import AsyncDataPlane, DataPlaneDownError, SyncDataPlane, note_steps
+from ._dataplane import DataPlaneDownError, note_steps
+from ._drivers import AsyncDataPlane, SyncDataPlane
 from ._errors import TransportError
 from ._segment import PayloadSegment
 from ._timeout import DEFAULT_TIMEOUT_S, Timeout

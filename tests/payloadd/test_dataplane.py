@@ -233,7 +233,7 @@ def test_a_stuck_daemon_times_out(tmp_path: Path) -> None:
     import time
 
     from payload_client import TimeoutError
-    from payload_client._dataplane import SyncDataPlane
+    from payload_client._drivers import SyncDataPlane
     from payload_client._wire import OpenRequest
 
     sock = tmp_path / "payloadd.sock"
