@@ -16,6 +16,7 @@ from typing import Any
 
 import msgspec
 from fastapi import FastAPI, Request, Response
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
@@ -85,7 +86,7 @@ async def _sweep_every(collector: Collector, seconds: float) -> None:
     (the first at once); a failed sweep is logged and the next one still runs."""
     while True:
         try:
-            report = await run_in_threadpool(collector.collect, GcRequest())
+            report = await run_in_threadpool(collector.sweep)
             if report.files or report.dirs:
                 log.info("gc sweep: %d files, %d bytes, %d directories removed",
                          report.files, report.bytes, report.dirs)  # fmt: skip
@@ -149,7 +150,7 @@ def create_app(settings: Settings, data_listener: socket.socket | None = None) -
     StartError
         The admin token settings are unusable (see `load_admin_token`).
     """
-    token = load_admin_token(settings)
+    token = load_admin_token(settings, warn=False)  # serve() warned already
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
@@ -203,6 +204,13 @@ def create_app(settings: Settings, data_listener: socket.socket | None = None) -
         if status >= 500:  # a full disk or an I/O error: the operator must see it
             log.error("%s %s: %s: %s", request.method, request.url.path, type(exc).__name__, exc)
         return _error(status, type(exc).__name__, str(exc))
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> Response:
+        where = "; ".join(
+            f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()
+        )  # e.g. "query.dry_run: Input should be a valid boolean"
+        return _error(400, "InvalidRequestError", where)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> Response:
@@ -334,8 +342,10 @@ def create_app(settings: Settings, data_listener: socket.socket | None = None) -
         ),
     )
     async def gc(request: Request) -> Response:
-        _content_length(request, settings.max_control_bytes)
-        body = await request.body()
+        body = b""
+        if "content-length" in request.headers or "transfer-encoding" in request.headers:
+            _content_length(request, settings.max_control_bytes)
+            body = await request.body()
         try:
             if not body:
                 req = GcRequest()

@@ -34,8 +34,9 @@ MIN_TOKEN_CHARS = 16
 _TOKEN = re.compile(rb"[\x21-\x7e]+")  # what an HTTP header can carry after "Bearer "
 
 
-def load_admin_token(settings: Settings) -> bytes | None:
-    """Return the configured admin token, or ``None`` when there is none.
+def load_admin_token(settings: Settings, *, warn: bool = True) -> bytes | None:
+    """Return the configured admin token, or ``None`` when there is none; with ``warn``, log
+    a warning when the token file is readable by every user.
 
     Raises
     ------
@@ -58,7 +59,7 @@ def load_admin_token(settings: Settings) -> bytes | None:
             mode = os.stat(path).st_mode
         except OSError as exc:
             raise StartError(f"cannot read {where}: {exc.strerror}") from None
-        if mode & 0o004:
+        if warn and mode & 0o004:
             log.warning("%s is readable by every user; make it 0600 or 0640", where)
     else:
         return None

@@ -12,8 +12,9 @@ Three rules, each removing whole step directories of this daemon's node
 - **orphans**: empty files of an earlier daemon (no append was acknowledged from them) and
   empty directories.
 
-The collection is written to the node's ledger (`payloadd._ledger`) before any file goes,
-so a read of a collected segment answers 410 Gone naming its run and step, across restarts.
+Each collection lists the files it removes in the node's ledger (`payloadd._ledger`) before
+any of them goes, so a read of a collected segment answers 410 Gone naming its run and step,
+across restarts; a file that never existed stays 404.
 A file a pending append writes to is never removed (`Store.remove_step`). A read already in
 progress holds its descriptors open and completes intact.
 """
@@ -68,11 +69,18 @@ class Collector:
             if req.run is not None and req.before_step is not None:
                 run = check_name(req.run, "run")
                 steps = [s for s in self.store.runs().get(run, []) if s <= req.before_step]
-                self._remove(report, "watermark", run, steps, 0, req.before_step)
+                self._remove(report, "watermark", run, steps)
             ttl = req.ttl_s if req.ttl_s is not None else self.ttl_s
             if ttl > 0:
                 self._expire(report, ttl)
             self._add(report, "orphan", self.store.remove_orphans(dry_run=req.dry_run))
+        return report
+
+    def sweep(self) -> GcReport:
+        """The background sweep: the age rule, orphans, empty directories; then the bytes
+        counted against the cap are recounted from disk (files removed by hand)."""
+        report = self.collect(GcRequest())
+        self.store.recount()
         return report
 
     def delete_run(self, run: str, *, dry_run: bool = False) -> GcReport:
@@ -87,7 +95,7 @@ class Collector:
         report = GcReport(dry_run=dry_run)
         with self._lock:
             steps = self.store.runs().get(run, [])
-            self._remove(report, "run", run, steps, 0, None)
+            self._remove(report, "run", run, steps)
             if not dry_run:
                 report.dirs += self.store.remove_run_dir(run)
         return report
@@ -103,7 +111,7 @@ class Collector:
             for step in steps:
                 newest = _newest_mtime(base / run / str(step))
                 if newest is not None and newest <= now_wall - ttl:
-                    self._remove(report, "ttl", run, [step], step, step, idle_since=now - ttl)
+                    self._remove(report, "ttl", run, [step], idle_since=now - ttl)
 
     def _remove(
         self,
@@ -111,16 +119,16 @@ class Collector:
         reason: str,
         run: str,
         steps: Iterable[int],
-        first: int,
-        last: int | None,
         idle_since: float | None = None,
     ) -> None:
         steps = list(steps)
-        if not report.dry_run and (steps or reason != "ttl"):
-            self.store.ledger().record(run, first, last, reason)  # before any file goes
+        planned = {step: self.store.step_files(run, step) for step in steps}
+        files = [rel for step in steps for rel in planned[step]]
+        if not report.dry_run and files:
+            self.store.ledger().record(run, reason, files)  # before any of them goes
         for step in steps:
             removal = self.store.remove_step(
-                run, step, dry_run=report.dry_run, idle_since=idle_since
+                run, step, planned[step], dry_run=report.dry_run, idle_since=idle_since
             )
             self._add(report, reason, removal)
             if removal.files or removal.dirs:

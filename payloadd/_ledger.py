@@ -1,15 +1,18 @@
-"""The GC ledger: which steps of which runs garbage collection removed, kept on disk.
+"""The GC ledger: which files garbage collection removed, and why, kept on disk.
 
 A read of a file that does not exist answers 404 (`FileMissingError`) unless the ledger of
-the file's node says its step was collected: then 410 (`FileGoneError`) naming the run and
-the step. One JSON line per collection, appended and fsync'd *before* any file is removed,
-so the answer survives restarts and a crash in the middle of a GC:
+the file's node lists it as collected: then 410 (`FileGoneError`) naming its run and step.
+One JSON line per collection, appended and fsync'd *before* any of its files is removed, so
+the answer survives restarts and a crash in the middle of a GC:
 
-    {"run": "r1", "first": 0, "last": 3, "reason": "watermark", "at": 1764412800.0}
+    {"run": "r1", "reason": "watermark", "at": 1764412800.0,
+     "files": ["node0/r1/3/routed_experts-1a2b3c4d-000007.bin", ...]}
 
-``last`` is ``null`` for a whole run. The file is ``<root>/<node>/@gc-ledger.jsonl``: ``@``
-is outside the run-name alphabet, so no run directory can ever have its name. A torn last
-line (a crash while writing it) is skipped when the ledger is loaded.
+A file is listed only when the collection removes it (a file that never existed stays 404,
+even in a collected step). The file is ``<root>/<node>/@gc-ledger.jsonl``: ``@`` is outside
+the run-name alphabet, so no run directory can ever have its name. A torn last line (a crash
+while writing it) is skipped when the ledger is loaded. Each collected file costs one path
+(about 60 bytes) on disk and in memory.
 """
 
 from __future__ import annotations
@@ -27,29 +30,24 @@ LEDGER_NAME = "@gc-ledger.jsonl"
 
 
 class Collected(msgspec.Struct, forbid_unknown_fields=False):
-    """One collection: steps ``[first, last]`` of ``run`` (``last`` None: every step).
+    """One collection: the files of ``run`` it removed.
 
     Attributes
     ----------
     run : str
         The run.
-    first, last : int
-        Inclusive range of steps; ``last`` is ``None`` for the whole run.
     reason : str
         ``watermark``, ``run`` or ``ttl``.
     at : float
         When, in seconds since the epoch.
+    files : list of str
+        The removed files, relative to the root.
     """
 
     run: str
-    first: int
-    last: int | None
     reason: str
     at: float
-
-    def covers(self, step: int) -> bool:
-        """Whether ``step`` lies in this collection's range."""
-        return self.first <= step and (self.last is None or step <= self.last)
+    files: list[str]
 
 
 _decoder = msgspec.json.Decoder(Collected)
@@ -68,7 +66,7 @@ class Ledger:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._lock = threading.Lock()
-        self._by_run: dict[str, list[Collected]] = {}
+        self._gone: dict[str, Collected] = {}  # file -> its collection
         self._stamp: tuple[int, int] | None = None  # (size, mtime_ns) last loaded
 
     def _load(self) -> None:
@@ -76,30 +74,30 @@ class Ledger:
         try:
             st = os.stat(self.path)
         except FileNotFoundError:
-            self._by_run, self._stamp = {}, None
+            self._gone, self._stamp = {}, None
             return
         stamp = (st.st_size, st.st_mtime_ns)
         if stamp == self._stamp:
             return
-        by_run: dict[str, list[Collected]] = {}
+        gone: dict[str, Collected] = {}
         with open(self.path, "rb") as f:
             for line in f:
                 try:
                     c = _decoder.decode(line)
                 except msgspec.DecodeError:
                     continue  # a torn last line
-                by_run.setdefault(c.run, []).append(c)
-        self._by_run, self._stamp = by_run, stamp
+                gone.update(dict.fromkeys(c.files, c))
+        self._gone, self._stamp = gone, stamp
 
-    def record(self, run: str, first: int, last: int | None, reason: str) -> Collected:
-        """Append one collection and fsync it; return it.
+    def record(self, run: str, reason: str, files: list[str]) -> Collected:
+        """Append one collection of ``files`` (relative paths) and fsync it; return it.
 
         Raises
         ------
         OSError
             When the ledger cannot be written (the caller then removes nothing).
         """
-        c = Collected(run, first, last, reason, time.time())
+        c = Collected(run, reason, time.time(), files)
         with self._lock:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o640)
@@ -111,11 +109,8 @@ class Ledger:
             self._load()
         return c
 
-    def find(self, run: str, step: int) -> Collected | None:
-        """The latest collection that covers ``step`` of ``run``, or ``None``."""
+    def find(self, rel: str) -> Collected | None:
+        """The collection that removed file ``rel``, or ``None``."""
         with self._lock:
             self._load()
-            for c in reversed(self._by_run.get(run, ())):
-                if c.covers(step):
-                    return c
-        return None
+            return self._gone.get(rel)

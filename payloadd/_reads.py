@@ -178,13 +178,12 @@ class Readers:
         return led
 
     def _raise_if_collected(self, rel: str) -> None:
-        """Raise `FileGoneError` when the ledger says the step of missing file ``rel`` was
-        collected."""
+        """Raise `FileGoneError` when the ledger of its node lists missing file ``rel``."""
         parts = rel.split("/")
-        if len(parts) != 4 or not parts[2].isdigit():
+        if len(parts) != 4:
             return
-        node, run, step = parts[0], parts[1], int(parts[2])
-        c = self.ledger(node).find(run, step)
+        node, run, step = parts[0], parts[1], parts[2]
+        c = self.ledger(node).find(rel)
         if c is not None:
             when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(c.at))
             raise FileGoneError(

@@ -23,7 +23,7 @@ import secrets
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -382,8 +382,19 @@ class Store:
             out[run] = sorted(int(s) for s in _dir_names(base / run) if s.isdigit())
         return out
 
+    def step_files(self, run: str, step: int) -> list[str]:
+        """The data files of one step of this node, relative to the root, sorted."""
+        rel_dir = f"{self.node}/{run}/{step}"
+        return [f"{rel_dir}/{name}" for name in _file_names(self.root / rel_dir)]
+
     def remove_step(
-        self, run: str, step: int, *, dry_run: bool = False, idle_since: float | None = None
+        self,
+        run: str,
+        step: int,
+        files: Collection[str],
+        *,
+        dry_run: bool = False,
+        idle_since: float | None = None,
     ) -> Removal:
         """Remove the data files of one step of this node, then its directory if empty.
 
@@ -397,6 +408,9 @@ class Store:
         ----------
         run, step : str, int
             The step directory ``<root>/<node>/<run>/<step>``.
+        files : collection of str
+            The files to remove (from `step_files`, listed in the ledger first); files
+            created since stay.
         dry_run : bool
             Count, remove nothing.
         idle_since : float, optional
@@ -413,8 +427,7 @@ class Store:
         with self._lock, os_errors(self.root):
             if idle_since is not None and self.last_used.get(run, self.started) > idle_since:
                 return out
-            for name in _file_names(self.root / rel_dir):
-                rel = f"{rel_dir}/{name}"
+            for rel in sorted(files):
                 f = self._open.get(rel)
                 if f is not None and f.users > f.leases:
                     out.in_use += 1

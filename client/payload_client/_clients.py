@@ -306,7 +306,7 @@ class PayloadClient(BaseClient):
         ------
         InvalidRequestError
             ``run`` without ``before_step`` (or the reverse), a bad run name or step.
-        AuthenticationError
+        UnauthorizedError
             The daemon wants an admin token and this client has none, or a wrong one.
 
         Notes
@@ -323,7 +323,7 @@ class PayloadClient(BaseClient):
         ------
         InvalidRequestError
             A bad run name.
-        AuthenticationError
+        UnauthorizedError
             As `gc`.
         """
         return self._send(self._delete_run_call(run, dry_run))

@@ -71,14 +71,17 @@ def test_watermark_removes_steps_up_to_it_and_reads_then_answer_gone(tmp_path: P
 
 def test_a_file_that_never_existed_is_404_not_410(tmp_path: Path) -> None:
     store = Store(tmp_path, "n")
-    append(store, "r", 0)
+    seg = append(store, "r", 0)
     Collector(store).collect(GcRequest(run="r", before_step=0))
-    with pytest.raises(FileMissingError):  # a step the ledger does not cover
-        store.open_for_read("n/r/7/f-00000000-000001.bin", 1)
-    with pytest.raises(FileMissingError):  # another run
-        store.open_for_read("n/q/0/f-00000000-000001.bin", 1)
-    with pytest.raises(FileGoneError):  # a collected step, any file name
-        store.open_for_read("n/r/0/f-00000000-000099.bin", 1)
+    with pytest.raises(FileGoneError):  # the collected file
+        store.open_for_read(seg.file, 1)
+    for never in (
+        "n/r/0/f-00000000-000099.bin",  # in the collected step, but never written
+        "n/r/7/f-00000000-000001.bin",  # a step never collected
+        "n/q/0/f-00000000-000001.bin",  # another run
+    ):
+        with pytest.raises(FileMissingError):
+            store.open_for_read(never, 1)
 
 
 def test_the_ledger_survives_a_restart_and_a_torn_last_line(tmp_path: Path) -> None:
@@ -220,3 +223,13 @@ def test_collected_bytes_no_longer_count_against_the_cap(tmp_path: Path) -> None
     assert read(store, append(store, "r", 3, n=20)) == rows(20, 3)  # room again
     lease.release()
     assert store.root_bytes == 80
+
+
+def test_files_created_after_a_collection_is_planned_stay(tmp_path: Path) -> None:
+    store = Store(tmp_path, "n")
+    old = append(store, "r", 0)
+    planned = store.step_files("r", 0)
+    new = append(store, "r", 0, field="g")  # a writer starts a new file meanwhile
+    removal = store.remove_step("r", 0, planned)
+    assert [rel for rel, _ in removal.files] == [old.file]
+    assert read(store, new) == rows(3, 0)
