@@ -80,14 +80,14 @@ def test_gone_is_http_410_and_bad_requests_are_400(daemon: Daemon) -> None:
             assert answer.status_code == 400, bad
         assert http.delete("/v1/admin/runs/..%2Fx").status_code in (400, 404)
         assert http.delete("/v1/admin/runs/a.b?dry_run=true").json()["dry_run"] is True
-        bad = http.delete("/v1/admin/runs/a.b?dry_run=maybe")
-        assert bad.status_code == 400 and bad.json()["error"] == "InvalidRequestError"
-        assert "dry_run" in bad.json()["message"]
+        maybe = http.delete("/v1/admin/runs/a.b?dry_run=maybe")
+        assert maybe.status_code == 400 and maybe.json()["error"] == "InvalidRequestError"
+        assert "dry_run" in maybe.json()["message"]
     with socket.socket(socket.AF_UNIX) as raw:  # no body, no Content-Length (curl -X POST)
         raw.connect(str(daemon.socket))
         raw.sendall(b"POST /v1/admin/gc HTTP/1.1\r\nHost: d\r\nConnection: close\r\n\r\n")
-        answer = b"".join(iter(lambda: raw.recv(65536), b""))
-    assert answer.startswith(b"HTTP/1.1 200 ") and b'"dry_run":false' in answer
+        raw_answer = b"".join(iter(lambda: raw.recv(65536), b""))
+    assert raw_answer.startswith(b"HTTP/1.1 200 ") and b'"dry_run":false' in raw_answer
 
 
 @pytest.mark.asyncio
