@@ -233,3 +233,15 @@ def test_files_created_after_a_collection_is_planned_stay(tmp_path: Path) -> Non
     removal = store.remove_step("r", 0, planned)
     assert [rel for rel, _ in removal.files] == [old.file]
     assert read(store, new) == rows(3, 0)
+
+
+def test_the_sweep_recounts_files_removed_by_hand(tmp_path: Path) -> None:
+    store = Store(tmp_path, "n", max_root_bytes=1000)
+    seg = append(store, "r", 0, n=50)  # 200 bytes
+    store.close()  # a restart: the new store counts what is on disk
+    store = Store(tmp_path, "n", max_root_bytes=1000)
+    assert store.root_bytes == 200
+    os.unlink(tmp_path / seg.file)  # an operator removes it by hand
+    assert store.root_bytes == 200
+    Collector(store, ttl_s=0).sweep()
+    assert store.root_bytes == 0
