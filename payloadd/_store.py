@@ -665,9 +665,10 @@ class Store:
         """Raise `FileGoneError` when the ledger says the step of missing file ``rel`` was
         collected."""
         parts = rel.split("/")
-        if len(parts) != 4 or not parts[2].isdigit():
+        step = _step_of(parts[2]) if len(parts) == 4 else None
+        if step is None:
             return
-        node, run, step = parts[0], parts[1], int(parts[2])
+        node, run = parts[0], parts[1]
         c = self.ledger(node).find(run, step)
         if c is not None:
             when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(c.at))
@@ -683,7 +684,8 @@ class Store:
         out: dict[str, list[int]] = {}
         base = self.root / self.node
         for run in sorted(_dir_names(base)):
-            out[run] = sorted(int(s) for s in _dir_names(base / run) if s.isdigit())
+            steps = (_step_of(name) for name in _dir_names(base / run))
+            out[run] = sorted(step for step in steps if step is not None)
         return out
 
     def remove_step(
@@ -1039,6 +1041,15 @@ class Removal:
 
 
 _DATA_FILE = re.compile(r".+-[0-9a-f]{8}-[0-9]{6,}\.bin")
+
+
+def _step_of(name: str) -> int | None:
+    """The step a directory named ``name`` holds (named as the store names them: ``str(step)``),
+    or ``None`` for any other name (``"007"``, ``"²"``, ``"x"``)."""
+    if not (name.isascii() and name.isdigit() and len(name) <= 19):
+        return None
+    step = int(name)
+    return step if str(step) == name and step <= INT64_MAX else None
 
 
 def _dir_names(path: Path) -> list[str]:

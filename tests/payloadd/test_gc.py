@@ -220,3 +220,16 @@ def test_collected_bytes_no_longer_count_against_the_cap(tmp_path: Path) -> None
     assert read(store, append(store, "r", 3, n=20)) == rows(20, 3)  # room again
     lease.release()
     assert store.root_bytes == 80
+
+
+@pytest.mark.parametrize("name", ["²", "٣", "007"])
+def test_odd_step_directories_and_paths_are_no_steps(tmp_path: Path, name: str) -> None:
+    store = Store(tmp_path, "n")
+    seg = append(store, "r", 0)
+    (tmp_path / "n" / "r" / name).mkdir()  # made by hand, or by another program
+    report = Collector(store).collect(GcRequest(run="r", before_step=0))
+    assert report.steps == [("r", 0)]  # collection goes on
+    with pytest.raises(FileGoneError):
+        read(store, seg)
+    with pytest.raises(FileMissingError):  # not a step: a 404, never a crash (500)
+        store.open_for_read(f"n/r/{name}/f-00000000-000001.bin", 1)
