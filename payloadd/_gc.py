@@ -13,7 +13,8 @@ Three rules, each removing whole step directories of this daemon's node
   empty directories.
 
 The collection is written to the node's ledger (`payloadd._ledger`) before any file goes,
-so a read of a collected segment answers 410 Gone naming its run and step, across restarts.
+so a read of a collected segment answers 410 Gone naming its run and step, across restarts;
+a spare file beside it makes room for that line on a full disk, when GC is needed most.
 A file a pending append writes to is never removed (`Store.remove_step`). A read already in
 progress holds its descriptors open and completes intact.
 """
@@ -30,7 +31,7 @@ from payload_client import InvalidRequestError
 from payload_client._segment import check_name
 from payload_client._wire import GcCount, GcReport, GcRequest
 
-from ._store import Removal, Store
+from ._store import Removal, Store, os_errors
 
 __all__ = ["Collector"]
 
@@ -52,6 +53,7 @@ class Collector:
         self.store = store
         self.ttl_s = ttl_s
         self._lock = threading.Lock()
+        store.ledger().keep_reserve()  # room for the ledger line of a GC on a full disk
 
     def collect(self, req: GcRequest) -> GcReport:
         """Apply the watermark of ``req`` (if any), the age rule, and the clean-up.
@@ -73,6 +75,7 @@ class Collector:
             if ttl > 0:
                 self._expire(report, ttl)
             self._add(report, "orphan", self.store.remove_orphans(dry_run=req.dry_run))
+            self.store.ledger().keep_reserve()
         return report
 
     def delete_run(self, run: str, *, dry_run: bool = False) -> GcReport:
@@ -90,6 +93,7 @@ class Collector:
             self._remove(report, "run", run, steps, 0, None)
             if not dry_run:
                 report.dirs += self.store.remove_run_dir(run)
+            self.store.ledger().keep_reserve()
         return report
 
     def _expire(self, report: GcReport, ttl: float) -> None:
@@ -116,8 +120,9 @@ class Collector:
         idle_since: float | None = None,
     ) -> None:
         steps = list(steps)
-        if not report.dry_run and (steps or reason != "ttl"):
-            self.store.ledger().record(run, first, last, reason)  # before any file goes
+        if not report.dry_run and steps:  # nothing to remove: no line (the ledger stays small)
+            with os_errors(self.store.root):  # a full disk: 507, and nothing is removed
+                self.store.ledger().record(run, first, last, reason)  # before any file goes
         for step in steps:
             removal = self.store.remove_step(
                 run, step, dry_run=report.dry_run, idle_since=idle_since

@@ -222,6 +222,30 @@ def test_collected_bytes_no_longer_count_against_the_cap(tmp_path: Path) -> None
     assert store.root_bytes == 80
 
 
+def test_a_collection_after_a_torn_ledger_line_still_answers_gone(tmp_path: Path) -> None:
+    store = Store(tmp_path, "n")
+    seg = append(store, "r", 1)
+    with open(tmp_path / "n" / LEDGER_NAME, "ab") as f:
+        f.write(b'{"run": "r", "fir')  # a crash while the ledger was written
+    Collector(store).collect(GcRequest(run="r", before_step=1))  # the next collection
+    for s in (store, Store(tmp_path, "n")):  # now and after a restart
+        with pytest.raises(FileGoneError, match="step 1 of run 'r'"):
+            read(s, seg)
+
+
+def test_a_collection_that_removes_nothing_adds_no_ledger_line(tmp_path: Path) -> None:
+    store = Store(tmp_path, "n")
+    append(store, "r", 0)
+    c = Collector(store)
+    c.collect(GcRequest(run="r", before_step=0))
+    ledger = (tmp_path / "n" / LEDGER_NAME).read_bytes()
+    for _ in range(20):  # a trainer repeating its watermark, an operator deleting twice
+        assert c.collect(GcRequest(run="r", before_step=0)).files == 0
+        assert c.collect(GcRequest(run="never", before_step=9)).files == 0
+        assert c.delete_run("never").files == 0
+    assert (tmp_path / "n" / LEDGER_NAME).read_bytes() == ledger
+
+
 @pytest.mark.parametrize("name", ["²", "٣", "007"])
 def test_odd_step_directories_and_paths_are_no_steps(tmp_path: Path, name: str) -> None:
     store = Store(tmp_path, "n")
