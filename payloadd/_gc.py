@@ -106,8 +106,14 @@ class Collector:
                 continue
             for step in steps:
                 newest = _newest_mtime(base / run / str(step))
-                if newest is not None and newest <= now_wall - ttl:
-                    self._remove(report, "ttl", run, [step], step, step, idle_since=now - ttl)
+                if newest is None or newest > now_wall - ttl:
+                    continue
+                if not report.dry_run:  # a step kept whole (in use) gets no ledger line
+                    probe = self.store.remove_step(run, step, dry_run=True, idle_since=now - ttl)
+                    if not probe.files:
+                        report.in_use += probe.in_use
+                        continue
+                self._remove(report, "ttl", run, [step], step, step, idle_since=now - ttl)
 
     def _remove(
         self,

@@ -257,3 +257,22 @@ def test_odd_step_directories_and_paths_are_no_steps(tmp_path: Path, name: str) 
         read(store, seg)
     with pytest.raises(FileMissingError):  # not a step: a 404, never a crash (500)
         store.open_for_read(f"n/r/{name}/f-00000000-000001.bin", 1)
+
+
+def test_the_age_rule_adds_no_ledger_line_for_a_step_it_keeps(tmp_path: Path) -> None:
+    store = Store(tmp_path, "n")
+    append(store, "r", 0)
+    pending = store.begin_append([item(2, "r", 0)])  # a stalled append keeps the file
+    hour_ago = time.time() - 3600
+    for f in (tmp_path / "n" / "r" / "0").iterdir():
+        os.utime(f, (hour_ago, hour_ago))
+    store.started -= 120
+    store.last_used.clear()
+    c = Collector(store, ttl_s=60)
+    for _ in range(5):  # every sweep of the day
+        report = c.collect(GcRequest())
+        assert (report.files, report.in_use) == (0, 1)
+    assert not (tmp_path / "n" / LEDGER_NAME).exists()  # nothing collected: no 410 either
+    pending.close()
+    assert c.collect(GcRequest()).steps == [("r", 0)]
+    assert len((tmp_path / "n" / LEDGER_NAME).read_bytes().splitlines()) == 1
