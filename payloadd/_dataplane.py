@@ -190,6 +190,9 @@ class DataPlaneServer:
                 return lease, self._writer(lease.file)
             except FileNotFoundError:
                 lease.release()
+            except BaseException:
+                lease.release()
+                raise
         raise ServerError(f"every file leased for run {key[0]!r} step {key[1]} was removed at once")
 
     @staticmethod
