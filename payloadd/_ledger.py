@@ -128,10 +128,20 @@ class Ledger:
             self._load()
         return c
 
+    def _mkdir(self) -> None:
+        """Create the node's directory if missing, mode 0750 whatever the umask (as the
+        store creates it)."""
+        try:
+            os.mkdir(self.path.parent, 0o750)
+        except FileExistsError:
+            return
+        os.chmod(self.path.parent, 0o750)
+
     def _append(self, line: bytes) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._mkdir()
         fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o640)
         try:
+            os.fchmod(fd, 0o640)  # whatever the umask
             end = os.fstat(fd).st_size
             if end and os.pread(fd, 1, end - 1) != b"\n":
                 line = b"\n" + line  # after a torn line: never glued to it
@@ -157,7 +167,7 @@ class Ledger:
             return
         tmp = self.reserve.with_name(f"{RESERVE_NAME}.tmp")
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._mkdir()
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o640)
             try:
                 view = memoryview(os.urandom(RESERVE_BYTES))  # written: really allocated
@@ -165,6 +175,7 @@ class Ledger:
                     view = view[os.write(fd, view) :]
             finally:
                 os.close(fd)
+            os.chmod(tmp, 0o640)  # whatever the umask
             os.replace(tmp, self.reserve)
         except OSError:
             with contextlib.suppress(OSError):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 import time
 from pathlib import Path
 
@@ -276,3 +277,18 @@ def test_the_age_rule_adds_no_ledger_line_for_a_step_it_keeps(tmp_path: Path) ->
     pending.close()
     assert c.collect(GcRequest()).steps == [("r", 0)]
     assert len((tmp_path / "n" / LEDGER_NAME).read_bytes().splitlines()) == 1
+
+
+def test_the_ledger_and_its_directory_get_exact_modes_whatever_the_umask(tmp_path: Path) -> None:
+    old = os.umask(0)
+    try:
+        store = Store(tmp_path / "root", "n")
+        Collector(store)  # a daemon starts: the spare file beside the ledger is made
+        node = tmp_path / "root" / "n"
+        assert stat.S_IMODE(node.stat().st_mode) == 0o750
+        append(store, "r", 0)
+        Collector(store).collect(GcRequest(run="r", before_step=0))
+        for p in node.iterdir():
+            assert stat.S_IMODE(p.lstat().st_mode) == 0o640, p.name
+    finally:
+        os.umask(old)
