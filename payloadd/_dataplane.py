@@ -18,7 +18,7 @@ from pathlib import Path
 
 import msgspec
 
-from payload_client import InvalidRequestError, PayloadError
+from payload_client import InvalidRequestError, PayloadError, ServerError
 from payload_client._descriptors import LEASES
 from payload_client._errors import status_of
 from payload_client._wire import (
@@ -149,6 +149,9 @@ class DataPlaneServer:
                     self.store.count("appends", note.appends)
                     self.store.count("rows_appended", note.rows)
                     self.store.count("bytes_appended", note.nbytes)
+                    for node, run in note.runs:  # runs in use: the GC age rule spares them
+                        if node == self.store.node:
+                            self.store.touch(run)
                     if note.ack:
                         frame = _encoder.encode(CommitReply([]))
                         conn.sendall(FRAME_PREFIX.pack(len(frame)) + frame)
@@ -178,6 +181,23 @@ class DataPlaneServer:
         """A write-only descriptor of its own for a client: not a dup of the store's, so
         nothing a client does to its file status flags (O_APPEND...) reaches the store."""
         return os.open(self.store.root / rel, os.O_WRONLY | os.O_CLOEXEC)
+
+    def _lease(self, key: tuple[str, int, str], nbytes: int) -> tuple[Lease, int]:
+        """A lease of ``key`` and the client's descriptor of its file.
+
+        Garbage collection may remove a leased file at any time, also before its descriptor
+        is opened here: then the range is given up and a new one leased (in a new file).
+        """
+        for _ in range(8):
+            lease = self.store.lease(*key, nbytes, self.lease_bytes)
+            try:
+                return lease, self._writer(lease.file)
+            except FileNotFoundError:
+                lease.release()
+            except BaseException:
+                lease.release()
+                raise
+        raise ServerError(f"every file leased for run {key[0]!r} step {key[1]} was removed at once")
 
     @staticmethod
     def _note(body: bytes) -> NoteRequest | None:
@@ -211,14 +231,14 @@ class DataPlaneServer:
             req = _decoder.decode(body)
             if isinstance(req, LeaseRequest):
                 key = (req.run, req.step, req.field)
-                lease = self.store.lease(*key, req.nbytes, self.lease_bytes)
+                lease, fd = self._lease(key, req.nbytes)
+                fds.append(fd)
                 old = leases.pop(key, None)  # this client moves on to the new range
                 if old is not None:
                     old.release()
                 leases[key] = lease
                 while len(leases) > LEASES:  # as many as a client keeps: the oldest is done
                     leases.pop(next(iter(leases))).release()
-                fds.append(self._writer(lease.file))
                 fsync = self.store.fsync == "always"
                 return LeaseReply(lease.file, lease.offset, lease.nbytes, fsync), fds
             if isinstance(req, OpenRequest):

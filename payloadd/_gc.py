@@ -15,6 +15,8 @@ Three rules, each removing whole step directories of this daemon's node
 Each collection lists the files it removes in the node's ledger (`payloadd._ledger`) before
 any of them goes, so a read of a collected segment answers 410 Gone naming its run and step,
 across restarts; a file that never existed stays 404.
+A spare file beside the ledger makes room for that line on a full disk, when GC is
+needed most.
 A file a pending append writes to is never removed (`Store.remove_step`). A read already in
 progress holds its descriptors open and completes intact.
 """
@@ -31,6 +33,7 @@ from payload_client import InvalidRequestError
 from payload_client._segment import check_name
 from payload_client._wire import GcCount, GcReport, GcRequest
 
+from ._appends import os_errors
 from ._store import Removal, Store
 
 __all__ = ["Collector"]
@@ -53,6 +56,7 @@ class Collector:
         self.store = store
         self.ttl_s = ttl_s
         self._lock = threading.Lock()
+        store.ledger().keep_reserve()  # room for the ledger line of a GC on a full disk
 
     def collect(self, req: GcRequest) -> GcReport:
         """Apply the watermark of ``req`` (if any), the age rule, and the clean-up.
@@ -74,6 +78,7 @@ class Collector:
             if ttl > 0:
                 self._expire(report, ttl)
             self._add(report, "orphan", self.store.remove_orphans(dry_run=req.dry_run))
+            self.store.ledger().keep_reserve()
         return report
 
     def sweep(self) -> GcReport:
@@ -81,6 +86,7 @@ class Collector:
         counted against the cap are recounted from disk (files removed by hand)."""
         report = self.collect(GcRequest())
         self.store.recount()
+        self.store.forget_unused_runs()
         return report
 
     def delete_run(self, run: str, *, dry_run: bool = False) -> GcReport:
@@ -98,6 +104,7 @@ class Collector:
             self._remove(report, "run", run, steps)
             if not dry_run:
                 report.dirs += self.store.remove_run_dir(run)
+            self.store.ledger().keep_reserve()
         return report
 
     def _expire(self, report: GcReport, ttl: float) -> None:
@@ -110,8 +117,20 @@ class Collector:
                 continue
             for step in steps:
                 newest = _newest_mtime(base / run / str(step))
-                if newest is not None and newest <= now_wall - ttl:
-                    self._remove(report, "ttl", run, [step], idle_since=now - ttl)
+                if newest is None or newest > now_wall - ttl:
+                    continue
+                if not report.dry_run:  # a step kept whole (in use) gets no ledger line
+                    probe = self.store.remove_step(
+                        run,
+                        step,
+                        self.store.step_files(run, step),
+                        dry_run=True,
+                        idle_since=now - ttl,
+                    )
+                    if not probe.files:
+                        report.in_use += probe.in_use
+                        continue
+                self._remove(report, "ttl", run, [step], idle_since=now - ttl)
 
     def _remove(
         self,
@@ -124,8 +143,9 @@ class Collector:
         steps = list(steps)
         planned = {step: self.store.step_files(run, step) for step in steps}
         files = [rel for step in steps for rel in planned[step]]
-        if not report.dry_run and files:
-            self.store.ledger().record(run, reason, files)  # before any of them goes
+        if not report.dry_run and files:  # nothing to remove: no line (the ledger stays small)
+            with os_errors(self.store.root):  # a full disk: 507, and nothing is removed
+                self.store.ledger().record(run, reason, files)  # before any of them goes
         for step in steps:
             removal = self.store.remove_step(
                 run, step, planned[step], dry_run=report.dry_run, idle_since=idle_since

@@ -13,10 +13,17 @@ even in a collected step). The file is ``<root>/<node>/@gc-ledger.jsonl``: ``@``
 the run-name alphabet, so no run directory can ever have its name. A torn last line (a crash
 while writing it) is skipped when the ledger is loaded. Each collected file costs one path
 (about 60 bytes) on disk and in memory.
+
+Beside it, ``@gc-reserve`` holds `RESERVE_BYTES` of spare space: when the file system is
+full (another program filled it), a collection removes it to write its line, so GC still
+frees space when it is needed most. Collections make it again once there is room.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import logging
 import os
 import threading
 import time
@@ -24,9 +31,15 @@ from pathlib import Path
 
 import msgspec
 
-__all__ = ["LEDGER_NAME", "Collected", "Ledger"]
+__all__ = ["LEDGER_NAME", "RESERVE_BYTES", "RESERVE_NAME", "Collected", "Ledger"]
 
 LEDGER_NAME = "@gc-ledger.jsonl"
+RESERVE_NAME = "@gc-reserve"
+RESERVE_BYTES = 64 << 10
+"""Size of the spare file kept beside the ledger: on a full file system it is removed, so
+that the ledger line of the collection that makes room can still be written."""
+
+log = logging.getLogger("payloadd.gc")
 
 
 class Collected(msgspec.Struct, forbid_unknown_fields=False):
@@ -65,6 +78,7 @@ class Ledger:
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        self.reserve = path.with_name(RESERVE_NAME)
         self._lock = threading.Lock()
         self._gone: dict[str, Collected] = {}  # file -> its collection
         self._stamp: tuple[int, int] | None = None  # (size, mtime_ns) last loaded
@@ -92,22 +106,77 @@ class Ledger:
     def record(self, run: str, reason: str, files: list[str]) -> Collected:
         """Append one collection of ``files`` (relative paths) and fsync it; return it.
 
+        On a full file system the spare file (`keep_reserve`) is removed to make room.
+
         Raises
         ------
         OSError
             When the ledger cannot be written (the caller then removes nothing).
         """
         c = Collected(run, reason, time.time(), files)
+        line = _encoder.encode(c) + b"\n"
         with self._lock:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o640)
             try:
-                os.write(fd, _encoder.encode(c) + b"\n")
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+                self._append(line)
+            except OSError as exc:
+                if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or not self._spend_reserve():
+                    raise
+                self._append(line)
             self._load()
         return c
+
+    def _mkdir(self) -> None:
+        """Create the node's directory if missing, mode 0750 whatever the umask (as the
+        store creates it)."""
+        try:
+            os.mkdir(self.path.parent, 0o750)
+        except FileExistsError:
+            return
+        os.chmod(self.path.parent, 0o750)
+
+    def _append(self, line: bytes) -> None:
+        self._mkdir()
+        fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o640)
+        try:
+            os.fchmod(fd, 0o640)  # whatever the umask
+            end = os.fstat(fd).st_size
+            if end and os.pread(fd, 1, end - 1) != b"\n":
+                line = b"\n" + line  # after a torn line: never glued to it
+            view = memoryview(line)
+            while view.nbytes:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _spend_reserve(self) -> bool:
+        try:
+            os.unlink(self.reserve)
+        except FileNotFoundError:
+            return False
+        log.warning("payload root full: spare file %s removed to write the GC ledger", self.reserve)
+        return True
+
+    def keep_reserve(self) -> None:
+        """Create the spare file beside the ledger if it is missing; quietly nothing when
+        there is no room for it (the next collection tries again)."""
+        if os.path.lexists(self.reserve):
+            return
+        tmp = self.reserve.with_name(f"{RESERVE_NAME}.tmp")
+        try:
+            self._mkdir()
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o640)
+            try:
+                view = memoryview(os.urandom(RESERVE_BYTES))  # written: really allocated
+                while view.nbytes:
+                    view = view[os.write(fd, view) :]
+            finally:
+                os.close(fd)
+            os.chmod(tmp, 0o640)  # whatever the umask
+            os.replace(tmp, self.reserve)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
 
     def find(self, rel: str) -> Collected | None:
         """The collection that removed file ``rel``, or ``None``."""

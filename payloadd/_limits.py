@@ -2,7 +2,7 @@
 (``max_root_bytes``) and a free-space floor of the root's file system (``min_free_bytes``).
 
 What the cap counts: the apparent size of every regular file under ``<root>/<node>`` (holes
-included, as ``du --apparent-size`` shows), plus the bytes reserved in files still open for
+included, as ``du --apparent-size`` shows; the daemon's ``@`` files aside), plus the bytes reserved in files still open for
 appends. The root is scanned once at start; from then on a reservation counts when it is
 made: an HTTP append or a data-plane reservation its rows, a data-plane lease its whole range.
 When the store closes a file, the reserved bytes at its end that were never written (the
@@ -28,7 +28,10 @@ from it, so the estimate only errs low (a file system shared with other writers 
 
 def tree_sizes(top: Path) -> dict[Path, int]:
     """Apparent sizes of the regular files below ``top`` (symlinks are not followed; a file
-    removed during the walk is skipped); empty when ``top`` does not exist."""
+    removed during the walk is skipped); empty when ``top`` does not exist.
+
+    The daemon's own files, named ``@...`` (the GC ledger and its spare file), are left
+    out: the cap is on rows, and GC must stay possible at it."""
     sizes: dict[Path, int] = {}
     stack = [top]
     while stack:
@@ -41,7 +44,7 @@ def tree_sizes(top: Path) -> dict[Path, int]:
             try:
                 if e.is_dir(follow_symlinks=False):
                     stack.append(Path(e.path))
-                elif e.is_file(follow_symlinks=False):
+                elif e.is_file(follow_symlinks=False) and not e.name.startswith("@"):
                     sizes[Path(e.path)] = e.stat(follow_symlinks=False).st_size
             except FileNotFoundError:
                 continue

@@ -115,7 +115,7 @@ def resolve_group(group: str) -> int:
     StartError
         No group of that name exists.
     """
-    if group.isdigit():
+    if group.isascii() and group.isdigit():
         return int(group)
     try:
         return grp.getgrnam(group).gr_gid

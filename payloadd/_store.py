@@ -33,7 +33,7 @@ from payload_client import (
     PayloadSegment,
     PayloadTooLargeError,
 )
-from payload_client._segment import check_name
+from payload_client._segment import INT64_MAX, check_name
 from payload_client._wire import AppendItem, Extent, Stats
 
 from ._appends import Lease, PendingAppend, _Extent, _File, item_nbytes, os_errors
@@ -108,7 +108,7 @@ class Store:
         self._files: OrderedDict[tuple[str, int, str], _File] = OrderedDict()
         self._open: dict[str, _File] = {}  # every file whose descriptor is open, by path
         self.last_used: dict[str, float] = {}  # run of this node -> monotonic time
-        self.reads = Readers(self.root, self.node, max_read_bytes, self._touch)
+        self.reads = Readers(self.root, self.node, max_read_bytes, self.touch)
         self._seq = 0
         self._counts = {"appends": 0, "rows_appended": 0, "bytes_appended": 0}
         self._counts |= {"data_plane_requests": 0}
@@ -353,8 +353,13 @@ class Store:
 
     # -- reads (see payloadd._reads) ---------------------------------------------------
 
-    def _touch(self, run: str) -> None:
-        self.last_used[run] = time.monotonic()
+    def touch(self, run: str) -> None:
+        """Mark ``run`` of this node as in use now (the GC age rule spares it); a name that
+        is no run directory is ignored (`last_used` stays as small as the runs on disk)."""
+        if run in self.last_used or (
+            _NAME.fullmatch(run) and os.path.isdir(self.root / self.node / run)
+        ):
+            self.last_used[run] = time.monotonic()
 
     def open_for_read(self, rel: str, end: int) -> int:
         """`Readers.open_for_read` of this store."""
@@ -379,8 +384,15 @@ class Store:
         out: dict[str, list[int]] = {}
         base = self.root / self.node
         for run in sorted(_dir_names(base)):
-            out[run] = sorted(int(s) for s in _dir_names(base / run) if s.isdigit())
+            steps = (_step_of(name) for name in _dir_names(base / run))
+            out[run] = sorted(step for step in steps if step is not None)
         return out
+
+    def forget_unused_runs(self) -> None:
+        """Drop the last use of runs that have no directory any more."""
+        for run in list(self.last_used):
+            if not os.path.isdir(self.root / self.node / run):
+                self.last_used.pop(run, None)
 
     def step_files(self, run: str, step: int) -> list[str]:
         """The data files of one step of this node, relative to the root, sorted."""
@@ -599,7 +611,17 @@ class Removal:
     in_use: int = 0
 
 
+_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
 _DATA_FILE = re.compile(r".+-[0-9a-f]{8}-[0-9]{6,}\.bin")
+
+
+def _step_of(name: str) -> int | None:
+    """The step a directory named ``name`` holds (named as the store names them: ``str(step)``),
+    or ``None`` for any other name (``"007"``, ``"²"``, ``"x"``)."""
+    if not (name.isascii() and name.isdigit() and len(name) <= 19):
+        return None
+    step = int(name)
+    return step if str(step) == name and step <= INT64_MAX else None
 
 
 def _dir_names(path: Path) -> list[str]:

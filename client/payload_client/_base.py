@@ -7,6 +7,7 @@ that decides what to send and what an answer means lives here, once.
 from __future__ import annotations
 
 import functools
+import math
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -441,9 +442,13 @@ class BaseClient:
         if before_step is not None:
             before_step = check_int(before_step, "before_step")
         if ttl_s is not None and (
-            isinstance(ttl_s, bool) or not isinstance(ttl_s, int | float) or not ttl_s > 0
+            isinstance(ttl_s, bool)
+            or not isinstance(ttl_s, int | float)
+            or not 0 < ttl_s < math.inf  # inf would go out as JSON null: the daemon's default
         ):
-            raise InvalidRequestError(f"ttl_s must be a number of seconds > 0, got {ttl_s!r}")
+            raise InvalidRequestError(
+                f"ttl_s must be a finite number of seconds > 0, got {ttl_s!r}"
+            )
         req = GcRequest(run, before_step, None if ttl_s is None else float(ttl_s), bool(dry_run))
         return self._json_call("/v1/admin/gc", GcReport, "POST", req)
 

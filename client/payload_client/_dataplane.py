@@ -279,6 +279,7 @@ def read_steps(
             ends[p.file] = max(ends.get(p.file, 0), p.end)
     if not ends:
         return
+    cache.used.update(ends)  # told to the daemon (GC spares runs in use)
     cache.begin()  # nothing this read uses is closed before it ends
     try:
         fds_by_file: dict[str, int] = {}

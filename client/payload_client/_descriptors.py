@@ -20,6 +20,7 @@ from ._wire import NoteRequest
 __all__ = [
     "CACHE_FDS",
     "DROP_REMOVED_S",
+    "TELL_USE_S",
     "KEPT_SCRATCH",
     "LEASES",
     "NOTE_EVERY",
@@ -38,6 +39,10 @@ NOTE_EVERY = 64
 """Appends a client places in its leases before it tells the daemon's counters."""
 KEPT_SCRATCH = 64 << 20
 """Largest scratch buffer a client keeps for the next read (it keeps at most four)."""
+TELL_USE_S = 0.25
+"""Seconds between two notes telling the daemon which runs the client used through
+descriptors it held (reads and lease appends the daemon does not see; its GC age rule spares
+runs in use)."""
 DROP_REMOVED_S = 1.0
 """Seconds between two checks of every cached descriptor for files garbage collection
 removed (at the start of a call): their space is freed once the client closes them."""
@@ -60,6 +65,13 @@ class _Cache(Generic[K, V]):
         self.items: OrderedDict[K, V] = OrderedDict()
         self.inflight = 0
         self.retired: list[int] = []
+        self.used: set[str] = set()  # files used since `take_used`
+
+    def take_used(self) -> set[tuple[str, str]]:
+        """``(node, run)`` of the files used since the last call."""
+        with self.lock:
+            used, self.used = self.used, set()
+        return {(p[0], p[1]) for p in (rel.split("/", 2) for rel in used) if len(p) > 2}
 
     def get(self, key: K) -> V | None:
         with self.lock:
@@ -176,6 +188,7 @@ class LeaseCache(_Cache[tuple[str, int, str], Lease]):
                 return None
             offset = lease.next
             lease.next += nbytes
+            self.used.add(lease.file)
             return lease, offset
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import contextlib
 import os
 import select
 import socket
@@ -31,15 +32,8 @@ from ._dataplane import (
     Steps,
 )
 from ._descriptors import LeaseCache, ReadCache, Scratch
-from ._errors import (
-    ProtocolError,
-    TimeoutError,
-)
-from ._wire import (
-    FRAME_PREFIX,
-    DataReply,
-    DataRequest,
-)
+from ._errors import ProtocolError, TimeoutError, TransportError
+from ._wire import FRAME_PREFIX, DataReply, DataRequest, NoteRequest
 
 __all__ = ["AsyncDataPlane", "SyncDataPlane"]
 
@@ -154,6 +148,7 @@ class _DataPlane:
         self.cache = ReadCache()
         self.leases = LeaseCache()
         self._checked = time.monotonic()  # last look for removed files
+        self._told = 0.0  # last note of the runs in use
         self.scratch = Scratch()
 
     def _drop(self) -> None:
@@ -188,6 +183,17 @@ class _DataPlane:
         if self.pid != _pid[0]:
             self._drop()
             self.pid = _pid[0]
+
+    def _use_note(self) -> NoteRequest | None:
+        """The note of the runs used through held descriptors, when one is due."""
+        now = time.monotonic()
+        if self.sock is None or now - self._told < _descriptors.TELL_USE_S:
+            return None
+        runs = self.cache.take_used() | self.leases.take_used()
+        if not runs:
+            return None
+        self._told = now
+        return NoteRequest(0, 0, 0, runs=sorted(runs))
 
     def _refresh(self) -> None:
         """Drop what a parent process or a daemon that went away handed out; call only when
@@ -270,6 +276,10 @@ class SyncDataPlane(_DataPlane):
             try:
                 step = resume(value)
             except StopIteration as stop:
+                note = self._use_note()
+                if note is not None:  # only counters: a failure here fails nothing
+                    with contextlib.suppress(DataPlaneDownError, TransportError):
+                        self._exchange(note, reply=False)
                 return stop.value  # type: ignore[no-any-return]
             try:
                 if isinstance(step, Exchange):
@@ -372,6 +382,10 @@ class AsyncDataPlane(_DataPlane):
             try:
                 step = resume(value)
             except StopIteration as stop:
+                note = self._use_note()
+                if note is not None:  # only counters: a failure here fails nothing
+                    with contextlib.suppress(DataPlaneDownError, TransportError):
+                        await self._exchange(note, reply=False)
                 return stop.value  # type: ignore[no-any-return]
             try:
                 if isinstance(step, Exchange):

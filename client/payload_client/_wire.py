@@ -300,6 +300,9 @@ class NoteRequest(msgspec.Struct, tag="note", array_like=True):
     rows: NonNegInt
     nbytes: NonNegInt
     ack: bool = False
+    runs: list[tuple[str, str]] = []
+    """``(node, run)`` of the runs the client read or appended to through descriptors it
+    held since its last note: in use, so the daemon's GC age rule spares them."""
 
 
 class CommitRequest(msgspec.Struct, tag="commit", array_like=True):

@@ -305,3 +305,42 @@ def test_after_a_restart_reads_and_appends_stay_on_the_data_plane(tmp_path: Path
             assert stats.reads == 0 and stats.appends == 1  # nothing went over HTTP
             assert stats.data_plane_requests >= 2  # a lease, an open
             assert first[0].file != second[0].file
+
+
+def test_a_lease_whose_file_gc_removes_at_once_is_placed_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from payload_client._dataplane import append_steps
+    from payload_client._drivers import SyncDataPlane
+    from payload_client._wire import Extent, GcReport, GcRequest
+    from payloadd import Store
+    from payloadd._appends import Lease
+    from payloadd._dataplane import DataPlaneServer
+    from payloadd._gc import Collector
+
+    store = Store(tmp_path / "root", "n")
+    collector = Collector(store)
+    lease = store.lease
+    raced: list[GcReport] = []
+
+    def lease_then_gc(run: str, step: int, field: str, nbytes: int, size: int) -> Lease:
+        got = lease(run, step, field, nbytes, size)
+        if not raced:  # a watermark lands between the lease and the client's descriptor
+            raced.append(collector.collect(GcRequest(run="r", before_step=0)))
+        return got
+
+    monkeypatch.setattr(store, "lease", lease_then_gc)
+    server = DataPlaneServer(store, tmp_path / "p.sock.data")
+    server.start()
+    dp = SyncDataPlane(str(tmp_path / "p.sock.data"), timeout=5)
+    try:
+        rows = bytes(range(8))
+        item = AppendItem(R, "uint8", [2], 4, 0, "r", 0)
+        ((seg,),) = dp.run(append_steps([item], [memoryview(rows)], dp.leases))
+        assert raced[0].files == 1  # the first lease's file went
+        got = store.read_extents([Extent(seg.file, seg.offset, 8, seg.offset + 8)])
+        assert bytes(got) == rows
+    finally:
+        dp.close()
+        server.stop()
+        store.close()

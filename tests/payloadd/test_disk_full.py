@@ -10,7 +10,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from payload_client import PayloadClient, PayloadSegment, StorageFullError
+from payload_client import (
+    FileGoneError,
+    PayloadClient,
+    PayloadSegment,
+    StorageFullError,
+    _descriptors,
+)
 from payloadd._process import start_daemon
 
 
@@ -71,3 +77,25 @@ def test_the_floor_refuses_before_the_file_system_is_full(
         assert free >= (512 << 10) - (64 << 10)  # a lease's unwritten tail at most below it
         for rows, segs in kept:
             np.testing.assert_array_equal(c.read_field(segs, "f", 0, len(rows), 0), rows)
+
+
+def test_gc_frees_a_file_system_that_others_filled(
+    small_fs: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_descriptors, "DROP_REMOVED_S", 0.0)  # the client lets go at once
+    sock = tmp_path / "payloadd.sock"
+    with start_daemon(small_fs / "root", sock, "--min-free-bytes", "0"), PayloadClient(sock) as c:
+        rows = np.full((256, 400), 7, np.uint8)  # 100 KiB a step
+        segs = [c.append("f", rows, 0, run="full", step=step) for step in range(3)]
+        fd = os.open(small_fs / "checkpoint", os.O_WRONLY | os.O_CREAT)
+        with pytest.raises(OSError, match="space"):
+            while True:  # another program takes every block left
+                os.write(fd, bytes(4096))
+        os.close(fd)
+        report = c.gc("full", 1)  # what an operator does about a full disk: it must work
+        assert report.steps == [("full", 0), ("full", 1)]
+        with pytest.raises(FileGoneError, match="step 0 of run 'full'"):
+            c.read_field(segs[0], "f", 0, 256, 0)
+        np.testing.assert_array_equal(c.read_field(segs[2], "f", 0, 256, 0), rows)
+        again = c.append("f", rows, 0, run="full", step=3)  # room again
+        np.testing.assert_array_equal(c.read_field(again, "f", 0, 256, 0), rows)

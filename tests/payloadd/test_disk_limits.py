@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from payload_client import PayloadClient, PayloadSegment, StorageFullError
-from payload_client._wire import AppendItem
+from payload_client._wire import AppendItem, GcRequest
 from payloadd import Store
+from payloadd._gc import Collector
 from payloadd._process import start_daemon
 
 R = "routed_experts"
@@ -22,7 +23,9 @@ def item(rows: int, *, run: str = "r", step: int = 0) -> AppendItem:
 
 
 def node_bytes(root: Path, node: str) -> int:
-    return sum(p.stat().st_size for p in (root / node).rglob("*") if p.is_file())
+    """The files the cap counts: every one of the node but the daemon's own (``@...``)."""
+    files = (p for p in (root / node).rglob("*") if p.is_file() and not p.name.startswith("@"))
+    return sum(p.stat().st_size for p in files)
 
 
 def test_the_cap_refuses_before_reserving_and_counts_reservations(tmp_path: Path) -> None:
@@ -70,6 +73,18 @@ def test_recount_and_a_restart_count_the_files_on_disk(tmp_path: Path) -> None:
     lease.release()
     store.close()
     assert Store(tmp_path, "n").root_bytes == 3 * 384 + 100 == node_bytes(tmp_path, "n")
+
+
+def test_the_gc_ledger_and_its_spare_file_never_count(tmp_path: Path) -> None:
+    store = Store(tmp_path, "n", max_root_bytes=4000)
+    store.append([item(5)], bytes(5 * 384))
+    store.append([item(5, step=1)], bytes(5 * 384))
+    Collector(store).collect(GcRequest(run="r", before_step=0))  # writes both
+    assert store.root_bytes == 1920 == store.recount()  # the cap is for rows
+    store.close()
+    again = Store(tmp_path, "n", max_root_bytes=4000)
+    assert again.root_bytes == 1920  # after a restart as well
+    again.append([item(5, step=2)], bytes(5 * 384))  # so a full cap stays usable
 
 
 def test_the_floor_refuses_with_the_free_space_in_the_message(tmp_path: Path) -> None:

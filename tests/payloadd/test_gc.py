@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 import time
 from pathlib import Path
 
@@ -245,3 +246,85 @@ def test_the_sweep_recounts_files_removed_by_hand(tmp_path: Path) -> None:
     assert store.root_bytes == 200
     Collector(store, ttl_s=0).sweep()
     assert store.root_bytes == 0
+
+
+def test_a_collection_after_a_torn_ledger_line_still_answers_gone(tmp_path: Path) -> None:
+    store = Store(tmp_path, "n")
+    seg = append(store, "r", 1)
+    with open(tmp_path / "n" / LEDGER_NAME, "ab") as f:
+        f.write(b'{"run": "r", "fir')  # a crash while the ledger was written
+    Collector(store).collect(GcRequest(run="r", before_step=1))  # the next collection
+    for s in (store, Store(tmp_path, "n")):  # now and after a restart
+        with pytest.raises(FileGoneError, match="step 1 of run 'r'"):
+            read(s, seg)
+
+
+def test_a_collection_that_removes_nothing_adds_no_ledger_line(tmp_path: Path) -> None:
+    store = Store(tmp_path, "n")
+    append(store, "r", 0)
+    c = Collector(store)
+    c.collect(GcRequest(run="r", before_step=0))
+    ledger = (tmp_path / "n" / LEDGER_NAME).read_bytes()
+    for _ in range(20):  # a trainer repeating its watermark, an operator deleting twice
+        assert c.collect(GcRequest(run="r", before_step=0)).files == 0
+        assert c.collect(GcRequest(run="never", before_step=9)).files == 0
+        assert c.delete_run("never").files == 0
+    assert (tmp_path / "n" / LEDGER_NAME).read_bytes() == ledger
+
+
+@pytest.mark.parametrize("name", ["²", "٣", "007"])
+def test_odd_step_directories_and_paths_are_no_steps(tmp_path: Path, name: str) -> None:
+    store = Store(tmp_path, "n")
+    seg = append(store, "r", 0)
+    (tmp_path / "n" / "r" / name).mkdir()  # made by hand, or by another program
+    report = Collector(store).collect(GcRequest(run="r", before_step=0))
+    assert report.steps == [("r", 0)]  # collection goes on
+    with pytest.raises(FileGoneError):
+        read(store, seg)
+    with pytest.raises(FileMissingError):  # not a step: a 404, never a crash (500)
+        store.open_for_read(f"n/r/{name}/f-00000000-000001.bin", 1)
+
+
+def test_the_age_rule_adds_no_ledger_line_for_a_step_it_keeps(tmp_path: Path) -> None:
+    store = Store(tmp_path, "n")
+    append(store, "r", 0)
+    pending = store.begin_append([item(2, "r", 0)])  # a stalled append keeps the file
+    hour_ago = time.time() - 3600
+    for f in (tmp_path / "n" / "r" / "0").iterdir():
+        os.utime(f, (hour_ago, hour_ago))
+    store.started -= 120
+    store.last_used.clear()
+    c = Collector(store, ttl_s=60)
+    for _ in range(5):  # every sweep of the day
+        report = c.collect(GcRequest())
+        assert (report.files, report.in_use) == (0, 1)
+    assert not (tmp_path / "n" / LEDGER_NAME).exists()  # nothing collected: no 410 either
+    pending.close()
+    assert c.collect(GcRequest()).steps == [("r", 0)]
+    assert len((tmp_path / "n" / LEDGER_NAME).read_bytes().splitlines()) == 1
+
+
+def test_the_ledger_and_its_directory_get_exact_modes_whatever_the_umask(tmp_path: Path) -> None:
+    old = os.umask(0)
+    try:
+        store = Store(tmp_path / "root", "n")
+        Collector(store)  # a daemon starts: the spare file beside the ledger is made
+        node = tmp_path / "root" / "n"
+        assert stat.S_IMODE(node.stat().st_mode) == 0o750
+        append(store, "r", 0)
+        Collector(store).collect(GcRequest(run="r", before_step=0))
+        for p in node.iterdir():
+            assert stat.S_IMODE(p.lstat().st_mode) == 0o640, p.name
+    finally:
+        os.umask(old)
+
+
+def test_runs_in_use_are_remembered_only_while_they_exist(tmp_path: Path) -> None:
+    store = Store(tmp_path, "n")
+    append(store, "r", 0)
+    store.touch("no-such-run")  # a client's note naming a run that is not here
+    store.touch("../../etc")
+    assert set(store.last_used) == {"r"}
+    Collector(store).delete_run("r")
+    Collector(store, ttl_s=0).sweep()
+    assert store.last_used == {}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import socket
@@ -197,3 +198,22 @@ def open_files() -> list[str]:
         with contextlib.suppress(FileNotFoundError):
             out.append(os.readlink(f"/proc/self/fd/{fd}"))
     return out
+
+
+@pytest.mark.parametrize("use", ["read", "append"])
+def test_ttl_spares_a_run_in_use_over_the_data_plane(tmp_path: Path, use: str) -> None:
+    root, sock = tmp_path / "root", tmp_path / "d.sock"
+    sweep = ("--node", "n", "--ttl-s", "1", "--gc-interval-s", "0.2")
+    with start_daemon(root, sock, *sweep), PayloadClient(sock) as c:
+        segs = c.append("f", rows(2), 0, run="busy", step=0)
+        assert np.array_equal(read(c, segs), rows(2))
+        t0 = time.monotonic()
+        for k in itertools.count():  # in use every 0.1 s, for three TTLs
+            if time.monotonic() - t0 > 3:
+                break
+            if use == "append":  # later steps of the run: step 0 is still the run's data
+                c.append("f", rows(1, k), k, run="busy", step=1)
+            else:
+                assert np.array_equal(read(c, segs), rows(2))
+            time.sleep(0.1)
+        assert np.array_equal(read(c, segs), rows(2))
