@@ -136,6 +136,7 @@ class Ledger:
 
     def _append(self, line: bytes) -> None:
         self._mkdir()
+        new = not os.path.lexists(self.path)
         fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o640)
         try:
             os.fchmod(fd, 0o640)  # whatever the umask
@@ -148,6 +149,12 @@ class Ledger:
             os.fsync(fd)
         finally:
             os.close(fd)
+        if new:  # the ledger's own name must survive a node crash too
+            dfd = os.open(self.path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
 
     def _spend_reserve(self) -> bool:
         try:

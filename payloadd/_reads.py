@@ -174,7 +174,9 @@ class Readers:
         with self._lock:
             led = self._ledgers.get(node)
             if led is None:
-                led = self._ledgers[node] = Ledger(self.root / node / LEDGER_NAME)
+                led = Ledger(self.root / node / LEDGER_NAME)
+                if node == self.node or led.path.is_file():  # none kept for made-up nodes
+                    self._ledgers[node] = led
         return led
 
     def _raise_if_collected(self, rel: str) -> None:

@@ -328,3 +328,11 @@ def test_runs_in_use_are_remembered_only_while_they_exist(tmp_path: Path) -> Non
     Collector(store).delete_run("r")
     Collector(store, ttl_s=0).sweep()
     assert store.last_used == {}
+
+
+def test_reads_of_made_up_nodes_keep_no_ledger(tmp_path: Path) -> None:
+    store = Store(tmp_path, "n")
+    for k in range(50):  # a client asking for files of nodes that never wrote here
+        with pytest.raises(FileMissingError):
+            store.open_for_read(f"node{k}/r/0/f-00000000-000001.bin", 1)
+    assert set(store.reads._ledgers) <= {"n"}
