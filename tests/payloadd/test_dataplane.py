@@ -14,7 +14,13 @@ import msgspec
 import numpy as np
 import pytest
 
-from payload_client import FileMissingError, PayloadClient, PayloadSegment, SegmentFileError
+from payload_client import (
+    FileMissingError,
+    PayloadClient,
+    PayloadSegment,
+    SegmentFileError,
+    _descriptors,
+)
 from payload_client._wire import FRAME_PREFIX, AppendItem, ReserveRequest
 from payloadd._process import start_daemon
 from tests.conftest import Daemon
@@ -22,7 +28,10 @@ from tests.conftest import Daemon
 R = "routed_experts"
 
 
-def test_rows_move_by_descriptor_not_over_http(daemon: Daemon) -> None:
+def test_rows_move_by_descriptor_not_over_http(
+    daemon: Daemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_descriptors, "TELL_USE_S", 1e9)  # no note of runs in use: counted here
     rows = np.random.default_rng(0).integers(0, 128, (500, 48, 8)).astype(np.uint8)
     with PayloadClient(daemon.socket) as c:
         before = c.stats()
