@@ -110,7 +110,8 @@ class TokenGuard:
         if sent is None:
             message = (
                 f"{what} need the admin token: send 'Authorization: Bearer <token>' "
-                "(PayloadClient(..., token=...))"
+                "(PayloadClient(..., token=...); payloadd gc --token-file, or "
+                "$PAYLOADD_ADMIN_TOKEN)"
             )
             challenge = b'Bearer realm="payloadd"'
         else:

@@ -30,7 +30,7 @@ def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
             continue
         default = info.get_default(call_default_factory=True)
         if name == "socket_mode":
-            default = f"{default:o}"
+            default = f"{default:04o}"
         elif default is None:
             default = "none"
         choices = get_args(info.annotation) if get_origin(info.annotation) is Literal else None
@@ -113,7 +113,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             settings = Settings(**values)
         except ValidationError as exc:
-            print(f"payloadd serve: invalid settings:\n{exc}", file=sys.stderr)
+            lines = []
+            for e in exc.errors(include_url=False):
+                where = ".".join(map(str, e["loc"])) or "settings"
+                got = "" if "token" in where else f" (got {e['input']!r})"  # never echo a secret
+                lines.append(f"  {where}: {e['msg']}{got}")
+            print("payloadd serve: invalid settings:\n" + "\n".join(lines), file=sys.stderr)
             return 2
         from ._server import serve
         from ._sockets import StartError

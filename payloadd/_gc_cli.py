@@ -44,7 +44,14 @@ def add_gc_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def run_gc(args: argparse.Namespace) -> int:
-    """Run ``payloadd gc``: print the report as JSON; exit status 1 on an error."""
+    """Run ``payloadd gc``: print the report as JSON; exit status 1 on an error, 2 on flags
+    that do not go together."""
+    if (args.run is None) != (args.before_step is None):
+        print("payloadd gc: --run and --before-step go together", file=sys.stderr)
+        return 2
+    if args.delete_run is not None and (args.run is not None or args.ttl_s is not None):
+        print("payloadd gc: --delete-run goes alone (not with --run, --ttl-s)", file=sys.stderr)
+        return 2
     token = os.environ.get("PAYLOADD_ADMIN_TOKEN") or None
     try:
         if args.token_file is not None:

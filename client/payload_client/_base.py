@@ -444,10 +444,10 @@ class BaseClient:
         if ttl_s is not None and (
             isinstance(ttl_s, bool)
             or not isinstance(ttl_s, int | float)
-            or not 0 < ttl_s < math.inf  # inf would go out as JSON null: the daemon's default
+            or not 0 <= ttl_s < math.inf  # inf would go out as JSON null: the daemon's default
         ):
             raise InvalidRequestError(
-                f"ttl_s must be a finite number of seconds > 0, got {ttl_s!r}"
+                f"ttl_s must be a finite number of seconds >= 0, got {ttl_s!r}"
             )
         req = GcRequest(run, before_step, None if ttl_s is None else float(ttl_s), bool(dry_run))
         return self._json_call("/v1/admin/gc", GcReport, "POST", req)

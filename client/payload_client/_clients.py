@@ -291,7 +291,8 @@ class PayloadClient(BaseClient):
             The watermark step, inclusive.
         ttl_s : float, optional
             Also remove every step whose files are all older than this (seconds), of runs
-            not appended to or read for as long. Default: the daemon's ``ttl_s`` setting.
+            not appended to or read for as long. Default: the daemon's ``ttl_s`` setting;
+            0: no age rule in this call.
         dry_run : bool, default False
             Report what would go; remove nothing.
 

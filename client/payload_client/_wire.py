@@ -170,7 +170,7 @@ class GcRequest(msgspec.Struct, forbid_unknown_fields=True):
     ttl_s : float, optional
         Also collect, across this node's runs, every step whose files are all older than
         this many seconds, of runs not appended to or read for as long. Default: the
-        daemon's ``ttl_s`` setting (no age rule when that is 0).
+        daemon's ``ttl_s`` setting. 0: no age rule in this call.
     dry_run : bool, default False
         Report what would be removed; remove nothing.
 
@@ -180,7 +180,7 @@ class GcRequest(msgspec.Struct, forbid_unknown_fields=True):
 
     run: str | None = None
     before_step: Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)] | None = None
-    ttl_s: Annotated[float, msgspec.Meta(gt=0)] | None = None
+    ttl_s: Annotated[float, msgspec.Meta(ge=0)] | None = None
     dry_run: bool = False
 
 

@@ -196,6 +196,7 @@ def test_ttl_removes_old_steps_of_idle_runs_only(tmp_path: Path) -> None:
     assert collector.collect(GcRequest()).files == 0
     store.started -= 120
     store.last_used.clear()  # nothing used in the last two minutes...
+    assert collector.collect(GcRequest(ttl_s=0)).files == 0  # 0: no age rule in this call
     os.close(store.open_for_read(busy.file, 1))  # ...but busy is being read
     report = collector.collect(GcRequest())
     assert report.steps == [("idle", 0), ("idle", 1)]

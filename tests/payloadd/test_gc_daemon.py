@@ -76,7 +76,7 @@ def test_gone_is_http_410_and_bad_requests_are_400(daemon: Daemon) -> None:
         gone = http.post("/v1/read", json=body)
         assert gone.status_code == 410 and gone.json()["error"] == "FileGoneError"
         assert f"run '{run}'" in gone.json()["message"]
-        for bad in ({"run": run}, {"before_step": -1}, {"ttl_s": 0}, {"nope": 1}):
+        for bad in ({"run": run}, {"before_step": -1}, {"ttl_s": -1}, {"nope": 1}):
             answer = http.post("/v1/admin/gc", json=bad)
             assert answer.status_code == 400, bad
         assert http.delete("/v1/admin/runs/..%2Fx").status_code in (400, 404)
@@ -149,7 +149,10 @@ def test_ledger_survives_a_restart_and_the_cli_collects(tmp_path: Path) -> None:
         assert json.loads(done.stdout)["steps"] == [["r", 1]]
         bad = subprocess.run([*PAYLOADD, "gc", "--socket", str(sock), "--run", "r"],
                              capture_output=True, text=True)  # fmt: skip
-        assert bad.returncode == 1 and "go together" in bad.stderr
+        assert bad.returncode == 2 and "--run and --before-step go together" in bad.stderr
+        both = subprocess.run([*PAYLOADD, "gc", "--socket", str(sock), "--delete-run", "r",
+                               "--run", "r", "--before-step", "1"], capture_output=True, text=True)  # fmt: skip
+        assert both.returncode == 2 and "--delete-run goes alone" in both.stderr
         done = subprocess.run([*PAYLOADD, "gc", "--socket", str(sock), "--run", "r",
                                "--before-step", "1"], capture_output=True, text=True)  # fmt: skip
         assert json.loads(done.stdout)["files"] == 1
