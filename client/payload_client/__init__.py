@@ -28,6 +28,7 @@ from ._errors import (
 )
 from ._ops import clip_segments, merge_pd_segments, shift_segments
 from ._read import Piece, WindowPlan, assemble, plan_window
+from ._router import merge_pd_responses, prefill_has_routed_experts
 from ._segment import (
     SUPPORTED_DTYPES,
     PayloadSegment,
@@ -74,8 +75,10 @@ __all__ = [
     "WindowPlan",
     "assemble",
     "clip_segments",
+    "merge_pd_responses",
     "merge_pd_segments",
     "plan_window",
+    "prefill_has_routed_experts",
     "row_nbytes",
     "segment_end",
     "shift_segments",

@@ -116,6 +116,16 @@ def shift_segments(segments: Sequence[PayloadSegment], delta: int) -> list[Paylo
     return out
 
 
+def _validate_side(segments: Sequence[PayloadSegment], side: str) -> list[PayloadSegment]:
+    """`validate_segments`, its error message prefixed with ``side`` (index kept)."""
+    try:
+        return validate_segments(segments)
+    except InvalidSegmentError as exc:
+        err = InvalidSegmentError(f"{side} {exc}", field=exc.field)
+        err.index = exc.index
+        raise err from None
+
+
 def merge_pd_segments(
     prefill: Sequence[PayloadSegment],
     decode: Sequence[PayloadSegment],
@@ -150,14 +160,8 @@ def merge_pd_segments(
     """
     if not isinstance(field, str) or not field:
         raise InvalidRequestError("field must be a non-empty string")
-    try:
-        prefill = validate_segments(prefill)
-    except InvalidSegmentError as exc:
-        raise InvalidSegmentError(f"prefill {exc}", index=None, field=exc.field) from None
-    try:
-        decode = validate_segments(decode)
-    except InvalidSegmentError as exc:
-        raise InvalidSegmentError(f"decode {exc}", index=None, field=exc.field) from None
+    prefill = _validate_side(prefill, "prefill")
+    decode = _validate_side(decode, "decode")
     head = [s for s in prefill if s.field == field]
     if not head:
         if any(s.field == field for s in decode):
