@@ -19,6 +19,7 @@ accepted and passed through with their extra elements; the object form
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from typing import Any
 
@@ -130,7 +131,8 @@ def merge_pd_responses(prefill: Any, decode: Any, field: str = "routed_experts")
     Returns
     -------
     dict
-        A copy of ``decode`` (the inputs are not modified) in which every choice's
+        A copy of ``decode`` (the inputs are not modified; the segment arrays are deep
+        copies, other values are shared) in which every choice's
         ``payload`` is ``merge_pd_segments(prefill_segments, choice_segments, field)``:
         the prefill ``field`` segments first, then the choice's own segments in order,
         its ``field`` ones dropped or front-trimmed at ``cut`` (the prefill coverage end);
@@ -173,9 +175,9 @@ def merge_pd_responses(prefill: Any, decode: Any, field: str = "routed_experts")
             for r, s in zip(raws, segs, strict=True)
             if not head or s.field != field or s.pos + s.rows > cut
         ]
-        payload = [list(r) for r in head_raw]
+        payload = [copy.deepcopy(r) for r in head_raw]
         for raw, seg in zip(kept, merged[len(head) :], strict=True):
-            raw = list(raw)
+            raw = copy.deepcopy(raw)
             raw[2:5] = [seg.offset, seg.pos, seg.rows]
             payload.append(raw)
         new = dict(choice)
