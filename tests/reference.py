@@ -42,3 +42,15 @@ def dense_read(
                 out[p - lo] = fill
                 out[p - lo][tuple(slice(0, d) for d in s.shape)] = data[k]
     return out
+
+
+def dense_coverage(segs: list[PayloadSegment], field: str, lo: int, hi: int) -> np.ndarray:
+    """What ``read_field(..., coverage=True)`` must return as ``covered``, row by row."""
+    covered = np.zeros(hi - lo, dtype=bool)
+    for s in segs:
+        if s.field != field:
+            continue
+        for k in range(s.rows):
+            if lo <= s.pos + k < hi:
+                covered[s.pos + k - lo] = True
+    return covered

@@ -5,7 +5,7 @@ Import what you need from here; the ``_*`` modules are private.
 >>> from payload_client import PayloadClient, clip_segments
 """
 
-from ._base import DEFAULT_SOCKET, Window
+from ._base import DEFAULT_SOCKET, CoveredRead, ReadResult, Window
 from ._clients import AsyncPayloadClient, PayloadClient
 from ._errors import (
     STATUS_BY_ERROR,
@@ -27,7 +27,7 @@ from ._errors import (
     UnauthorizedError,
 )
 from ._ops import clip_segments, merge_pd_segments, shift_segments
-from ._read import Piece, WindowPlan, assemble, plan_window
+from ._read import Piece, WindowPlan, assemble, coverage, plan_window
 from ._router import merge_pd_responses, prefill_has_routed_experts
 from ._segment import (
     SUPPORTED_DTYPES,
@@ -50,6 +50,7 @@ __all__ = [
     "AsyncPayloadClient",
     "ConnectError",
     "ConnectionLostError",
+    "CoveredRead",
     "FileGoneError",
     "FileMissingError",
     "GcCount",
@@ -63,6 +64,7 @@ __all__ = [
     "PayloadTooLargeError",
     "Piece",
     "ProtocolError",
+    "ReadResult",
     "SegmentFileError",
     "ServerError",
     "Stats",
@@ -75,6 +77,7 @@ __all__ = [
     "WindowPlan",
     "assemble",
     "clip_segments",
+    "coverage",
     "merge_pd_responses",
     "merge_pd_segments",
     "plan_window",

@@ -20,7 +20,7 @@ import numpy as np
 
 from ._dataplane import Steps, append_steps, read_steps
 from ._errors import InvalidRequestError, PayloadError, ProtocolError, error_from_wire
-from ._read import WindowPlan, direct_view, place, plan_window, prepare_output
+from ._read import WindowPlan, coverage, direct_view, place, plan_window, prepare_output
 from ._segment import (
     INT64_MAX,
     SUPPORTED_DTYPES,
@@ -46,7 +46,15 @@ from ._wire import (
     Stats,
 )
 
-__all__ = ["DEFAULT_SOCKET", "BaseClient", "Call", "Window", "WindowLike"]
+__all__ = [
+    "DEFAULT_SOCKET",
+    "BaseClient",
+    "Call",
+    "CoveredRead",
+    "ReadResult",
+    "Window",
+    "WindowLike",
+]
 
 DEFAULT_SOCKET = "/run/payloadd/payloadd.sock"
 """Socket path used when neither ``socket_path``, ``base_url`` nor ``PAYLOADD_SOCKET`` is given."""
@@ -78,6 +86,9 @@ class Window(NamedTuple):
         Array to read into (see `PayloadClient.read_field`).
     dtype : numpy dtype, optional
         Output dtype (see `PayloadClient.read_field`).
+    coverage : bool, default False
+        Also say which rows are real: the window's result is then a `CoveredRead`
+        ``(array, covered)`` instead of the bare array.
     """
 
     segments: Sequence[PayloadSegment]
@@ -87,10 +98,36 @@ class Window(NamedTuple):
     fill: int | float
     out: np.ndarray | None = None
     dtype: Any = None
+    coverage: bool = False
 
 
 WindowLike = Window | tuple[Sequence[PayloadSegment], str, int, int, int | float]
 """A `Window` or a plain ``(segments, field, lo, hi, fill)`` tuple."""
+
+
+class CoveredRead(NamedTuple):
+    """A window read with its coverage (``coverage=True``): unpacks as ``(array, covered)``.
+
+    Attributes
+    ----------
+    array : numpy.ndarray or None
+        What the read returns without coverage: ``[hi - lo, *row_shape]``, or ``None``
+        when no segment has the field.
+    covered : numpy.ndarray
+        ``bool`` ``[hi - lo]``, a fresh array: ``covered[i]`` is ``True`` when some segment
+        of the field has a row at token position ``lo + i`` (so ``array[i]`` holds real
+        values, padded with fill only beyond that row's own shape), ``False`` when
+        ``array[i]`` is all fill. All ``False`` when ``array`` is ``None`` or the window is
+        empty; placeholders (segments of no rows) cover nothing.
+    """
+
+    array: np.ndarray | None
+    covered: np.ndarray
+
+
+ReadResult = np.ndarray | CoveredRead | None
+"""One window's result in `PayloadClient.read_many`: a `CoveredRead` for windows asking
+for coverage, else the array or ``None``."""
 
 
 @dataclass
@@ -352,24 +389,35 @@ class BaseClient:
 
     # -- read ---------------------------------------------------------------------------
 
-    def _read_call(self, windows: Sequence[WindowLike]) -> Call[list[np.ndarray | None]]:
+    def _read_call(self, windows: Sequence[WindowLike]) -> Call[list[ReadResult]]:
         if isinstance(windows, tuple) or not isinstance(windows, Sequence):
             raise InvalidRequestError("windows must be a list of Window")
         plans: list[WindowPlan | None] = []
         outs: list[np.ndarray | None] = []
+        results: list[ReadResult] = []  # the outs, filled in place by the I/O below
         for i, w in enumerate(windows):
             try:
                 segments, fld, lo, hi, fill, *rest = w
                 w = Window(segments, fld, lo, hi, fill, *rest)
             except (TypeError, ValueError):
                 raise InvalidRequestError(
-                    f"window {i} must be (segments, field, lo, hi, fill[, out, dtype])"
+                    f"window {i} must be (segments, field, lo, hi, fill[, out, dtype, coverage])"
                 ) from None
             try:
                 dtype = w.out.dtype if w.dtype is None and w.out is not None else w.dtype
                 plan = plan_window(w.segments, w.field, w.lo, w.hi, w.fill, dtype)
                 plans.append(plan)
-                outs.append(None if plan is None else prepare_output(plan, w.out))  # before I/O
+                arr = None if plan is None else prepare_output(plan, w.out)  # before I/O
+                outs.append(arr)
+                if w.coverage is False:
+                    results.append(arr)
+                elif isinstance(w.coverage, bool | np.bool_):
+                    covered = coverage(plan, w.lo, w.hi) if w.coverage else None
+                    results.append(arr if covered is None else CoveredRead(arr, covered))
+                else:
+                    raise InvalidRequestError(
+                        f"coverage must be True or False, got {type(w.coverage).__name__}"
+                    )
             except PayloadError as exc:
                 if len(windows) > 1:  # name the window, keep the error's class and attributes
                     exc.args = (f"window {i}: {exc}",)
@@ -401,13 +449,13 @@ class BaseClient:
         return Call(
             "POST",
             "/v1/read",
-            decode=lambda _: outs,
+            decode=lambda _: results,
             headers={"Content-Type": MSGPACK_CONTENT_TYPE},
             body=body,
             targets=targets,
             expected=total,
             local=not pieces,
-            fast=lambda dp: _then(read_steps(plans, outs, dp.cache, dp.scratch), outs),
+            fast=lambda dp: _then(read_steps(plans, outs, dp.cache, dp.scratch), results),
             idempotent=True,
         )
 

@@ -10,12 +10,12 @@ import contextlib
 import os
 from collections.abc import Sequence
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar, overload
 
 import httpx
 import numpy as np
 
-from ._base import BaseClient, Call, Window, WindowLike
+from ._base import BaseClient, Call, CoveredRead, ReadResult, Window, WindowLike
 from ._dataplane import DataPlaneDownError, note_steps
 from ._drivers import AsyncDataPlane, SyncDataPlane
 from ._errors import TransportError
@@ -194,6 +194,7 @@ class PayloadClient(BaseClient):
         """
         return self._send(self._append_call(items, run, step))
 
+    @overload
     def read_field(
         self,
         segments: Sequence[PayloadSegment],
@@ -204,7 +205,49 @@ class PayloadClient(BaseClient):
         *,
         out: np.ndarray | None = None,
         dtype: Any = None,
-    ) -> np.ndarray | None:
+        coverage: Literal[False] = False,
+    ) -> np.ndarray | None: ...
+
+    @overload
+    def read_field(
+        self,
+        segments: Sequence[PayloadSegment],
+        field: str,
+        lo: int,
+        hi: int,
+        fill: int | float,
+        *,
+        out: np.ndarray | None = None,
+        dtype: Any = None,
+        coverage: Literal[True],
+    ) -> CoveredRead: ...
+
+    @overload
+    def read_field(
+        self,
+        segments: Sequence[PayloadSegment],
+        field: str,
+        lo: int,
+        hi: int,
+        fill: int | float,
+        *,
+        out: np.ndarray | None = None,
+        dtype: Any = None,
+        coverage: bool,
+    ) -> ReadResult: ...
+
+    def read_field(
+        self,
+        segments: Sequence[PayloadSegment],
+        field: str,
+        lo: int,
+        hi: int,
+        fill: int | float,
+        *,
+        out: np.ndarray | None = None,
+        dtype: Any = None,
+        coverage: bool = False,
+    ) -> ReadResult:
         """Read ``field`` over token positions ``[lo, hi)`` (DESIGN §4).
 
         Parameters
@@ -226,18 +269,27 @@ class PayloadClient(BaseClient):
             holds every stored dtype of the field without loss, e.g. the stored ``uint8``
             (compact transfer to the GPU) or ``int64`` (indexing). Default: ``out.dtype``
             when ``out`` is given.
+        coverage : bool, default False
+            Also return which positions hold real rows rather than fill (e.g. to keep
+            padding, replayed as expert 0, out of a router's load).
 
         Returns
         -------
         numpy.ndarray or None
-            ``out``, or a fresh C-contiguous ``[hi - lo, *row_shape]`` array, ``int32``
-            (``float32`` for float fields) unless ``dtype`` says otherwise; ``None`` when no
-            segment has ``field``.
+            Without ``coverage``: ``out``, or a fresh C-contiguous ``[hi - lo, *row_shape]``
+            array, ``int32`` (``float32`` for float fields) unless ``dtype`` says otherwise;
+            ``None`` when no segment has ``field``.
+        CoveredRead
+            With ``coverage=True``: ``(array, covered)``, ``array`` as above and ``covered``
+            a fresh ``bool`` ``[hi - lo]`` array, ``True`` where some segment of ``field``
+            has a row; all ``False`` when ``array`` is ``None``. Computed from the segments
+            alone, the same on both transports.
 
         Raises
         ------
         InvalidRequestError
-            ``lo > hi``, ``lo < 0``; a ``fill``, ``dtype`` or ``out`` that does not fit.
+            ``lo > hi``, ``lo < 0``; a ``fill``, ``dtype`` or ``out`` that does not fit;
+            a ``coverage`` that is not a bool.
         InvalidSegmentError
             Any invalid segment in the list.
         FileMissingError, FileGoneError, SegmentFileError
@@ -250,21 +302,22 @@ class PayloadClient(BaseClient):
         TransportError
             The daemon cannot be reached or answered badly.
         """
-        window = Window(segments, field, lo, hi, fill, out, dtype)
+        window = Window(segments, field, lo, hi, fill, out, dtype, coverage)
         return self._send(self._read_call([window]))[0]
 
-    def read_many(self, windows: Sequence[WindowLike]) -> list[np.ndarray | None]:
+    def read_many(self, windows: Sequence[WindowLike]) -> list[ReadResult]:
         """Read several windows in one round trip (e.g. a rank's routing and mask windows).
 
         Parameters
         ----------
-        windows : sequence of Window or (segments, field, lo, hi, fill[, out, dtype])
+        windows : sequence of Window or (segments, field, lo, hi, fill[, out, dtype, coverage])
             As the arguments of `read_field`.
 
         Returns
         -------
-        list of (numpy.ndarray or None)
-            One per window, as `read_field` returns it.
+        list of (numpy.ndarray, CoveredRead or None)
+            One per window, as `read_field` returns it: a `CoveredRead` for each window
+            with ``coverage=True``, the array or ``None`` for the others.
 
         Raises
         ------
@@ -440,6 +493,7 @@ class AsyncPayloadClient(BaseClient):
         """Awaitable `PayloadClient.append_many`."""
         return await self._send(self._append_call(items, run, step))
 
+    @overload
     async def read_field(
         self,
         segments: Sequence[PayloadSegment],
@@ -450,12 +504,54 @@ class AsyncPayloadClient(BaseClient):
         *,
         out: np.ndarray | None = None,
         dtype: Any = None,
-    ) -> np.ndarray | None:
+        coverage: Literal[False] = False,
+    ) -> np.ndarray | None: ...
+
+    @overload
+    async def read_field(
+        self,
+        segments: Sequence[PayloadSegment],
+        field: str,
+        lo: int,
+        hi: int,
+        fill: int | float,
+        *,
+        out: np.ndarray | None = None,
+        dtype: Any = None,
+        coverage: Literal[True],
+    ) -> CoveredRead: ...
+
+    @overload
+    async def read_field(
+        self,
+        segments: Sequence[PayloadSegment],
+        field: str,
+        lo: int,
+        hi: int,
+        fill: int | float,
+        *,
+        out: np.ndarray | None = None,
+        dtype: Any = None,
+        coverage: bool,
+    ) -> ReadResult: ...
+
+    async def read_field(
+        self,
+        segments: Sequence[PayloadSegment],
+        field: str,
+        lo: int,
+        hi: int,
+        fill: int | float,
+        *,
+        out: np.ndarray | None = None,
+        dtype: Any = None,
+        coverage: bool = False,
+    ) -> ReadResult:
         """Awaitable `PayloadClient.read_field`."""
-        window = Window(segments, field, lo, hi, fill, out, dtype)
+        window = Window(segments, field, lo, hi, fill, out, dtype, coverage)
         return (await self._send(self._read_call([window])))[0]
 
-    async def read_many(self, windows: Sequence[WindowLike]) -> list[np.ndarray | None]:
+    async def read_many(self, windows: Sequence[WindowLike]) -> list[ReadResult]:
         """Awaitable `PayloadClient.read_many`."""
         return await self._send(self._read_call(windows))
 

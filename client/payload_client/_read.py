@@ -29,6 +29,7 @@ __all__ = [
     "Piece",
     "WindowPlan",
     "assemble",
+    "coverage",
     "direct_view",
     "page_matched",
     "place",
@@ -355,12 +356,45 @@ def prepare_output(plan: WindowPlan, out: np.ndarray | None = None) -> np.ndarra
     n = plan.hi - plan.lo
     if any(p.dst == 0 and p.rows == n for p in plan.pieces):
         return out
-    covered = np.zeros(plan.hi - plan.lo, dtype=bool)
-    for p in plan.pieces:
-        covered[p.dst : p.dst + p.rows] = True
+    covered = _covered(plan.pieces, plan.hi - plan.lo)
     if not covered.all():
         out[~covered] = plan.fill
     return out
+
+
+def coverage(plan: WindowPlan | None, lo: int, hi: int) -> np.ndarray:
+    """Which output rows of a window some segment covered: real rows, not fill.
+
+    Computed from the plan alone (the pieces' ``dst`` and ``rows``), without any I/O.
+
+    Parameters
+    ----------
+    plan : WindowPlan or None
+        The window's plan, or ``None`` when no segment has the field.
+    lo, hi : int
+        The window ``[lo, hi)`` of token positions (``plan.lo``, ``plan.hi`` when planned).
+
+    Returns
+    -------
+    numpy.ndarray
+        A fresh ``bool`` array ``[hi - lo]``: ``True`` at the positions some row of a segment
+        of the field covers (placeholders, with no rows, cover none); all ``False`` when
+        ``plan`` is ``None``.
+
+    Raises
+    ------
+    InvalidRequestError
+        ``lo > hi`` or a bound that is not an integer.
+    """
+    lo, hi = _check_window(lo, hi)
+    return _covered(plan.pieces if plan is not None else (), hi - lo)
+
+
+def _covered(pieces: Sequence[Piece], n: int) -> np.ndarray:
+    covered = np.zeros(n, dtype=bool)
+    for p in pieces:
+        covered[p.dst : p.dst + p.rows] = True
+    return covered
 
 
 def direct_view(
