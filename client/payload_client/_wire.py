@@ -3,6 +3,8 @@
 Evolution rule: a Struct only ever gains fields appended at the end, each with a default, so
 an older peer decodes a newer message (unknown trailing fields are ignored) and a newer peer
 decodes an older one (missing fields take their defaults).
+Fields are never reordered, renamed, retyped or removed; tags stay. The one strict Struct is
+`GcRequest`: it refuses unknown fields (docs/http-api.md, "Wire evolution").
 
 Append body (``POST /v1/append``, ``Content-Type: application/x-payload-append``)::
 
@@ -159,6 +161,8 @@ class Health(msgspec.Struct):
 
 class GcRequest(msgspec.Struct, forbid_unknown_fields=True):
     """Body of ``POST /v1/admin/gc`` (JSON or msgpack): what to collect.
+
+    Strict: an unknown field is refused (400), never dropped, since GC removes data.
 
     Attributes
     ----------
