@@ -254,33 +254,46 @@ def test_openapi_document_is_valid_and_complete(http: httpx.Client) -> None:
 # -- property: daemon reads equal the dense model, through clip and shift ---------------
 
 
+W = "weights"
+PROP_DTYPES: dict[str, list[type[np.generic]]] = {
+    R: [np.uint8, np.uint16],
+    M: [np.int32, np.int8],
+    W: [np.float32, np.float16],
+}
+PROP_FILLS: dict[str, int | float] = {R: 0, M: -1, W: 0.5}
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     blocks=st.lists(
         st.tuples(
-            st.sampled_from([R, M]), st.integers(0, 6), st.integers(0, 30), st.integers(1, 5)
+            st.sampled_from([R, M, W]), st.integers(0, 1), st.integers(0, 6),
+            st.integers(0, 30), st.integers(1, 5),
         ),
         min_size=1,
-        max_size=5,
+        max_size=6,
     ),
     clip=st.tuples(st.integers(0, 40), st.integers(0, 40)),
     delta=st.integers(0, 20),
     window=st.tuples(st.integers(0, 60), st.integers(0, 15)),
-)
-def test_daemon_reads_match_dense_model(daemon: Daemon, blocks: list[tuple[str, int, int, int]],
+)  # fmt: skip
+def test_daemon_reads_match_dense_model(daemon: Daemon, blocks: list[tuple[str, int, int, int, int]],
                                         clip: tuple[int, int], delta: int,
                                         window: tuple[int, int]) -> None:  # fmt: skip
+    """Random segment lists (fields of varying widths, dtypes mixed within a field), clipped,
+    shifted and read through random windows on both transports, equal the dense model."""
     items = []
-    for field, n, pos, width in blocks:
+    for field, which, n, pos, width in blocks:
         shape = (n, 4, width) if field == R else (n, width)
-        dtype = np.uint16 if field == R else np.int32
-        items.append((field, rng.integers(0, 1000, shape).astype(dtype), pos))
+        dtype = PROP_DTYPES[field][which]
+        high = 100 if dtype == np.int8 else 250
+        items.append((field, rng.integers(0, high, shape).astype(dtype), pos))
     with PayloadClient(daemon.socket) as c, PayloadClient(daemon.socket, data_plane=False) as h:
         segs = [s for group in c.append_many(items, run="prop", step=0) for s in group]
         segs = shift_segments(clip_segments(segs, min(clip), max(clip)), delta)
         files = {s.file: (daemon.root / s.file).read_bytes() for s in segs}
         lo, n = window
-        for field, fill in ((R, 0), (M, -1)):
+        for field, fill in PROP_FILLS.items():
             want = dense_read(files, segs, field, lo, lo + n, fill)
             for reader in (c, h):  # both transports: later segments win, whatever the dtype
                 got = reader.read_field(segs, field, lo, lo + n, fill)
@@ -288,6 +301,7 @@ def test_daemon_reads_match_dense_model(daemon: Daemon, blocks: list[tuple[str, 
                     assert got is None
                 else:
                     assert got is not None and got.shape == want.shape
+                    assert got.dtype == want.dtype
                     np.testing.assert_array_equal(got, want)
 
 
