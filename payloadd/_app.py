@@ -32,6 +32,7 @@ from payload_client._wire import (
     AppendRequest,
     AppendResponse,
     ErrorBody,
+    FieldsTable,
     GcReport,
     GcRequest,
     Health,
@@ -140,7 +141,7 @@ def create_app(settings: Settings, data_listener: socket.socket | None = None) -
     Returns
     -------
     fastapi.FastAPI
-        Routes ``GET /healthz``, ``GET /v1/stats``, ``POST /v1/append``, ``POST /v1/read``,
+        Routes ``GET /healthz``, ``GET /v1/stats``, ``GET /v1/fields``, ``POST /v1/append``, ``POST /v1/read``,
         ``POST /v1/admin/gc``, ``DELETE /v1/admin/runs/{run}`` and ``GET /openapi.json``;
         behind `TokenGuard` (the admin token, if configured, on ``/v1/admin``; on every call
         that does not come over a Unix socket).
@@ -164,6 +165,7 @@ def create_app(settings: Settings, data_listener: socket.socket | None = None) -
             max_append_items=settings.max_append_items,
             max_root_bytes=settings.max_root_bytes,
             min_free_bytes=settings.min_free_bytes,
+            fields=settings.fields_table(),
         )
         log.info("payloadd %s: root %s, node %s", __version__, store.root, store.node)
         flusher = None
@@ -238,6 +240,13 @@ def create_app(settings: Settings, data_listener: socket.socket | None = None) -
     @app.get("/v1/stats", **operation(200, Stats, "Counters since start."))
     async def stats(request: Request) -> Response:
         return _answer(request, request.state.store.stats())
+
+    @app.get(
+        "/v1/fields",
+        **operation(200, FieldsTable, "The fields table: what dtypes and widths each takes."),
+    )
+    async def fields(request: Request) -> Response:
+        return _answer(request, request.state.store.fields)
 
     @app.post(
         "/v1/append",

@@ -29,6 +29,8 @@ from payload_client._wire import (
     DataReply,
     DataRequest,
     ErrorReply,
+    FieldsReply,
+    FieldsRequest,
     LeaseReply,
     LeaseRequest,
     NoteRequest,
@@ -241,6 +243,8 @@ class DataPlaneServer:
                     leases.pop(next(iter(leases))).release()
                 fsync = self.store.fsync == "always"
                 return LeaseReply(lease.file, lease.offset, lease.nbytes, fsync), fds
+            if isinstance(req, FieldsRequest):
+                return FieldsReply(self.store.fields), fds
             if isinstance(req, OpenRequest):
                 for rel, end in req.files:
                     fds.append(self.store.open_for_read(rel, end))

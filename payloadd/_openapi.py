@@ -20,6 +20,7 @@ from payload_client._wire import (
     AppendRequest,
     AppendResponse,
     ErrorBody,
+    FieldsTable,
     GcReport,
     GcRequest,
     Health,
@@ -31,7 +32,17 @@ __all__ = ["install_openapi", "operation"]
 
 _REF = "#/components/schemas/{name}"
 _, COMPONENTS = msgspec.json.schema_components(
-    [AppendRequest, AppendResponse, ReadRequest, Stats, Health, ErrorBody, GcRequest, GcReport],
+    [
+        AppendRequest,
+        AppendResponse,
+        ReadRequest,
+        Stats,
+        Health,
+        ErrorBody,
+        GcRequest,
+        GcReport,
+        FieldsTable,
+    ],
     ref_template=_REF,
 )
 

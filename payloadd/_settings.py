@@ -8,15 +8,21 @@ environment variable only: a command line is visible to every user.
 
 from __future__ import annotations
 
+import json
 import re
 import socket as _socket
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-__all__ = ["Settings", "default_node"]
+from payload_client import SUPPORTED_DTYPES, InvalidRequestError
+from payload_client._fields import DEFAULT_FIELDS
+from payload_client._segment import check_name
+from payload_client._wire import FieldSpec, FieldsTable
+
+__all__ = ["FieldRule", "Settings", "default_node"]
 
 GiB = 1 << 30
 
@@ -25,6 +31,41 @@ def default_node() -> str:
     """This host's name, made a safe path component (the default node prefix)."""
     name = re.sub(r"[^A-Za-z0-9._-]", "-", _socket.gethostname())[:128]
     return name if name not in ("", ".", "..") else "node"
+
+
+class FieldRule(BaseModel):
+    """What one field takes: ``dtypes`` (all integer or all float), ``fill`` (the value of
+    uncovered positions), ``max_width`` (largest last row dimension; 0: no limit)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    dtypes: list[str] = Field(min_length=1)
+    fill: int | float = 0
+    max_width: int = Field(0, ge=0)
+
+    @model_validator(mode="after")
+    def _dtypes_fit(self) -> FieldRule:
+        bad = [d for d in self.dtypes if d not in SUPPORTED_DTYPES]
+        if bad:
+            raise ValueError(f"dtypes {bad} are not among {sorted(SUPPORTED_DTYPES)}")
+        floats = {d.startswith("float") for d in self.dtypes}
+        if len(floats) > 1:
+            raise ValueError(f"dtypes {self.dtypes} mix integer and float")
+        if not floats.pop() and not float(self.fill).is_integer():
+            raise ValueError(f"an integer field's fill must be an integer, got {self.fill}")
+        return self
+
+    @property
+    def read_dtype(self) -> str:
+        """``float32`` for a float field, ``int32`` for an integer one (what reads return)."""
+        return "float32" if self.dtypes[0].startswith("float") else "int32"
+
+
+def _default_fields() -> dict[str, FieldRule]:
+    return {
+        name: FieldRule(dtypes=list(s.dtypes), fill=s.fill, max_width=s.max_width)
+        for name, s in DEFAULT_FIELDS.items()
+    }
 
 
 class Settings(BaseSettings):
@@ -139,6 +180,18 @@ class Settings(BaseSettings):
         "keep it above clients' keep-alive (payload_client: 2 s) so they never send on a "
         "connection being closed.",
     )
+    fields: dict[str, FieldRule] = Field(
+        default_factory=_default_fields,
+        description="The fields table, JSON: name -> {dtypes, fill, max_width}. An append "
+        "whose dtype is not among the field's dtypes or whose rows are wider than max_width "
+        "(0: no limit) is refused (400). Replaces the default table: routed_experts "
+        "(uint8/uint16, fill 0), sampling_mask (int32, fill -1, max_width 65536).",
+    )
+    unknown_fields: Literal["allow", "refuse"] = Field(
+        "allow",
+        description="allow: a field not in the fields table takes any supported dtype and "
+        "width; refuse: appends of such a field are refused (400).",
+    )
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field(
         "info", description="Log level of the daemon and uvicorn."
     )
@@ -159,6 +212,36 @@ class Settings(BaseSettings):
         if not 0 <= value <= 0o777:
             raise ValueError(f"socket_mode must be permission bits 0000..0777, got {value:o}")
         return value
+
+    @field_validator("fields", mode="before")
+    @classmethod
+    def _json_fields(cls, value: object) -> object:
+        if isinstance(value, str):
+            try:
+                return json.loads(value)
+            except ValueError as exc:
+                raise ValueError(f"fields must be a JSON object: {exc}") from None
+        return value
+
+    @field_validator("fields")
+    @classmethod
+    def _field_names(cls, value: dict[str, FieldRule]) -> dict[str, FieldRule]:
+        for name in value:
+            try:
+                check_name(name, "field name")
+            except InvalidRequestError as exc:
+                raise ValueError(str(exc)) from None
+        return value
+
+    def fields_table(self) -> FieldsTable:
+        """The fields table as the wire carries it (``GET /v1/fields``)."""
+        return FieldsTable(
+            {
+                name: FieldSpec(list(r.dtypes), r.fill, r.max_width, r.read_dtype)
+                for name, r in self.fields.items()
+            },
+            self.unknown_fields,
+        )
 
     @field_validator("node")
     @classmethod

@@ -33,8 +33,9 @@ from payload_client import (
     PayloadSegment,
     PayloadTooLargeError,
 )
+from payload_client._fields import check_field, check_item
 from payload_client._segment import INT64_MAX, check_name
-from payload_client._wire import AppendItem, Extent, Stats
+from payload_client._wire import AppendItem, Extent, FieldsTable, Stats
 
 from ._appends import Lease, PendingAppend, _Extent, _File, item_nbytes, os_errors
 from ._durability import DirtyFiles
@@ -91,6 +92,7 @@ class Store:
         max_append_items: int = 65536,
         max_root_bytes: int = 0,
         min_free_bytes: int = 0,
+        fields: FieldsTable | None = None,
     ) -> None:
         self.node = check_name(node, "node")
         self.root = self.check_root(root)
@@ -100,6 +102,7 @@ class Store:
         self.max_append_bytes = max_append_bytes
         self.max_append_items = max_append_items
         self.fsync = fsync
+        self.fields = fields if fields is not None else FieldsTable({})
         self._dirty = DirtyFiles(self.root) if fsync == "interval" else None
         self._budget = DiskBudget(self.root, self.root / node, max_root_bytes, min_free_bytes)
         self.instance = secrets.token_hex(4)
@@ -260,8 +263,8 @@ class Store:
         Raises
         ------
         InvalidRequestError
-            An item names a bad field, run, dtype or shape, or overflows int64; nothing is
-            reserved then.
+            An item names a bad field, run, dtype or shape, or overflows int64, or does not
+            fit the fields table (`check_item`); nothing is reserved then.
         PayloadTooLargeError
             More items or row bytes than the limits; nothing is reserved.
         StorageFullError
@@ -275,6 +278,8 @@ class Store:
                 f"append of {len(items)} items is above the limit of {self.max_append_items}"
             )
         sizes = [item_nbytes(item, i) for i, item in enumerate(items)]
+        for i, item in enumerate(items):
+            check_item(self.fields, item, i)
         total = sum(n for _, n in sizes)
         if total > self.max_append_bytes:
             raise PayloadTooLargeError(
@@ -302,7 +307,7 @@ class Store:
         Raises
         ------
         InvalidRequestError
-            A bad run or field name.
+            A bad run or field name, or a field the fields table refuses.
         PayloadTooLargeError
             ``nbytes`` is above the rotation size (use `begin_append`, which splits).
         StorageFullError
@@ -313,6 +318,7 @@ class Store:
         """
         check_name(run, "run")
         check_name(field, "field")
+        check_field(self.fields, field)
         if nbytes > self.max_file_bytes:
             raise PayloadTooLargeError(
                 f"lease of {nbytes} bytes is above the rotation size {self.max_file_bytes}"

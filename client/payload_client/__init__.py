@@ -38,7 +38,7 @@ from ._segment import (
     validate_segments,
 )
 from ._timeout import Timeout
-from ._wire import GcCount, GcReport, Health, Stats
+from ._wire import FieldSpec, FieldsTable, GcCount, GcReport, Health, Stats
 
 __version__ = "0.1.0"
 
@@ -53,6 +53,8 @@ __all__ = [
     "CoveredRead",
     "FileGoneError",
     "FileMissingError",
+    "FieldSpec",
+    "FieldsTable",
     "GcCount",
     "GcReport",
     "Health",

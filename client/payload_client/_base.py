@@ -39,6 +39,7 @@ from ._wire import (
     AppendResponse,
     ErrorBody,
     Extent,
+    FieldsTable,
     GcReport,
     GcRequest,
     Health,
@@ -504,6 +505,9 @@ class BaseClient:
         check_name(run, "run")
         query = "?dry_run=true" if dry_run else ""
         return self._json_call(f"/v1/admin/runs/{run}{query}", GcReport, "DELETE")
+
+    def _fields_call(self) -> Call[FieldsTable]:
+        return self._json_call("/v1/fields", FieldsTable)
 
     def _stats_call(self) -> Call[Stats]:
         return self._json_call("/v1/stats", Stats)

@@ -22,7 +22,7 @@ from ._errors import TransportError
 from ._segment import PayloadSegment
 from ._timeout import DEFAULT_TIMEOUT_S, Timeout
 from ._transport import Body, dropped, translate
-from ._wire import GcReport, Health, Stats
+from ._wire import FieldsTable, GcReport, Health, Stats
 
 __all__ = ["AsyncPayloadClient", "PayloadClient"]
 
@@ -382,6 +382,11 @@ class PayloadClient(BaseClient):
         """
         return self._send(self._delete_run_call(run, dry_run))
 
+    def fields(self) -> FieldsTable:
+        """Return the daemon's fields table: the dtypes, fill and maximum width of each field,
+        and whether it takes fields not in the table (`FieldsTable`)."""
+        return self._send(self._fields_call())
+
     def stats(self) -> Stats:
         """Return the daemon's counters (`Stats`), this client's appends included."""
         self._tell_counters(ack=True)
@@ -569,6 +574,10 @@ class AsyncPayloadClient(BaseClient):
     async def delete_run(self, run: str, *, dry_run: bool = False) -> GcReport:
         """Awaitable `PayloadClient.delete_run`."""
         return await self._send(self._delete_run_call(run, dry_run))
+
+    async def fields(self) -> FieldsTable:
+        """Awaitable `PayloadClient.fields`."""
+        return await self._send(self._fields_call())
 
     async def stats(self) -> Stats:
         """Awaitable `PayloadClient.stats`."""

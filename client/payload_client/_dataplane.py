@@ -33,6 +33,7 @@ from ._errors import (
     TransportError,
     error_from_wire,
 )
+from ._fields import check_item
 from ._read import PAGE, WindowPlan, direct_view, page_matched, place
 from ._segment import PayloadSegment
 from ._wire import (
@@ -43,6 +44,9 @@ from ._wire import (
     DataReply,
     DataRequest,
     ErrorReply,
+    FieldsReply,
+    FieldsRequest,
+    FieldsTable,
     LeaseReply,
     LeaseRequest,
     OpenReply,
@@ -213,10 +217,19 @@ def append_steps(
 ) -> Steps[list[list[PayloadSegment]]]:
     """Place each item in the client's lease of its ``(run, step, field)`` and pwrite it.
 
-    No round trip while the leases have room; a new lease costs one. Items the daemon will
+    The items are checked against the daemon's fields table first (fetched once per daemon
+    connection). No round trip while the leases have room; a new lease costs one. Items the daemon will
     not lease (larger than its rotation size) go through `reserve_steps` instead.
     """
     yield Fresh()
+    if leases.fields is None:
+        reply, fds = yield Exchange(FieldsRequest())
+        for fd in fds:
+            os.close(fd)
+        # a daemon from before the fields table answers with an error: it has no table
+        leases.fields = reply.table if isinstance(reply, FieldsReply) else FieldsTable({})
+    for i, item in enumerate(items):  # the daemon never sees these rows: check them here
+        check_item(leases.fields, item, i)
     sizes = [b.nbytes for b in bodies]
     while True:
         places: list[tuple[tuple[str, int, str], Lease, int]] = []

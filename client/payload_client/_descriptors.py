@@ -15,7 +15,7 @@ from typing import Generic, TypeVar
 
 import numpy as np
 
-from ._wire import NoteRequest
+from ._wire import FieldsTable, NoteRequest
 
 __all__ = [
     "CACHE_FDS",
@@ -155,6 +155,7 @@ class LeaseCache(_Cache[tuple[str, int, str], Lease]):
     def __init__(self, size: int = LEASES) -> None:
         super().__init__(size, lambda lease: lease.fd)
         self.unnoted = [0, 0, 0]  # appends, rows, bytes placed but not yet told
+        self.fields: FieldsTable | None = None  # the daemon's fields table, once fetched
 
     def note(self, rows: int, nbytes: int, every: int = NOTE_EVERY) -> NoteRequest | None:
         """Count one append; return the note to send once ``every`` appends are untold."""
@@ -170,6 +171,7 @@ class LeaseCache(_Cache[tuple[str, int, str], Lease]):
         """Forget every lease, and the appends untold: they went to a daemon that is gone."""
         with self.lock:
             self.unnoted = [0, 0, 0]
+            self.fields = None  # a restarted daemon may have other settings
         super().clear()
 
     def take_note(self) -> NoteRequest | None:

@@ -16,7 +16,7 @@ Row bytes are raw little-endian C-order rows, never JSON lists or base64.
 from __future__ import annotations
 
 import struct
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -31,6 +31,10 @@ __all__ = [
     "AppendResponse",
     "ErrorBody",
     "Extent",
+    "FieldSpec",
+    "FieldsReply",
+    "FieldsRequest",
+    "FieldsTable",
     "GcCount",
     "GcReport",
     "GcRequest",
@@ -224,6 +228,35 @@ class GcReport(msgspec.Struct):
     steps: list[tuple[str, int]] = msgspec.field(default_factory=list)
 
 
+class FieldSpec(msgspec.Struct, forbid_unknown_fields=False):
+    """What one field takes.
+
+    Attributes
+    ----------
+    dtypes : list of str
+        numpy dtype names an append of this field may carry, all integer or all float.
+    fill : int or float
+        The value for positions no segment covers (the ``fill`` to pass to ``read_field``).
+    max_width : int
+        Largest last dimension of a row (e.g. a sampling mask's width); 0: no limit.
+    read_dtype : str
+        dtype ``read_field`` returns: ``int32`` for an integer field, ``float32`` for a float.
+    """
+
+    dtypes: list[str]
+    fill: int | float = 0
+    max_width: int = 0
+    read_dtype: str = "int32"
+
+
+class FieldsTable(msgspec.Struct, forbid_unknown_fields=False):
+    """Body of ``GET /v1/fields``: the daemon's fields, and whether it takes others
+    (``unknown_fields``: ``allow`` or ``refuse``)."""
+
+    fields: dict[str, FieldSpec]
+    unknown_fields: Literal["allow", "refuse"] = "allow"
+
+
 class ErrorBody(msgspec.Struct):
     """Body of every 4xx/5xx answer: the error class name (see `STATUS_BY_ERROR`) and a message."""
 
@@ -327,6 +360,16 @@ class CommitReply(msgspec.Struct, tag="committed", array_like=True):
     segments: list[list[PayloadSegment]]
 
 
+class FieldsRequest(msgspec.Struct, tag="fields", array_like=True):
+    """Ask for the daemon's fields table (a client checks data-plane appends against it)."""
+
+
+class FieldsReply(msgspec.Struct, tag="fieldtable", array_like=True):
+    """The daemon's fields table, as ``GET /v1/fields`` answers it."""
+
+    table: FieldsTable
+
+
 class ErrorReply(msgspec.Struct, tag="error", array_like=True):
     """The request failed: the error class name (see `STATUS_BY_ERROR`) and a message."""
 
@@ -335,6 +378,12 @@ class ErrorReply(msgspec.Struct, tag="error", array_like=True):
 
 
 DataRequest = (
-    OpenRequest | LeaseRequest | ReserveRequest | CommitRequest | AbortRequest | NoteRequest
+    OpenRequest
+    | LeaseRequest
+    | ReserveRequest
+    | CommitRequest
+    | AbortRequest
+    | NoteRequest
+    | FieldsRequest
 )
-DataReply = OpenReply | LeaseReply | ReserveReply | CommitReply | ErrorReply
+DataReply = OpenReply | LeaseReply | ReserveReply | CommitReply | ErrorReply | FieldsReply

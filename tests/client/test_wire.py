@@ -43,6 +43,10 @@ from payload_client._wire import (
     ErrorBody,
     ErrorReply,
     Extent,
+    FieldSpec,
+    FieldsReply,
+    FieldsRequest,
+    FieldsTable,
     GcCount,
     GcReport,
     GcRequest,
@@ -123,6 +127,10 @@ EXAMPLES: dict[type[msgspec.Struct], msgspec.Struct] = {
     AbortRequest: AbortRequest(5),
     CommitReply: CommitReply([[SEG]]),
     ErrorReply: ErrorReply("InvalidRequestError", "bad"),
+    FieldSpec: FieldSpec(["uint8", "uint16"], 7, 16, "float32"),
+    FieldsTable: FieldsTable({"f": FieldSpec(["int32"])}, "refuse"),
+    FieldsRequest: FieldsRequest(),
+    FieldsReply: FieldsReply(FieldsTable({"f": FieldSpec(["int32"], -1, 8)}, "refuse")),
 }
 """One instance of every wire Struct, every field away from its default."""
 
@@ -212,6 +220,18 @@ LAYOUT: dict[str, list[str]] = {
     "AbortRequest": ["txn: int"],
     "CommitReply": ["segments: list[list[PayloadSegment]]"],
     "ErrorReply": ["error: str", "message: str"],
+    "FieldSpec": [
+        "dtypes: list[str]",
+        "fill: int | float = 0",
+        "max_width: int = 0",
+        "read_dtype: str = 'int32'",
+    ],
+    "FieldsTable": [
+        "fields: dict[str, FieldSpec]",
+        "unknown_fields: Literal['allow', 'refuse'] = 'allow'",
+    ],
+    "FieldsRequest": [],
+    "FieldsReply": ["table: FieldsTable"],
 }
 """Today's fields of every wire Struct, in order: later versions may only append to these."""
 
@@ -229,6 +249,8 @@ OPTIONS: dict[str, tuple[bool, str | None]] = {
     "AbortRequest": (True, "abort"),
     "CommitReply": (True, "committed"),
     "ErrorReply": (True, "error"),
+    "FieldsRequest": (True, "fields"),
+    "FieldsReply": (True, "fieldtable"),
 }
 """``(array_like, tag)`` of the Structs that are arrays on the wire; every other is a map."""
 

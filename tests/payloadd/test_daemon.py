@@ -49,9 +49,10 @@ def http(daemon: Daemon) -> Iterator[httpx.Client]:
 def test_round_trip_integer_fields(client: PayloadClient, dtype: str, shape: tuple[int, ...],
                                    high: int) -> None:  # fmt: skip
     rows = rng.integers(0, high, (37, *shape)).astype(dtype)
-    segs = client.append(R, rows, 100, run="rt", step=1)
+    fld = "ints"  # not in the fields table: any supported dtype
+    segs = client.append(fld, rows, 100, run="rt", step=1)
     assert len(segs) == 1 and segs[0].pos == 100 and segs[0].rows == 37 and segs[0].dtype == dtype
-    got = client.read_field(segs, R, 100, 137, 0)
+    got = client.read_field(segs, fld, 100, 137, 0)
     assert got is not None and got.dtype == np.int32 and got.shape == (37, *shape)
     np.testing.assert_array_equal(got, rows.astype(np.int32))
 

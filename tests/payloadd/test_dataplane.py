@@ -42,7 +42,7 @@ def test_rows_move_by_descriptor_not_over_http(
     assert after.appends == before.appends + 1  # the client's note
     assert after.bytes_appended - before.bytes_appended == rows.nbytes
     assert after.reads == before.reads and after.bytes_read == before.bytes_read  # no HTTP read
-    assert after.data_plane_requests - before.data_plane_requests == 3  # lease, note, open
+    assert after.data_plane_requests - before.data_plane_requests == 4  # fields, lease, note, open
     assert after.leases == before.leases + 1
     (s,) = segs
     assert (daemon.root / s.file).read_bytes()[s.offset : s.offset + rows.nbytes] == rows.tobytes()

@@ -1,0 +1,122 @@
+"""The fields table: dtypes, widths and unknown fields checked on both transports."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from payload_client import FieldsTable, InvalidRequestError, PayloadClient
+from payloadd._process import start_daemon
+from payloadd._settings import Settings
+
+from ..conftest import TRANSPORTS
+
+TABLE = {
+    "routed_experts": {"dtypes": ["uint8", "uint16"], "fill": 0},
+    "sampling_mask": {"dtypes": ["int32"], "fill": -1, "max_width": 8},
+    "weights": {"dtypes": ["float32"], "fill": 0.0},
+}
+
+
+@pytest.fixture(scope="module")
+def strict(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A daemon with a custom fields table that refuses unknown fields; its socket."""
+    tmp = tmp_path_factory.mktemp("fields")
+    sock = tmp / "payloadd.sock"
+    flags = ("--fields", json.dumps(TABLE), "--unknown-fields", "refuse")
+    with start_daemon(tmp / "root", sock, "--node", "f", *flags):
+        yield sock
+
+
+@pytest.fixture(params=TRANSPORTS)
+def sc(strict: Path, request: pytest.FixtureRequest) -> Iterator[PayloadClient]:
+    with PayloadClient(strict, data_plane=request.param == "data-plane") as c:
+        yield c
+
+
+def _files(root: Path) -> int:
+    return sum(os.path.getsize(Path(d) / f) for d, _, fs in os.walk(root) for f in fs)
+
+
+def test_default_table(client: PayloadClient) -> None:
+    table = client.fields()
+    assert table.unknown_fields == "allow"
+    assert table.fields["routed_experts"].dtypes == ["uint8", "uint16"]
+    assert table.fields["routed_experts"].fill == 0
+    assert table.fields["sampling_mask"].dtypes == ["int32"]
+    assert table.fields["sampling_mask"].fill == -1
+    assert table.fields["sampling_mask"].max_width == 1 << 16
+    assert table.fields["sampling_mask"].read_dtype == "int32"
+
+
+def test_custom_table(sc: PayloadClient) -> None:
+    table = sc.fields()
+    assert isinstance(table, FieldsTable)
+    assert table.unknown_fields == "refuse"
+    assert table.fields["weights"].read_dtype == "float32"
+    assert table.fields["sampling_mask"].max_width == 8
+
+
+@pytest.mark.parametrize(
+    ("field", "rows", "match"),
+    [
+        ("routed_experts", np.full((2, 4, 2), 300, np.int64), "got int64"),
+        ("routed_experts", np.zeros((2, 4, 2), np.int32), "takes dtype uint8 or uint16"),
+        ("sampling_mask", np.zeros((2, 9), np.int32), "at most 8 wide, got 9"),
+        ("sampling_mask", np.zeros((2, 4), np.int16), "takes dtype int32"),
+        ("weights", np.zeros((2, 1), np.float16), "takes dtype float32"),
+        ("other", np.zeros((2, 1), np.int32), "unknown field 'other'"),
+    ],
+)
+def test_refused_loses_nothing(
+    sc: PayloadClient, strict: Path, field: str, rows: np.ndarray, match: str
+) -> None:
+    root = strict.parent / "root"
+    before = _files(root)
+    ok = np.ones((1, 2), np.int32)
+    with pytest.raises(InvalidRequestError, match=match):
+        sc.append_many([("sampling_mask", ok, 0), (field, rows, 0)], run="r", step=0)
+    assert _files(root) == before  # no partial segment, no reserved bytes
+
+
+def test_accepted_and_big_endian_stored_little(sc: PayloadClient) -> None:
+    ids = np.arange(2 * 4 * 2, dtype=">u2").reshape(2, 4, 2) + 250
+    mask = np.arange(24, dtype=">i4").reshape(3, 8)[:, ::2]  # big-endian and non-contiguous
+    w = np.array([[0.5], [1.5]], ">f4")
+    segs = sc.append_many(
+        [("routed_experts", ids, 0), ("sampling_mask", mask, 0), ("weights", w, 0)],
+        run="r",
+        step=1,
+    )
+    assert [s[0].dtype for s in segs] == ["uint16", "int32", "float32"]
+    flat = [s for group in segs for s in group]
+    np.testing.assert_array_equal(sc.read_field(flat, "routed_experts", 0, 2, 0), ids)
+    np.testing.assert_array_equal(sc.read_field(flat, "sampling_mask", 0, 3, -1), mask)
+    np.testing.assert_array_equal(sc.read_field(flat, "weights", 0, 2, 0.0), w)
+    seg = segs[1][0]
+    raw = np.fromfile(sc_root(sc) / seg.file, "<i4", seg.rows * 4, offset=seg.offset)
+    np.testing.assert_array_equal(raw.reshape(3, 4), mask)
+
+
+def sc_root(sc: PayloadClient) -> Path:
+    return Path(sc.stats().root)
+
+
+def test_settings_refuse_bad_tables() -> None:
+    with pytest.raises(ValueError, match="mix integer and float"):
+        Settings(fields={"x": {"dtypes": ["int32", "float32"]}})
+    with pytest.raises(ValueError, match="not among"):
+        Settings(fields={"x": {"dtypes": ["int64"]}})
+    with pytest.raises(ValueError, match="fill must be an integer"):
+        Settings(fields={"x": {"dtypes": ["int32"], "fill": 0.5}})
+    with pytest.raises(ValueError, match="field name"):
+        Settings(fields={"a/b": {"dtypes": ["int32"]}})
+    with pytest.raises(ValueError, match="JSON object"):
+        Settings(fields="{nope")
+    s = Settings(fields=json.dumps(TABLE), unknown_fields="refuse")
+    assert s.fields_table().fields["weights"].read_dtype == "float32"
