@@ -256,19 +256,20 @@ def test_openapi_document_is_valid_and_complete(http: httpx.Client) -> None:
 
 
 W = "weights"
+K = "mask"  # outside the fields table (sampling_mask takes int32 only): any integer dtypes
 PROP_DTYPES: dict[str, list[type[np.generic]]] = {
     R: [np.uint8, np.uint16],
-    M: [np.int32, np.int8],
+    K: [np.int32, np.int8],
     W: [np.float32, np.float16],
 }
-PROP_FILLS: dict[str, int | float] = {R: 0, M: -1, W: 0.5}
+PROP_FILLS: dict[str, int | float] = {R: 0, K: -1, W: 0.5}
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     blocks=st.lists(
         st.tuples(
-            st.sampled_from([R, M, W]), st.integers(0, 1), st.integers(0, 6),
+            st.sampled_from([R, K, W]), st.integers(0, 1), st.integers(0, 6),
             st.integers(0, 30), st.integers(1, 5),
         ),
         min_size=1,
