@@ -12,8 +12,10 @@ from collections.abc import Sequence
 from typing import Literal, get_args, get_origin
 
 from pydantic import ValidationError
+from pydantic_settings import SettingsError
 
 from . import __version__
+from ._config import DEFAULT_CONFIG, ConfigFileError
 from ._settings import Settings
 
 __all__ = ["main"]
@@ -31,6 +33,8 @@ def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
         default = info.get_default(call_default_factory=True)
         if name == "socket_mode":
             default = f"{default:04o}"
+        elif name == "config":
+            default = f"{DEFAULT_CONFIG} if it exists"
         elif default is None:
             default = "none"
         choices = get_args(info.annotation) if get_origin(info.annotation) is Literal else None
@@ -56,7 +60,9 @@ def _parser() -> argparse.ArgumentParser:
         allow_abbrev=False,  # "--admin-token" must not pass for "--admin-token-file"
         help="run the daemon on a Unix socket",
         description="Run the daemon: own the payload root, serve the HTTP API on a Unix socket. "
-        "Every flag is also a PAYLOADD_* environment variable; a flag wins. Sizes are in bytes. "
+        "Every flag is also a PAYLOADD_* environment variable and a key of the TOML config file "
+        "(--config); a flag wins over the environment, which wins over the file. Sizes are in "
+        "bytes. "
         "The admin token itself is only an environment variable, PAYLOADD_ADMIN_TOKEN (or "
         "a file: --admin-token-file).",
     )
@@ -119,6 +125,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 got = "" if "token" in where else f" (got {e['input']!r})"  # never echo a secret
                 lines.append(f"  {where}: {e['msg']}{got}")
             print("payloadd serve: invalid settings:\n" + "\n".join(lines), file=sys.stderr)
+            return 2
+        except (ConfigFileError, SettingsError) as exc:  # the file; a PAYLOADD_* not JSON
+            print(f"payloadd serve: {exc}", file=sys.stderr)
             return 2
         from ._server import serve
         from ._sockets import StartError

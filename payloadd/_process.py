@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import subprocess
 import sys
@@ -22,8 +23,13 @@ def start_daemon(
 ) -> Iterator[subprocess.Popen[bytes]]:
     """Run ``payloadd serve`` in a child process until the block ends; wait until it answers.
 
-    ``popen`` goes to `subprocess.Popen` (e.g. ``env``, ``umask``, ``stderr``).
+    ``popen`` goes to `subprocess.Popen` (e.g. ``env``, ``umask``, ``stderr``). The child
+    reads no config file unless ``extra`` or ``env`` names one (``PAYLOADD_CONFIG`` is set
+    empty otherwise): a daemon on a temporary root must not take a node's
+    /etc/payloadd/payloadd.toml.
     """
+    env = dict(popen.pop("env") if "env" in popen else os.environ)
+    env.setdefault("PAYLOADD_CONFIG", "")
     cmd = [
         sys.executable,
         "-m",
@@ -34,7 +40,7 @@ def start_daemon(
         "--socket",
         str(socket_path),
     ]
-    proc = subprocess.Popen([*cmd, "--log-level", log_level, *extra], **popen)
+    proc = subprocess.Popen([*cmd, "--log-level", log_level, *extra], env=env, **popen)
     try:
         deadline = time.monotonic() + 30
         with PayloadClient(socket_path, timeout=5) as probe:

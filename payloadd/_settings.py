@@ -1,9 +1,11 @@
 """The daemon's one flat settings object.
 
 Every field is also a CLI flag of ``payloadd serve`` (``max_file_bytes`` ->
-``--max-file-bytes``) and an environment variable (``PAYLOADD_MAX_FILE_BYTES``).
-Precedence: flag > environment > default. The one exception is ``admin_token``, an
-environment variable only: a command line is visible to every user.
+``--max-file-bytes``), an environment variable (``PAYLOADD_MAX_FILE_BYTES``) and a key of
+the optional TOML config file (``max_file_bytes = 1073741824``; see ``_config``).
+Precedence: flag > environment > config file > default. The exceptions: ``admin_token``
+is an environment variable only (a command line is visible to every user, a config file
+often to many), and ``config``, the file itself, is not a key of it.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from payload_client import SUPPORTED_DTYPES, InvalidRequestError
 from payload_client._fields import DEFAULT_FIELDS
@@ -73,6 +75,12 @@ class Settings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="PAYLOADD_", extra="forbid", frozen=True)
 
+    config: Path | None = Field(
+        None,
+        description="TOML file of settings, keys named as the settings (a flag or environment "
+        "variable wins over it). Default: /etc/payloadd/payloadd.toml when it exists; an "
+        "empty value reads no file; a named file that does not exist is an error.",
+    )
     root: Path = Field(
         Path("/var/lib/payloadd"), description="Payload root: the daemon owns everything below it."
     )
@@ -249,3 +257,30 @@ class Settings(BaseSettings):
         if value in (".", ".."):
             raise ValueError("node must not be '.' or '..'")
         return value
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """Flags (init arguments), then ``PAYLOADD_*`` variables, then the config file.
+
+        Raises
+        ------
+        ConfigFileError
+            The config file is missing (when named), unreadable, or invalid.
+        """
+        from ._config import ConfigFileSource, config_path
+
+        given = {**env_settings(), **init_settings()}
+        source = ConfigFileSource(settings_cls, config_path(given), set(given))
+        return (init_settings, env_settings, source)
+
+    @field_validator("config", mode="before")
+    @classmethod
+    def _empty_is_none(cls, value: object) -> object:
+        return None if value == "" else value

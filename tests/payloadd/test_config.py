@@ -1,0 +1,217 @@
+"""The TOML config file of ``payloadd serve``: precedence, bad files, the example, the docs."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from payload_client import PayloadClient
+from payloadd import _config
+from payloadd._config import NOT_IN_FILE, ConfigFileError
+from payloadd._process import start_daemon
+from payloadd._settings import Settings
+
+PAYLOADD = [sys.executable, "-m", "payloadd"]
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO / "deploy" / "payloadd.toml"
+FILE_KEYS = [name for name in Settings.model_fields if name not in NOT_IN_FILE]
+NO_TOML_DEFAULT = {"socket_group", "admin_token_file", "tcp_port", "node"}
+"""Settings whose default (none, or the host name) a TOML value cannot state."""
+
+
+def _env(**values: str) -> dict[str, str]:
+    """This environment without PAYLOADD_* variables, plus ``values``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PAYLOADD_")}
+    return {**env, **values}
+
+
+def test_flag_over_env_over_file_over_default_through_serve(tmp_path: Path) -> None:
+    config = tmp_path / "payloadd.toml"
+    config.write_text(
+        'node = "from-file"\n'
+        "max_root_bytes = 111111111\n"
+        "min_free_bytes = 222222\n"
+        'fsync = "interval"\n'
+        "[fields.file_only]\n"
+        'dtypes = ["uint8"]\n'
+    )
+    env = _env(
+        PAYLOADD_CONFIG=str(config),  # the file named by the environment
+        PAYLOADD_NODE="from-env",
+        PAYLOADD_MAX_ROOT_BYTES="444444444",
+        PAYLOADD_FIELDS='{"env_only": {"dtypes": ["int32"], "fill": -1}}',
+        PAYLOADD_UNKNOWN_FIELDS="refuse",
+    )
+    flags = ("--node", "from-flag", "--min-free-bytes", "555")
+    sock = tmp_path / "s.sock"
+    with start_daemon(tmp_path / "root", sock, *flags, env=env), PayloadClient(sock) as c:
+        health, stats, table = c.health(), c.stats(), c.fields()
+    assert health.node == "from-flag"  # flag > env > file
+    assert stats.min_free_bytes == 555  # flag > file
+    assert stats.max_root_bytes == 444444444  # env > file
+    assert stats.fsync == "interval"  # file > default
+    assert table.unknown_fields == "refuse"  # env > default
+    assert sorted(table.fields) == ["env_only"]  # the env's table replaces the file's whole
+
+
+@pytest.mark.parametrize(
+    "given", [c for n in range(4) for c in itertools.combinations(("flag", "env", "file"), n)]
+)
+def test_every_pair_of_sources_in_order(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, given: tuple[str, ...]
+) -> None:
+    value = {"flag": 3, "env": 2, "file": 1}
+    config = tmp_path / "c.toml"
+    config.write_text(f"lease_bytes = {value['file']}\n" if "file" in given else "")
+    if "env" in given:
+        monkeypatch.setenv("PAYLOADD_LEASE_BYTES", str(value["env"]))
+    kwargs: dict[str, Any] = {"lease_bytes": str(value["flag"])} if "flag" in given else {}
+    settings = Settings(config=str(config), **kwargs)  # flags come in as init arguments
+    want = value[given[0]] if given else Settings.model_fields["lease_bytes"].default
+    assert settings.lease_bytes == want
+    assert settings.config == config
+
+
+def test_the_config_flag_wins_over_the_variable(tmp_path: Path, monkeypatch) -> None:
+    good = tmp_path / "good.toml"
+    good.write_text("ttl_s = 7.0\n")
+    monkeypatch.setenv("PAYLOADD_CONFIG", str(tmp_path / "missing.toml"))
+    assert Settings(config=str(good)).ttl_s == 7.0
+    with pytest.raises(ConfigFileError, match=r"missing\.toml"):
+        Settings()
+
+
+def test_the_default_file_is_read_when_it_exists(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.delenv("PAYLOADD_CONFIG", raising=False)
+    default = tmp_path / "etc" / "payloadd.toml"
+    monkeypatch.setattr(_config, "DEFAULT_CONFIG", default)
+    assert Settings().config is None  # absent: no file, no error
+    default.parent.mkdir()
+    default.write_text("keep_alive_s = 9.0\n")
+    settings = Settings()
+    assert settings.keep_alive_s == 9.0 and settings.config == default
+    assert Settings(config="").keep_alive_s == 5.0 and Settings(config="").config is None
+    monkeypatch.setenv("PAYLOADD_CONFIG", "")
+    assert Settings().config is None
+    default.unlink()
+    default.mkdir()  # there, but not a file: an error, not silently skipped
+    monkeypatch.delenv("PAYLOADD_CONFIG")
+    with pytest.raises(ConfigFileError, match="not a regular file"):
+        Settings()
+
+
+SECRET = "s3cret-token-0123456789abcdef"
+
+
+@pytest.mark.parametrize(
+    ("text", "keys"),
+    [
+        ("max_file_byte = 10\n", ["max_file_byte", "did you mean max_file_bytes"]),
+        ('max_file_bytes = "lots"\n', ["max_file_bytes", "valid integer"]),
+        ("max_file_bytes = 0\n", ["max_file_bytes", "greater than 0"]),
+        ("ttl_s = true\n", ["ttl_s", "boolean"]),
+        ("socket_mode = 660\n", ["socket_mode", "0777"]),
+        ('fsync = "sometimes"\n', ["fsync"]),
+        ("data_plane = 3\n", ["data_plane", "boolean"]),
+        ('ROOT = "/x"\n', ["ROOT", "did you mean root"]),
+        ('[fields.m]\ndtypes = ["uint9"]\n', ["fields.m", "uint9"]),
+        ('[fields.m]\ndtypes = ["uint8"]\nwidth = 3\n', ["fields.m.width"]),
+        ('fields = "not a table"\n', ["fields"]),
+        (f'admin_token = "{SECRET}"\n', ["admin_token", "admin_token_file"]),
+        ('config = "other.toml"\n', ["config", "another"]),
+        ("max_file_bytes =\n", ["not valid TOML", "line 1"]),
+    ],
+)
+def test_a_bad_config_file_stops_the_start(tmp_path: Path, text: str, keys: list[str]) -> None:
+    config = tmp_path / "bad.toml"
+    config.write_text(text)
+    cmd = [*PAYLOADD, "serve", "--root", str(tmp_path / "r"), "--socket", str(tmp_path / "s")]
+    # a flag that overrides the key does not make a bad file good
+    out = subprocess.run(
+        [*cmd, "--config", str(config), "--max-file-bytes", "4096"],
+        capture_output=True, text=True, timeout=60, env=_env(),
+    )  # fmt: skip
+    assert out.returncode == 2, out.stderr
+    assert str(config) in out.stderr and "Traceback" not in out.stderr
+    for key in keys:
+        assert key in out.stderr
+    assert SECRET not in out.stderr
+    assert not (tmp_path / "r").exists() and not (tmp_path / "s").exists()
+
+
+@pytest.mark.parametrize("how", ["flag", "env"])
+def test_a_named_config_file_that_is_missing_stops_the_start(tmp_path: Path, how: str) -> None:
+    missing = tmp_path / "nowhere" / "payloadd.toml"
+    cmd = [*PAYLOADD, "serve", "--root", str(tmp_path / "r"), "--socket", str(tmp_path / "s")]
+    if how == "flag":
+        out = subprocess.run(
+            [*cmd, "--config", str(missing)], capture_output=True, text=True, timeout=60,
+            env=_env(),
+        )  # fmt: skip
+    else:
+        env = _env(PAYLOADD_CONFIG=str(missing))
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 2
+    assert f"config file {missing} (the config setting) does not exist" in out.stderr
+
+
+def _uncommented(text: str) -> str:
+    """The example with every commented-out setting (``#key = ...``, ``#[table]``) active."""
+    return re.sub(r"(?m)^#(?=[A-Za-z\[])", "", text)
+
+
+def test_the_example_config_covers_every_setting_and_changes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in list(os.environ):
+        if name.startswith("PAYLOADD_"):
+            monkeypatch.delenv(name)
+    text = EXAMPLE.read_text()
+    assert tomllib.loads(text) == {}  # as shipped: every setting commented out
+    assert Settings(config=str(EXAMPLE)).model_dump(exclude={"config"}) == Settings(
+        config=""
+    ).model_dump(exclude={"config"})
+    active = tmp_path / "active.toml"
+    active.write_text(_uncommented(text))
+    data = tomllib.loads(active.read_text())
+    assert sorted(data) == sorted(FILE_KEYS)  # every setting, nothing else
+    settings = Settings(config=str(active))  # and every value valid
+    defaults = Settings(config="")
+    for name in FILE_KEYS:
+        if name not in NO_TOML_DEFAULT:  # the others are examples, said so in the file
+            assert getattr(settings, name) == getattr(defaults, name), name
+            assert f"{name} = " in text
+    for name in NO_TOML_DEFAULT:
+        block = text.split(f"#{name} = ")[0].rsplit("\n\n", 1)[-1]
+        assert "Example" in block, name
+    for name in NOT_IN_FILE:
+        assert name in text  # said why it is not there
+
+
+def test_the_example_config_starts_a_daemon(tmp_path: Path) -> None:
+    sock = tmp_path / "s.sock"
+    with start_daemon(tmp_path / "root", sock, "--config", str(EXAMPLE)), PayloadClient(sock) as c:
+        assert c.health().status == "ok"
+        assert sorted(c.fields().fields) == ["routed_experts", "sampling_mask"]
+
+
+def test_operations_table_lists_every_setting() -> None:
+    text = (REPO / "docs" / "operations.md").read_text()
+    section = text.split("\n## Settings\n", 1)[1].split("\n## ", 1)[0]
+    rows = [ln for ln in section.splitlines() if re.match(r"^\| `\w+` \|", ln)]
+    names = [re.match(r"^\| `(\w+)` \|", ln).group(1) for ln in rows]  # type: ignore[union-attr]
+    assert sorted(names) == sorted(Settings.model_fields)  # every setting, once
+    for name, row in zip(names, rows, strict=True):
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        flag = "none" if name == "admin_token" else f"`--{name.replace('_', '-')}`"
+        assert cells[1] == flag and cells[2] == f"`PAYLOADD_{name.upper()}`", row
+    for name in NOT_IN_FILE:
+        assert f"`{name}`" in section.split("### Config file", 1)[1]
