@@ -12,6 +12,7 @@ import contextlib
 import itertools
 import logging
 import os
+import selectors
 import socket
 import threading
 from pathlib import Path
@@ -97,41 +98,63 @@ class DataPlaneServer:
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._listener: socket.socket | None = None
+        self._owned = True
         self._thread: threading.Thread | None = None
+        self._wake: socket.socket
+        self._woken: socket.socket
 
     def start(self, listener: socket.socket | None = None) -> None:
         """Accept connections in a background thread, on ``listener`` (a listening socket
-        bound to ``path``) or on a socket bound now."""
+        bound to ``path``, owned by the caller) or on a socket bound now."""
+        self._owned = listener is None
         self._listener = listener or bind_unix_socket(self.path, self.mode)
+        self._listener.setblocking(False)  # the accept loop waits in a selector
+        self._wake, self._woken = socket.socketpair()
         self._thread = threading.Thread(target=self._accept, name="payloadd-dataplane", daemon=True)
         self._thread.start()
         log.info("data plane on %s", self.path)
 
     def stop(self) -> None:
-        """Stop accepting, end every connection, remove the socket file."""
+        """Stop accepting, end every connection; remove the socket file if `start` bound it.
+
+        The listening socket is closed, never shut down: systemd may hold it too (socket
+        activation), and connections made from now on wait in its queue for the next daemon.
+        """
+        if self._thread is not None:
+            self._wake.send(b"\0")
+            self._thread.join(5)
+            self._wake.close()
+            self._woken.close()
         if self._listener is not None:
-            with contextlib.suppress(OSError):
-                self._listener.shutdown(socket.SHUT_RDWR)
             self._listener.close()
         with self._lock:
             for conn in self._conns:
                 with contextlib.suppress(OSError):
                     conn.shutdown(socket.SHUT_RDWR)
-        if self._thread is not None:
-            self._thread.join(5)
-        with contextlib.suppress(FileNotFoundError):
-            self.path.unlink()
+        if self._owned:
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()
 
     def _accept(self) -> None:
         assert self._listener is not None
-        while True:
-            try:
-                conn, _ = self._listener.accept()
-            except OSError:
-                return
-            with self._lock:
-                self._conns.add(conn)
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+        with selectors.DefaultSelector() as selector:
+            selector.register(self._listener, selectors.EVENT_READ)
+            selector.register(self._woken, selectors.EVENT_READ)
+            while True:
+                ready = [key.fileobj for key, _ in selector.select()]
+                if self._woken in ready:
+                    return
+                try:
+                    conn, _ = self._listener.accept()
+                except (BlockingIOError, InterruptedError, ConnectionAbortedError):
+                    continue
+                except OSError:
+                    log.exception("data plane: accepting connections failed; it stops")
+                    return
+                conn.setblocking(True)
+                with self._lock:
+                    self._conns.add(conn)
+                threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
         pending: dict[int, PendingAppend] = {}

@@ -1,4 +1,5 @@
-"""Run the app under uvicorn on sockets the daemon binds itself, under its socket lock."""
+"""Run the app under uvicorn, under its socket lock, on sockets the daemon binds itself or
+that systemd passed it (socket activation)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import uvicorn
 
 from payload_client._wire import DATA_SOCKET_SUFFIX
 
+from ._activation import match_sockets, passed_sockets
 from ._app import create_app
 from ._auth import load_admin_token
 from ._settings import Settings
@@ -41,6 +43,11 @@ def serve(settings: Settings) -> None:
     the admin token, the TCP listener's need for it, the socket group, then the lock
     ``<socket>.lock``, held until exit so that no second daemon can bind beside this one.
 
+    Sockets systemd passed (``LISTEN_FDS``, see `passed_sockets`) are used instead of
+    binding: the HTTP socket, and the data socket if passed (else the daemon binds it).
+    Their files are systemd's: they are never removed, and never shut down, so that
+    connections made while no daemon runs wait in their queue for the next one.
+
     Raises
     ------
     OSError
@@ -50,7 +57,11 @@ def serve(settings: Settings) -> None:
         unknown socket group.
     SocketInUseError
         Another daemon answers on the socket or holds its lock.
+    StartError
+        Sockets passed by systemd that are not the ones the settings name (see
+        `match_sockets`).
     """
+    passed = passed_sockets()  # first: LISTEN_* are unset whatever happens next
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(levelname)s %(name)s: %(message)s"
     )
@@ -70,18 +81,29 @@ def serve(settings: Settings) -> None:
             f"socket path {settings.socket} (and its data socket, {DATA_SOCKET_SUFFIX}) is "
             "longer than the 107 bytes AF_UNIX allows"
         )
+    inherited = match_sockets(passed, settings.socket, settings.data_plane) if passed else None
+    if settings.config is not None:
+        log.info("settings from config file %s", settings.config)
     lock = SocketLock(settings.socket)
     lock.acquire()
     with contextlib.ExitStack() as cleanup:  # undone in reverse order, the lock last
         cleanup.callback(lock.release)
-        sock = cleanup.enter_context(
-            bind_unix_socket(settings.socket, settings.socket_mode, gid=gid)
-        )
-        cleanup.callback(remove_socket_file, settings.socket)  # only once it is ours
+        if inherited is not None:  # systemd's: mode, group and file are the socket unit's
+            sock = cleanup.enter_context(inherited.http)
+            log.info("HTTP API on %s, passed by systemd", settings.socket)
+        else:
+            sock = cleanup.enter_context(
+                bind_unix_socket(settings.socket, settings.socket_mode, gid=gid)
+            )
+            cleanup.callback(remove_socket_file, settings.socket)  # only once it is ours
         sockets = [sock]
         data = None
-        if settings.data_plane:
+        if inherited is not None and inherited.data is not None:
+            data = cleanup.enter_context(inherited.data)
+        elif settings.data_plane:
             data_path = Path(f"{settings.socket}{DATA_SOCKET_SUFFIX}")
+            if inherited is not None:
+                log.info("data socket not passed by systemd: payloadd binds %s", data_path)
             data = cleanup.enter_context(bind_unix_socket(data_path, settings.socket_mode, gid=gid))
             cleanup.callback(remove_socket_file, data_path)
         if settings.tcp_port is not None:
