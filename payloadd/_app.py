@@ -12,10 +12,10 @@ import logging
 import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
-from fastapi import FastAPI, Request, Response
+from fastapi import FastAPI, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
@@ -38,6 +38,7 @@ from payload_client._wire import (
     Health,
     ReadRequest,
     Stats,
+    Usage,
 )
 
 from . import __version__
@@ -50,6 +51,7 @@ from ._openapi import install_openapi, operation
 from ._reads import ExtentReader
 from ._settings import Settings
 from ._store import Store
+from ._usage import DEFAULT_LEDGER, DEFAULT_MAX_STEPS, LIMIT, node_usage
 
 __all__ = ["create_app"]
 
@@ -142,7 +144,8 @@ def create_app(settings: Settings, data_listener: socket.socket | None = None) -
     -------
     fastapi.FastAPI
         Routes ``GET /healthz``, ``GET /v1/stats``, ``GET /v1/fields``, ``POST /v1/append``, ``POST /v1/read``,
-        ``POST /v1/admin/gc``, ``DELETE /v1/admin/runs/{run}`` and ``GET /openapi.json``;
+        ``POST /v1/admin/gc``, ``DELETE /v1/admin/runs/{run}``, ``GET /v1/admin/usage`` and
+        ``GET /openapi.json``;
         behind `TokenGuard` (the admin token, if configured, on ``/v1/admin``; on every call
         that does not come over a Unix socket).
 
@@ -375,6 +378,24 @@ def create_app(settings: Settings, data_listener: socket.socket | None = None) -
         collector: Collector = request.state.collector
         report = await run_in_threadpool(collector.delete_run, run, dry_run=dry_run)
         return _answer(request, report)
+
+    @app.get(
+        "/v1/admin/usage",
+        **operation(
+            200,
+            Usage,
+            "This node's files, bytes and ages per run and step; disk limits; recent GC.",
+            errors=(400, 500),
+        ),
+    )
+    async def usage(
+        request: Request,
+        max_steps: Annotated[int, Query(ge=0, le=LIMIT)] = DEFAULT_MAX_STEPS,
+        ledger: Annotated[int, Query(ge=0, le=LIMIT)] = DEFAULT_LEDGER,
+    ) -> Response:
+        store: Store = request.state.store
+        answer = await run_in_threadpool(node_usage, store, max_steps=max_steps, ledger=ledger)
+        return _answer(request, answer)
 
     install_openapi(app)
     app.add_middleware(TokenGuard, token=token)

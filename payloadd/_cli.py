@@ -1,4 +1,4 @@
-"""The ``payloadd`` command: ``serve``, ``demo``, ``bench`` and ``gc``.
+"""The ``payloadd`` command: ``serve``, ``demo``, ``bench``, ``gc``, ``stat`` and ``inspect``.
 
 ``serve``'s flags are generated from `Settings`, one per field, so a flag, an environment
 variable and a settings field never drift apart.
@@ -99,6 +99,29 @@ def _parser() -> argparse.ArgumentParser:
     from ._gc_cli import add_gc_flags
 
     add_gc_flags(gc)
+    stat = sub.add_parser(
+        "stat",
+        help="summary of a running daemon: disk, rates, runs and steps, GC ledger",
+        description="Sample a running daemon's counters (GET /v1/stats) and usage "
+        "(GET /v1/admin/usage) twice --interval seconds apart and print the daemon, its disk "
+        "and limits, rates, its runs and steps (files, bytes, bytes on disk, age) and the last "
+        "GC collections. Usage is an admin call: give the token with --token-file or "
+        "$PAYLOADD_ADMIN_TOKEN when the daemon has one.",
+    )
+    from ._stat_cli import add_stat_flags
+
+    add_stat_flags(stat)
+    inspect = sub.add_parser(
+        "inspect",
+        help="print the rows a list of segments points to",
+        description="Read a JSON list of segments ([field, file, offset, pos, rows, dtype, "
+        "shape] arrays) and print each one's metadata and first rows, read through a running "
+        "daemon; with --lo/--hi, the window [lo, hi) of each field, fill positions marked. "
+        "Exit status 2 for bad flags or JSON, 1 when a read fails.",
+    )
+    from ._inspect_cli import add_inspect_flags
+
+    add_inspect_flags(inspect)
     return parser
 
 
@@ -142,6 +165,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         from ._gc_cli import run_gc
 
         return run_gc(args)
+    if args.command == "stat":
+        from ._stat_cli import run_stat
+
+        return run_stat(args)
+    if args.command == "inspect":
+        from ._inspect_cli import run_inspect
+
+        return run_inspect(args)
     if args.command == "bench":
         from ._bench import run_bench
 

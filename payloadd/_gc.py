@@ -144,8 +144,9 @@ class Collector:
         planned = {step: self.store.step_files(run, step) for step in steps}
         files = [rel for step in steps for rel in planned[step]]
         if not report.dry_run and files:  # nothing to remove: no line (the ledger stays small)
+            nbytes = sum(_size(self.store.root / rel) for rel in files)
             with os_errors(self.store.root):  # a full disk: 507, and nothing is removed
-                self.store.ledger().record(run, reason, files)  # before any of them goes
+                self.store.ledger().record(run, reason, files, nbytes)  # before any of them goes
         for step in steps:
             removal = self.store.remove_step(
                 run, step, planned[step], dry_run=report.dry_run, idle_since=idle_since
@@ -168,6 +169,14 @@ class Collector:
         report.bytes += nbytes
         report.dirs += removal.dirs
         report.in_use += removal.in_use
+
+
+def _size(path: os.PathLike[str]) -> int:
+    """Apparent size of ``path`` in bytes; 0 when it is gone."""
+    try:
+        return os.lstat(path).st_size
+    except FileNotFoundError:
+        return 0
 
 
 def _newest_mtime(path: os.PathLike[str]) -> float | None:

@@ -6,7 +6,7 @@ One JSON line per collection, appended and fsync'd *before* any of its files is 
 the answer survives restarts and a crash in the middle of a GC:
 
     {"run": "r1", "reason": "watermark", "at": 1764412800.0,
-     "files": ["node0/r1/3/routed_experts-1a2b3c4d-000007.bin", ...]}
+     "files": ["node0/r1/3/routed_experts-1a2b3c4d-000007.bin", ...], "bytes": 1536}
 
 A file is listed only when the collection removes it (a file that never existed stays 404,
 even in a collected step). The file is ``<root>/<node>/@gc-ledger.jsonl``: ``@`` is outside
@@ -55,12 +55,16 @@ class Collected(msgspec.Struct, forbid_unknown_fields=False):
         When, in seconds since the epoch.
     files : list of str
         The removed files, relative to the root.
+    bytes : int or None
+        Sum of their sizes when the collection was planned, in bytes; ``None`` in lines
+        written before this was recorded.
     """
 
     run: str
     reason: str
     at: float
     files: list[str]
+    bytes: int | None = None
 
 
 _decoder = msgspec.json.Decoder(Collected)
@@ -81,6 +85,7 @@ class Ledger:
         self.reserve = path.with_name(RESERVE_NAME)
         self._lock = threading.Lock()
         self._gone: dict[str, Collected] = {}  # file -> its collection
+        self._entries: list[Collected] = []  # every collection, in file order
         self._stamp: tuple[int, int] | None = None  # (size, mtime_ns) last loaded
 
     def _load(self) -> None:
@@ -88,12 +93,13 @@ class Ledger:
         try:
             st = os.stat(self.path)
         except FileNotFoundError:
-            self._gone, self._stamp = {}, None
+            self._gone, self._entries, self._stamp = {}, [], None
             return
         stamp = (st.st_size, st.st_mtime_ns)
         if stamp == self._stamp:
             return
         gone: dict[str, Collected] = {}
+        entries: list[Collected] = []
         with open(self.path, "rb") as f:
             for line in f:
                 try:
@@ -101,10 +107,14 @@ class Ledger:
                 except msgspec.DecodeError:
                     continue  # a torn last line
                 gone.update(dict.fromkeys(c.files, c))
-        self._gone, self._stamp = gone, stamp
+                entries.append(c)
+        self._gone, self._entries, self._stamp = gone, entries, stamp
 
-    def record(self, run: str, reason: str, files: list[str]) -> Collected:
-        """Append one collection of ``files`` (relative paths) and fsync it; return it.
+    def record(
+        self, run: str, reason: str, files: list[str], nbytes: int | None = None
+    ) -> Collected:
+        """Append one collection of ``files`` (relative paths, ``nbytes`` bytes in all) and
+        fsync it; return it.
 
         On a full file system the spare file (`keep_reserve`) is removed to make room.
 
@@ -113,7 +123,7 @@ class Ledger:
         OSError
             When the ledger cannot be written (the caller then removes nothing).
         """
-        c = Collected(run, reason, time.time(), files)
+        c = Collected(run, reason, time.time(), files, nbytes)
         line = _encoder.encode(c) + b"\n"
         with self._lock:
             try:
@@ -184,6 +194,12 @@ class Ledger:
         except OSError:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
+
+    def recent(self, n: int) -> tuple[list[Collected], int]:
+        """The last ``n`` collections, oldest first, and the number of collections in all."""
+        with self._lock:
+            self._load()
+            return (self._entries[-n:] if n > 0 else []), len(self._entries)
 
     def find(self, rel: str) -> Collected | None:
         """The collection that removed file ``rel``, or ``None``."""

@@ -26,6 +26,7 @@ from payload_client._wire import (
     Health,
     ReadRequest,
     Stats,
+    Usage,
 )
 
 __all__ = ["install_openapi", "operation"]
@@ -42,6 +43,7 @@ _, COMPONENTS = msgspec.json.schema_components(
         GcRequest,
         GcReport,
         FieldsTable,
+        Usage,
     ],
     ref_template=_REF,
 )

@@ -38,7 +38,18 @@ from ._segment import (
     validate_segments,
 )
 from ._timeout import Timeout
-from ._wire import FieldSpec, FieldsTable, GcCount, GcReport, Health, Stats
+from ._wire import (
+    FieldSpec,
+    FieldsTable,
+    GcCount,
+    GcEntry,
+    GcReport,
+    Health,
+    RunUsage,
+    Stats,
+    StepUsage,
+    Usage,
+)
 
 __version__ = "0.1.0"
 
@@ -56,6 +67,7 @@ __all__ = [
     "FieldSpec",
     "FieldsTable",
     "GcCount",
+    "GcEntry",
     "GcReport",
     "Health",
     "InvalidRequestError",
@@ -67,14 +79,17 @@ __all__ = [
     "Piece",
     "ProtocolError",
     "ReadResult",
+    "RunUsage",
     "SegmentFileError",
     "ServerError",
     "Stats",
+    "StepUsage",
     "StorageFullError",
     "Timeout",
     "TimeoutError",
     "TransportError",
     "UnauthorizedError",
+    "Usage",
     "Window",
     "WindowPlan",
     "assemble",

@@ -45,6 +45,7 @@ from ._wire import (
     Health,
     ReadRequest,
     Stats,
+    Usage,
 )
 
 __all__ = [
@@ -508,6 +509,15 @@ class BaseClient:
 
     def _fields_call(self) -> Call[FieldsTable]:
         return self._json_call("/v1/fields", FieldsTable)
+
+    def _usage_call(self, max_steps: int | None, ledger: int | None) -> Call[Usage]:
+        query = []
+        if max_steps is not None:
+            query.append(f"max_steps={check_int(max_steps, 'max_steps')}")
+        if ledger is not None:
+            query.append(f"ledger={check_int(ledger, 'ledger')}")
+        path = "/v1/admin/usage" + ("?" + "&".join(query) if query else "")
+        return self._json_call(path, Usage)
 
     def _stats_call(self) -> Call[Stats]:
         return self._json_call("/v1/stats", Stats)

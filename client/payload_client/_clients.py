@@ -22,7 +22,7 @@ from ._errors import TransportError
 from ._segment import PayloadSegment
 from ._timeout import DEFAULT_TIMEOUT_S, Timeout
 from ._transport import Body, dropped, translate
-from ._wire import FieldsTable, GcReport, Health, Stats
+from ._wire import FieldsTable, GcReport, Health, Stats, Usage
 
 __all__ = ["AsyncPayloadClient", "PayloadClient"]
 
@@ -392,6 +392,35 @@ class PayloadClient(BaseClient):
         self._tell_counters(ack=True)
         return self._send(self._stats_call())
 
+    def usage(self, *, max_steps: int | None = None, ledger: int | None = None) -> Usage:
+        """What the daemon's node holds on disk, per run and step: an admin call.
+
+        The daemon walks its node's directory (one ``lstat`` per file) in a worker thread.
+
+        Parameters
+        ----------
+        max_steps : int, optional
+            Most steps listed, and most runs listed (0 to 100000; default: the daemon's,
+            1000). Totals always cover every step.
+        ledger : int, optional
+            Most GC ledger entries returned, the last ones (0 to 100000; default 20).
+
+        Returns
+        -------
+        Usage
+            Files, bytes (apparent and on disk) and newest modification time per run and
+            step, totals, the disk limits, and the last collections of the GC ledger.
+
+        Raises
+        ------
+        InvalidRequestError
+            ``max_steps`` or ``ledger`` not an integer >= 0 (or above 100000: from the
+            daemon, HTTP 400).
+        UnauthorizedError
+            As `gc`.
+        """
+        return self._send(self._usage_call(max_steps, ledger))
+
     def _tell_counters(self, ack: bool = False) -> None:
         if self._dp is not None and self._dp.sock is not None:
             with contextlib.suppress(DataPlaneDownError, TransportError):
@@ -583,6 +612,10 @@ class AsyncPayloadClient(BaseClient):
         """Awaitable `PayloadClient.stats`."""
         await self._tell_counters(ack=True)
         return await self._send(self._stats_call())
+
+    async def usage(self, *, max_steps: int | None = None, ledger: int | None = None) -> Usage:
+        """Awaitable `PayloadClient.usage`."""
+        return await self._send(self._usage_call(max_steps, ledger))
 
     async def _tell_counters(self, ack: bool = False) -> None:
         if self._adp is not None and self._adp.sock is not None:

@@ -36,11 +36,15 @@ __all__ = [
     "FieldsRequest",
     "FieldsTable",
     "GcCount",
+    "GcEntry",
     "GcReport",
     "GcRequest",
     "Health",
     "ReadRequest",
+    "RunUsage",
     "Stats",
+    "StepUsage",
+    "Usage",
 ]
 
 APPEND_CONTENT_TYPE = "application/x-payload-append"
@@ -255,6 +259,134 @@ class FieldsTable(msgspec.Struct, forbid_unknown_fields=False):
 
     fields: dict[str, FieldSpec]
     unknown_fields: Literal["allow", "refuse"] = "allow"
+
+
+class StepUsage(msgspec.Struct):
+    """One step directory of the daemon's node, ``<root>/<node>/<run>/<step>``.
+
+    Attributes
+    ----------
+    step : int
+        The step.
+    files : int
+        Regular files in the directory (data files).
+    bytes : int
+        Sum of their apparent sizes (``st_size``, holes included), in bytes.
+    disk_bytes : int
+        Sum of the space they use (``st_blocks * 512``), in bytes.
+    mtime : float
+        Newest modification time of those files, seconds since the epoch; 0.0 when the
+        directory holds none.
+    """
+
+    step: int
+    files: int
+    bytes: int
+    disk_bytes: int
+    mtime: float
+
+
+class RunUsage(msgspec.Struct):
+    """One run of the daemon's node: totals over all its steps, and the steps listed.
+
+    Attributes
+    ----------
+    run : str
+        The run.
+    files, bytes, disk_bytes, mtime
+        As in `StepUsage`, over every step of the run (listed or not).
+    steps : list of StepUsage
+        Its steps listed, in ascending order (the answer lists at most ``max_steps`` steps
+        in all).
+    more_steps : int
+        Its steps on disk that are not listed.
+    """
+
+    run: str
+    files: int
+    bytes: int
+    disk_bytes: int
+    mtime: float
+    steps: list[StepUsage]
+    more_steps: int = 0
+
+
+class GcEntry(msgspec.Struct):
+    """One collection of the node's GC ledger.
+
+    Attributes
+    ----------
+    at : float
+        When, seconds since the epoch.
+    reason : str
+        The rule: ``watermark``, ``run`` or ``ttl``.
+    run : str
+        The run collected.
+    steps : list of int
+        Its steps collected, ascending.
+    files : int
+        Files the collection listed for removal.
+    bytes : int or None
+        Sum of their sizes when planned, in bytes; ``None`` for lines of a daemon that did
+        not record it.
+    """
+
+    at: float
+    reason: str
+    run: str
+    steps: list[int]
+    files: int
+    bytes: int | None = None
+
+
+class Usage(msgspec.Struct):
+    """Answer of ``GET /v1/admin/usage``: what this daemon's node holds on disk, per run and
+    step, its disk limits, and the last collections of its GC ledger. Bytes in bytes, times
+    in seconds since the epoch.
+
+    Attributes
+    ----------
+    node, root : str
+        The daemon's node prefix and payload root.
+    now : float
+        The daemon's clock when it walked the node's directory (ages are ``now - mtime``).
+    files, bytes, disk_bytes : int
+        Totals over every step directory of the node (`StepUsage`).
+    steps : int
+        Step directories on disk.
+    runs : list of RunUsage
+        Runs in name order, at most ``max_steps`` of them, with at most ``max_steps``
+        steps listed in all (runs in order, steps ascending).
+    more_runs, more_steps : int
+        Runs and steps on disk that are not listed.
+    root_bytes, max_root_bytes, free_bytes, min_free_bytes : int
+        As in `Stats`: the bytes counted against the cap and the cap (0: none), the root's
+        free space and the floor (0: none).
+    ledger : list of GcEntry
+        The last collections of the node's GC ledger, oldest first (at most ``ledger``).
+    ledger_entries : int
+        Collections in the ledger in all.
+    ledger_bytes : int
+        Size of the ledger file.
+    """
+
+    node: str
+    root: str
+    now: float
+    files: int
+    bytes: int
+    disk_bytes: int
+    steps: int
+    runs: list[RunUsage]
+    more_runs: int
+    more_steps: int
+    root_bytes: int
+    max_root_bytes: int
+    free_bytes: int
+    min_free_bytes: int
+    ledger: list[GcEntry]
+    ledger_entries: int
+    ledger_bytes: int
 
 
 class ErrorBody(msgspec.Struct):
