@@ -92,7 +92,8 @@ def _data_reply(conn: socket.socket) -> DataReply:
     conn.settimeout(60)
     with conn.makefile("rb") as stream:
         (n,) = FRAME_PREFIX.unpack(stream.read(FRAME_PREFIX.size))
-        return msgspec.msgpack.decode(stream.read(n), type=DataReply)
+        reply: DataReply = msgspec.msgpack.decode(stream.read(n), type=DataReply)
+    return reply
 
 
 def test_passed_sockets_serve_both_planes_and_a_restart_refuses_no_client(tmp_path: Path) -> None:
