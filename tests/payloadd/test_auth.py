@@ -20,7 +20,12 @@ from payloadd._settings import Settings
 
 PAYLOADD = [sys.executable, "-m", "payloadd"]
 TOKEN = "t0ken-" + "a1b2c3d4" * 4
-ADMIN_CALLS = [("POST", "/v1/admin/gc"), ("DELETE", "/v1/admin/runs/r1"), ("GET", "/v1/admin")]
+ADMIN_CALLS = [
+    ("POST", "/v1/admin/gc"),
+    ("DELETE", "/v1/admin/runs/r1"),
+    ("DELETE", "/v1/admin/nodes/n2/runs/r1"),
+    ("GET", "/v1/admin"),
+]
 
 
 def _free_port() -> int:

@@ -48,6 +48,7 @@ OPERATIONS: dict[tuple[str, str], tuple[int, int]] = {
     ("POST", "/v1/read"): (60, 60),
     ("POST", "/v1/admin/gc"): (30, 30),
     ("DELETE", "/v1/admin/runs/{run}"): (30, 30),
+    ("DELETE", "/v1/admin/nodes/{node}/runs/{run}"): (30, 30),
 }
 
 
