@@ -144,7 +144,8 @@ def create_app(settings: Settings, data_listener: socket.socket | None = None) -
     -------
     fastapi.FastAPI
         Routes ``GET /healthz``, ``GET /v1/stats``, ``GET /v1/fields``, ``POST /v1/append``, ``POST /v1/read``,
-        ``POST /v1/admin/gc``, ``DELETE /v1/admin/runs/{run}``, ``GET /v1/admin/usage`` and
+        ``POST /v1/admin/gc``, ``DELETE /v1/admin/runs/{run}``,
+        ``DELETE /v1/admin/nodes/{node}/runs/{run}``, ``GET /v1/admin/usage`` and
         ``GET /openapi.json``;
         behind `TokenGuard` (the admin token, if configured, on ``/v1/admin``; on every call
         that does not come over a Unix socket).
@@ -169,6 +170,7 @@ def create_app(settings: Settings, data_listener: socket.socket | None = None) -
             max_root_bytes=settings.max_root_bytes,
             min_free_bytes=settings.min_free_bytes,
             fields=settings.fields_table(),
+            foreign_reads=settings.foreign_reads,
         )
         log.info("payloadd %s: root %s, node %s", __version__, store.root, store.node)
         flusher = None
@@ -396,6 +398,22 @@ def create_app(settings: Settings, data_listener: socket.socket | None = None) -
         store: Store = request.state.store
         answer = await run_in_threadpool(node_usage, store, max_steps=max_steps, ledger=ledger)
         return _answer(request, answer)
+
+    @app.delete(
+        "/v1/admin/nodes/{node}/runs/{run}",
+        **operation(
+            200,
+            GcReport,
+            "Remove every step of a run of another node's prefix (a shared payload root).",
+            errors=(400, 500),
+        ),
+    )
+    async def delete_node_run(
+        request: Request, node: str, run: str, dry_run: bool = False
+    ) -> Response:
+        collector: Collector = request.state.collector
+        report = await run_in_threadpool(collector.delete_run, run, dry_run=dry_run, node=node)
+        return _answer(request, report)
 
     install_openapi(app)
     app.add_middleware(TokenGuard, token=token)

@@ -93,7 +93,8 @@ def _parser() -> argparse.ArgumentParser:
         help="garbage-collect on a running daemon",
         description="Ask a running daemon to remove a run's steps up to a watermark "
         "(--run, --before-step), a whole run (--delete-run), steps older than a TTL (--ttl-s), "
-        "orphans and empty directories. Prints the report as JSON. An admin call: give the "
+        "orphans and empty directories; with --node, under another node's prefix of a shared "
+        "root. Prints the report as JSON. An admin call: give the "
         "token with --token-file or $PAYLOADD_ADMIN_TOKEN when the daemon has one.",
     )
     from ._gc_cli import add_gc_flags

@@ -271,7 +271,9 @@ class DataPlaneServer:
             if isinstance(req, OpenRequest):
                 for rel, end in req.files:
                     fds.append(self.store.open_for_read(rel, end))
-                return OpenReply(len(fds)), fds
+                keeps = self.store.reads.keeps
+                once = [i for i, (rel, _) in enumerate(req.files) if not keeps(rel)]
+                return OpenReply(len(fds), once), fds
             if isinstance(req, ReserveRequest):
                 p = self.store.begin_append(req.items)
                 txn = next(self._txns)

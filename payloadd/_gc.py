@@ -19,6 +19,15 @@ A spare file beside the ledger makes room for that line on a full disk, when GC 
 needed most.
 A file a pending append writes to is never removed (`Store.remove_step`). A read already in
 progress holds its descriptors open and completes intact.
+
+**Another node's prefix** (a shared root; ``GcRequest.node``, `Collector.delete_run`): only
+when asked, and only the rules asked for: the watermark, the run, and the age rule when a
+``ttl_s`` is given (by the files' ages alone: this daemon does not see that node's appends
+and reads). No orphans: an empty file there may be one its daemon just created; the step
+and run directories the collection empties go. The ledger line goes to that node's ledger,
+so reads through any daemon answer 410. This daemon does not see that node's appends in
+flight or its leases either: collect a node whose daemon is stopped, or steps nobody
+appends to any more (docs/deployment.md).
 """
 
 from __future__ import annotations
@@ -61,25 +70,49 @@ class Collector:
     def collect(self, req: GcRequest) -> GcReport:
         """Apply the watermark of ``req`` (if any), the age rule, and the clean-up.
 
+        With ``req.node`` naming another node: the watermark and, when ``req.ttl_s`` is
+        given, the age rule (by file age alone), on that node's prefix; no clean-up.
+
         Raises
         ------
         InvalidRequestError
-            ``run`` without ``before_step`` or the reverse, or a bad run name.
+            ``run`` without ``before_step`` or the reverse, a bad run or node name, or
+            another node without a watermark or a ``ttl_s``.
         """
         if (req.run is None) != (req.before_step is None):
             raise InvalidRequestError("run and before_step go together: give both or neither")
+        node = self._other(req.node)
+        if node is not None and req.run is None and req.ttl_s is None:
+            raise InvalidRequestError(
+                f"a collection of node {node!r}, not this daemon's ({self.store.node!r}), "
+                "needs run and before_step, or ttl_s"
+            )
         report = GcReport(dry_run=req.dry_run)
         with self._lock:
             if req.run is not None and req.before_step is not None:
                 run = check_name(req.run, "run")
-                steps = [s for s in self.store.runs().get(run, []) if s <= req.before_step]
-                self._remove(report, "watermark", run, steps)
-            ttl = req.ttl_s if req.ttl_s is not None else self.ttl_s
+                steps = [s for s in self.store.runs(node).get(run, []) if s <= req.before_step]
+                self._remove(report, "watermark", run, steps, node=node)
+            default = self.ttl_s if node is None else 0.0  # another node: only when asked
+            ttl = req.ttl_s if req.ttl_s is not None else default
             if ttl > 0:
-                self._expire(report, ttl)
-            self._add(report, "orphan", self.store.remove_orphans(dry_run=req.dry_run))
+                self._expire(report, ttl, node)
+            if node is None:
+                self._add(report, "orphan", self.store.remove_orphans(dry_run=req.dry_run))
             self.store.ledger().keep_reserve()
         return report
+
+    def _other(self, node: str | None) -> str | None:
+        """``node`` when it names another node than this daemon's, else ``None``.
+
+        Raises
+        ------
+        InvalidRequestError
+            A bad node name.
+        """
+        if node is None or node == self.store.node:
+            return None
+        return check_name(node, "node")
 
     def sweep(self) -> GcReport:
         """The background sweep: the age rule, orphans, empty directories; then the bytes
@@ -89,31 +122,34 @@ class Collector:
         self.store.forget_unused_runs()
         return report
 
-    def delete_run(self, run: str, *, dry_run: bool = False) -> GcReport:
-        """Remove every step of ``run`` on this node.
+    def delete_run(self, run: str, *, dry_run: bool = False, node: str | None = None) -> GcReport:
+        """Remove every step of ``run`` on this node, or on ``node``'s prefix.
 
         Raises
         ------
         InvalidRequestError
-            A bad run name.
+            A bad run or node name.
         """
         run = check_name(run, "run")
+        other = self._other(node)
         report = GcReport(dry_run=dry_run)
         with self._lock:
-            steps = self.store.runs().get(run, [])
-            self._remove(report, "run", run, steps)
+            steps = self.store.runs(other).get(run, [])
+            self._remove(report, "run", run, steps, node=other)
             if not dry_run:
-                report.dirs += self.store.remove_run_dir(run)
+                report.dirs += self.store.remove_run_dir(run, other)
             self.store.ledger().keep_reserve()
         return report
 
-    def _expire(self, report: GcReport, ttl: float) -> None:
+    def _expire(self, report: GcReport, ttl: float, node: str | None = None) -> None:
         """The age rule: steps whose newest file is older than ``ttl`` seconds, of runs idle
-        for as long."""
+        for as long (another node's: by the files' ages alone)."""
         now_wall, now = time.time(), time.monotonic()
-        base = self.store.root / self.store.node
-        for run, steps in self.store.runs().items():
-            if self.store.last_used.get(run, self.store.started) > now - ttl:
+        own = node is None
+        idle_since = now - ttl if own else None
+        base = self.store.root / (node or self.store.node)
+        for run, steps in self.store.runs(node).items():
+            if own and self.store.last_used.get(run, self.store.started) > now - ttl:
                 continue
             for step in steps:
                 newest = _newest_mtime(base / run / str(step))
@@ -123,14 +159,15 @@ class Collector:
                     probe = self.store.remove_step(
                         run,
                         step,
-                        self.store.step_files(run, step),
+                        self.store.step_files(run, step, node),
                         dry_run=True,
-                        idle_since=now - ttl,
+                        idle_since=idle_since,
+                        node=node,
                     )
                     if not probe.files:
                         report.in_use += probe.in_use
                         continue
-                self._remove(report, "ttl", run, [step], idle_since=now - ttl)
+                self._remove(report, "ttl", run, [step], idle_since=idle_since, node=node)
 
     def _remove(
         self,
@@ -139,24 +176,30 @@ class Collector:
         run: str,
         steps: Iterable[int],
         idle_since: float | None = None,
+        node: str | None = None,
     ) -> None:
         steps = list(steps)
-        planned = {step: self.store.step_files(run, step) for step in steps}
+        planned = {step: self.store.step_files(run, step, node) for step in steps}
         files = [rel for step in steps for rel in planned[step]]
         if not report.dry_run and files:  # nothing to remove: no line (the ledger stays small)
             nbytes = sum(_size(self.store.root / rel) for rel in files)
             with os_errors(self.store.root):  # a full disk: 507, and nothing is removed
-                self.store.ledger().record(run, reason, files, nbytes)  # before any of them goes
+                self.store.ledger(node).record(run, reason, files, nbytes)  # before any of them goes
         for step in steps:
             removal = self.store.remove_step(
-                run, step, planned[step], dry_run=report.dry_run, idle_since=idle_since
+                run, step, planned[step], dry_run=report.dry_run, idle_since=idle_since, node=node
             )
             self._add(report, reason, removal)
             if removal.files or removal.dirs:
                 report.steps.append((run, step))
+        if node is not None and steps and not report.dry_run:  # no orphan pass there
+            report.dirs += self.store.remove_run_dir(run, node)
         if steps:
             dry = " (dry run)" if report.dry_run else ""
-            log.info("gc %s: run %s, steps %s..%s%s", reason, run, steps[0], steps[-1], dry)
+            where = "" if node is None else f" of node {node}"
+            log.info(
+                "gc %s: run %s%s, steps %s..%s%s", reason, run, where, steps[0], steps[-1], dry
+            )
 
     @staticmethod
     def _add(report: GcReport, reason: str, removal: Removal) -> None:

@@ -40,6 +40,12 @@ def add_gc_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--delete-run", metavar="RUN", help="remove every step of RUN (instead of the rules)"
     )
+    parser.add_argument(
+        "--node",
+        help="collect this node's prefix of a shared payload root instead of the daemon's own "
+        "(e.g. a node that is gone): with --run and --before-step, --ttl-s or --delete-run; "
+        "the daemon does not see that node's appends in flight [default: the daemon's node]",
+    )
     parser.add_argument("--dry-run", action="store_true", help="report only, remove nothing")
 
 
@@ -52,15 +58,27 @@ def run_gc(args: argparse.Namespace) -> int:
     if args.delete_run is not None and (args.run is not None or args.ttl_s is not None):
         print("payloadd gc: --delete-run goes alone (not with --run, --ttl-s)", file=sys.stderr)
         return 2
+    if args.node is not None and args.run is None and args.ttl_s is None and not args.delete_run:
+        print(
+            "payloadd gc: --node needs --run and --before-step, --ttl-s, or --delete-run",
+            file=sys.stderr,
+        )
+        return 2
     token = os.environ.get("PAYLOADD_ADMIN_TOKEN") or None
     try:
         if args.token_file is not None:
             token = args.token_file.read_text().strip()
         with PayloadClient(args.socket, base_url=args.base_url, token=token) as c:
             if args.delete_run is not None:
-                report = c.delete_run(args.delete_run, dry_run=args.dry_run)
+                report = c.delete_run(args.delete_run, dry_run=args.dry_run, node=args.node)
             else:
-                report = c.gc(args.run, args.before_step, ttl_s=args.ttl_s, dry_run=args.dry_run)
+                report = c.gc(
+                    args.run,
+                    args.before_step,
+                    ttl_s=args.ttl_s,
+                    dry_run=args.dry_run,
+                    node=args.node,
+                )
     except (PayloadError, OSError) as exc:
         print(f"payloadd gc: {exc}", file=sys.stderr)
         return 1

@@ -89,18 +89,25 @@ class Ledger:
         self._stamp: tuple[int, int] | None = None  # (size, mtime_ns) last loaded
 
     def _load(self) -> None:
-        """Reload when the file changed (another node's daemon may append to its own)."""
+        """Reload when the file changed (another node's daemon may append to its own).
+
+        The file is opened, not only looked at: on NFS an open revalidates the file's
+        attributes and cached pages with the server (close-to-open consistency), where a
+        ``stat`` may answer from the client's attribute cache. A node prefix that does not
+        exist, or is not a directory, has no ledger.
+        """
         try:
-            st = os.stat(self.path)
-        except FileNotFoundError:
+            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        except (FileNotFoundError, NotADirectoryError):
             self._gone, self._entries, self._stamp = {}, [], None
             return
-        stamp = (st.st_size, st.st_mtime_ns)
-        if stamp == self._stamp:
-            return
-        gone: dict[str, Collected] = {}
-        entries: list[Collected] = []
-        with open(self.path, "rb") as f:
+        with open(fd, "rb") as f:
+            st = os.fstat(fd)
+            stamp = (st.st_size, st.st_mtime_ns)
+            if stamp == self._stamp:
+                return
+            gone: dict[str, Collected] = {}
+            entries: list[Collected] = []
             for line in f:
                 try:
                     c = _decoder.decode(line)

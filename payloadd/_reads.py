@@ -16,7 +16,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from payload_client import (
     FileGoneError,
@@ -52,6 +52,10 @@ class Readers:
     touch : callable
         Called with the run of every read under this node's prefix (so the GC age rule
         spares runs being read).
+    foreign_reads : {"cached", "reopen"}
+        ``reopen``: a file under another node's prefix is opened anew for every read and its
+        descriptor never kept (`keeps`), so that on NFS each read sees what that node's
+        daemon flushed before it (close-to-open consistency).
 
     Attributes
     ----------
@@ -60,9 +64,15 @@ class Readers:
     """
 
     def __init__(
-        self, root: Path, node: str, max_read_bytes: int, touch: Callable[[str], None]
+        self,
+        root: Path,
+        node: str,
+        max_read_bytes: int,
+        touch: Callable[[str], None],
+        foreign_reads: Literal["cached", "reopen"] = "cached",
     ) -> None:
         self.root, self.node, self.max_read_bytes = root, node, max_read_bytes
+        self.foreign_reads = foreign_reads
         self._root_prefix = str(root) + os.sep
         self._touch = touch
         self._lock = threading.Lock()
@@ -99,11 +109,14 @@ class Readers:
         -----
         Descriptors of recently read files are kept open (`READ_CACHE` of them). A cached one
         is used only while ``rel`` still names the same file (one ``stat``), so a removed or
-        replaced file is never served from the cache.
+        replaced file is never served from the cache. A file this daemon does not keep
+        descriptors of (`keeps`) is opened anew.
         """
         node, _, rest = rel.partition("/")
         if node == self.node:  # a run being read is in use (the TTL rule spares it)
             self._touch(rest.partition("/")[0])
+        if not self.keeps(rel):
+            return self._open_checked(rel, end)
         with self._lock:
             hit = self._readers.get(rel)
             if hit is not None:
@@ -132,6 +145,11 @@ class Readers:
             while len(self._readers) > READ_CACHE:
                 os.close(self._readers.popitem(last=False)[1][0])
         return fd
+
+    def keeps(self, rel: str) -> bool:
+        """Whether a descriptor of ``rel`` may be kept for later reads: always, except for a
+        file under another node's prefix under ``foreign_reads="reopen"``."""
+        return self.foreign_reads == "cached" or rel.partition("/")[0] == self.node
 
     def drop(self, rel: str) -> None:
         """Close the cached descriptor of ``rel``, if any (its file was removed)."""
@@ -230,7 +248,8 @@ class Readers:
                 if e.file not in fds:
                     fds[e.file] = self.open_for_read(e.file, e.end)
                 elif e.end > os.fstat(fds[e.file]).st_size:
-                    self.open_for_read(e.file, e.end)  # raises the size error
+                    os.close(self.open_for_read(e.file, e.end))  # raises the size error
+                    # (or the file grew meanwhile: its first descriptor reads the rest too)
         except BaseException:
             for fd in fds.values():
                 os.close(fd)

@@ -156,6 +156,14 @@ class Settings(BaseSettings):
         description="Seconds between two flushes under fsync=interval: every data file written "
         "since the last flush (and every file with a data-plane lease) is fsync'd.",
     )
+    foreign_reads: Literal["cached", "reopen"] = Field(
+        "cached",
+        description="Reads of files under another node's prefix (a shared root): cached: "
+        "their descriptors are kept and reused, as for this node's files (a local root, or a "
+        "file system coherent across nodes such as Lustre); reopen: each read opens the file "
+        "anew, and data-plane clients are told to close it after the read (NFS: close-to-open "
+        "consistency).",
+    )
     max_root_bytes: int = Field(
         0,
         ge=0,

@@ -78,6 +78,10 @@ class Store:
         files' apparent sizes plus reserved bytes (see `payloadd._limits`).
     min_free_bytes : int
         Free-space floor of the root's file system; 0 for none.
+    fields : FieldsTable, optional
+        What each field takes (`check_item`); default: any field, any supported dtype.
+    foreign_reads : {"cached", "reopen"}
+        Whether descriptors of files under other nodes' prefixes are kept (see `Readers`).
     """
 
     def __init__(
@@ -93,6 +97,7 @@ class Store:
         max_root_bytes: int = 0,
         min_free_bytes: int = 0,
         fields: FieldsTable | None = None,
+        foreign_reads: Literal["cached", "reopen"] = "cached",
     ) -> None:
         self.node = check_name(node, "node")
         self.root = self.check_root(root)
@@ -111,7 +116,7 @@ class Store:
         self._files: OrderedDict[tuple[str, int, str], _File] = OrderedDict()
         self._open: dict[str, _File] = {}  # every file whose descriptor is open, by path
         self.last_used: dict[str, float] = {}  # run of this node -> monotonic time
-        self.reads = Readers(self.root, self.node, max_read_bytes, self.touch)
+        self.reads = Readers(self.root, self.node, max_read_bytes, self.touch, foreign_reads)
         self._seq = 0
         self._counts = {"appends": 0, "rows_appended": 0, "bytes_appended": 0}
         self._counts |= {"data_plane_requests": 0}
@@ -385,10 +390,11 @@ class Store:
 
     # -- removal (garbage collection; the rules are in _gc.py) ---------------------------
 
-    def runs(self) -> dict[str, list[int]]:
-        """This node's runs and their steps on disk, both sorted."""
+    def runs(self, node: str | None = None) -> dict[str, list[int]]:
+        """The runs of ``node`` (default: this daemon's) and their steps on disk, both
+        sorted."""
         out: dict[str, list[int]] = {}
-        base = self.root / self.node
+        base = self.root / (node or self.node)
         for run in sorted(_dir_names(base)):
             steps = (_step_of(name) for name in _dir_names(base / run))
             out[run] = sorted(step for step in steps if step is not None)
@@ -400,9 +406,10 @@ class Store:
             if not os.path.isdir(self.root / self.node / run):
                 self.last_used.pop(run, None)
 
-    def step_files(self, run: str, step: int) -> list[str]:
-        """The data files of one step of this node, relative to the root, sorted."""
-        rel_dir = f"{self.node}/{run}/{step}"
+    def step_files(self, run: str, step: int, node: str | None = None) -> list[str]:
+        """The data files of one step of ``node`` (default: this daemon's), relative to the
+        root, sorted."""
+        rel_dir = f"{node or self.node}/{run}/{step}"
         return [f"{rel_dir}/{name}" for name in _file_names(self.root / rel_dir)]
 
     def remove_step(
@@ -413,14 +420,19 @@ class Store:
         *,
         dry_run: bool = False,
         idle_since: float | None = None,
+        node: str | None = None,
     ) -> Removal:
-        """Remove the data files of one step of this node, then its directory if empty.
+        """Remove the data files of one step, then its directory if empty.
 
         Files a pending append still writes to are kept (`Removal.in_use`). A leased file is
         removed: the data-plane client checks its file after writing and places the rows
         again in a new lease when it is gone, so no acknowledged append is lost. The
         daemon's cached read descriptor of a removed file is closed; a client's (or a read
         in progress) keeps the file's blocks until closed.
+
+        Another node's step (``node``) is removed the same way, but this daemon knows
+        nothing of that node's appends in flight and leases: see `Collector`. Its bytes do
+        not count against this daemon's cap.
 
         Parameters
         ----------
@@ -433,17 +445,24 @@ class Store:
             Count, remove nothing.
         idle_since : float, optional
             Monotonic time: remove nothing when the run was appended to or read after it
-            (checked under the lock that appends take).
+            (checked under the lock that appends take; this node's runs only).
+        node : str, optional
+            The node prefix; default: this daemon's.
 
         Returns
         -------
         Removal
             What was (or would be) removed.
         """
-        rel_dir = f"{self.node}/{run}/{step}"
+        own = node is None or node == self.node
+        rel_dir = f"{self.node if own else node}/{run}/{step}"
         out = Removal()
         with self._lock, os_errors(self.root):
-            if idle_since is not None and self.last_used.get(run, self.started) > idle_since:
+            if (
+                own
+                and idle_since is not None
+                and self.last_used.get(run, self.started) > idle_since
+            ):
                 return out
             for rel in sorted(files):
                 f = self._open.get(rel)
@@ -464,16 +483,18 @@ class Store:
                     if f.fd >= 0:  # leases write through their own descriptors: this one
                         self._close_file(f)  # would only hold the space
                 os.unlink(self.root / rel)
-                self._budget.forget(size)
+                if own:
+                    self._budget.forget(size)
                 self.reads.drop(rel)
             if not dry_run:
                 out.dirs += _rmdir_if_empty(self.root / rel_dir)
         return out
 
-    def remove_run_dir(self, run: str) -> int:
-        """Remove the directory of ``run`` of this node if it is empty; 1 if removed."""
+    def remove_run_dir(self, run: str, node: str | None = None) -> int:
+        """Remove the directory of ``run`` of ``node`` (default: this daemon's) if it is
+        empty; 1 if removed."""
         with self._lock:
-            return _rmdir_if_empty(self.root / self.node / run)
+            return _rmdir_if_empty(self.root / (node or self.node) / run)
 
     def remove_orphans(self, *, dry_run: bool = False) -> Removal:
         """Remove this node's empty data files of earlier daemons, and empty directories.

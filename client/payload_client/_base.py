@@ -483,7 +483,12 @@ class BaseClient:
         return Call(method, path, decode=decode, headers=headers, body=chunks, idempotent=True)
 
     def _gc_call(
-        self, run: str | None, before_step: int | None, ttl_s: float | None, dry_run: bool
+        self,
+        run: str | None,
+        before_step: int | None,
+        ttl_s: float | None,
+        dry_run: bool,
+        node: str | None = None,
     ) -> Call[GcReport]:
         if (run is None) != (before_step is None):
             raise InvalidRequestError("run and before_step go together: give both or neither")
@@ -499,13 +504,20 @@ class BaseClient:
             raise InvalidRequestError(
                 f"ttl_s must be a finite number of seconds >= 0, got {ttl_s!r}"
             )
-        req = GcRequest(run, before_step, None if ttl_s is None else float(ttl_s), bool(dry_run))
+        if node is not None:
+            check_name(node, "node")
+        ttl = None if ttl_s is None else float(ttl_s)
+        req = GcRequest(run, before_step, ttl, bool(dry_run), node)
         return self._json_call("/v1/admin/gc", GcReport, "POST", req)
 
-    def _delete_run_call(self, run: str, dry_run: bool) -> Call[GcReport]:
+    def _delete_run_call(self, run: str, dry_run: bool, node: str | None = None) -> Call[GcReport]:
         check_name(run, "run")
         query = "?dry_run=true" if dry_run else ""
-        return self._json_call(f"/v1/admin/runs/{run}{query}", GcReport, "DELETE")
+        if node is None:
+            return self._json_call(f"/v1/admin/runs/{run}{query}", GcReport, "DELETE")
+        check_name(node, "node")  # a route of its own: an older daemon answers 404
+        path = f"/v1/admin/nodes/{node}/runs/{run}{query}"
+        return self._json_call(path, GcReport, "DELETE")
 
     def _fields_call(self) -> Call[FieldsTable]:
         return self._json_call("/v1/fields", FieldsTable)

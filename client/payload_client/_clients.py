@@ -332,8 +332,9 @@ class PayloadClient(BaseClient):
         *,
         ttl_s: float | None = None,
         dry_run: bool = False,
+        node: str | None = None,
     ) -> GcReport:
-        """Garbage-collect on the daemon's node: an admin call.
+        """Garbage-collect on the daemon's node, or on another node's prefix: an admin call.
 
         Parameters
         ----------
@@ -348,18 +349,25 @@ class PayloadClient(BaseClient):
             0: no age rule in this call.
         dry_run : bool, default False
             Report what would go; remove nothing.
+        node : str, optional
+            On a payload root shared by several nodes: collect this node's prefix instead
+            of the daemon's own (e.g. a node that is gone). Only the rules asked for apply:
+            the watermark, and the age rule when ``ttl_s`` is given (by the files' ages
+            alone); no orphans. The daemon does not see that node's appends in flight: see
+            docs/deployment.md. A daemon older than this option refuses it (400).
 
         Returns
         -------
         GcReport
             Files, bytes (the files' sizes), directories removed, per reason, and the steps
             collected. Orphans (empty files of an earlier daemon) and empty directories are
-            removed by every call.
+            removed by every call on the daemon's own node.
 
         Raises
         ------
         InvalidRequestError
-            ``run`` without ``before_step`` (or the reverse), a bad run name or step.
+            ``run`` without ``before_step`` (or the reverse), a bad run name, node name or
+            step, or another ``node`` with neither a watermark nor ``ttl_s``.
         UnauthorizedError
             The daemon wants an admin token and this client has none, or a wrong one.
 
@@ -368,19 +376,21 @@ class PayloadClient(BaseClient):
         Reads of a collected segment then raise `FileGoneError` (410), naming its run and
         step; a file a pending append writes to is kept (``GcReport.in_use``). DESIGN §5, §8.
         """
-        return self._send(self._gc_call(run, before_step, ttl_s, dry_run))
+        return self._send(self._gc_call(run, before_step, ttl_s, dry_run, node))
 
-    def delete_run(self, run: str, *, dry_run: bool = False) -> GcReport:
-        """Remove every step of ``run`` on the daemon's node: an admin call.
+    def delete_run(self, run: str, *, dry_run: bool = False, node: str | None = None) -> GcReport:
+        """Remove every step of ``run`` on the daemon's node, or of ``node``'s prefix (as in
+        `gc`): an admin call.
 
         Raises
         ------
         InvalidRequestError
-            A bad run name.
+            A bad run or node name; with ``node``, a daemon older than that option
+            (``Not Found (HTTP 404)``: it removes nothing).
         UnauthorizedError
             As `gc`.
         """
-        return self._send(self._delete_run_call(run, dry_run))
+        return self._send(self._delete_run_call(run, dry_run, node))
 
     def fields(self) -> FieldsTable:
         """Return the daemon's fields table: the dtypes, fill and maximum width of each field,
@@ -596,13 +606,16 @@ class AsyncPayloadClient(BaseClient):
         *,
         ttl_s: float | None = None,
         dry_run: bool = False,
+        node: str | None = None,
     ) -> GcReport:
         """Awaitable `PayloadClient.gc`."""
-        return await self._send(self._gc_call(run, before_step, ttl_s, dry_run))
+        return await self._send(self._gc_call(run, before_step, ttl_s, dry_run, node))
 
-    async def delete_run(self, run: str, *, dry_run: bool = False) -> GcReport:
+    async def delete_run(
+        self, run: str, *, dry_run: bool = False, node: str | None = None
+    ) -> GcReport:
         """Awaitable `PayloadClient.delete_run`."""
-        return await self._send(self._delete_run_call(run, dry_run))
+        return await self._send(self._delete_run_call(run, dry_run, node))
 
     async def fields(self) -> FieldsTable:
         """Awaitable `PayloadClient.fields`."""

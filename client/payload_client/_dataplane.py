@@ -285,7 +285,11 @@ def read_steps(
     cache: ReadCache,
     scratch: Scratch,
 ) -> Steps[None]:
-    """Get descriptors for the files not cached yet, then pread every piece into its output."""
+    """Get descriptors for the files not cached yet, then pread every piece into its output.
+
+    A descriptor the daemon marks ``read_once`` (`OpenReply`) serves this read only and is
+    closed after it, never cached.
+    """
     ends: dict[str, int] = {}
     for plan in plans:
         for p in plan.pieces if plan is not None else ():
@@ -293,6 +297,7 @@ def read_steps(
     if not ends:
         return
     cache.used.update(ends)  # told to the daemon (GC spares runs in use)
+    once: list[int] = []  # descriptors of this read only: closed at its end
     cache.begin()  # nothing this read uses is closed before it ends
     try:
         fds_by_file: dict[str, int] = {}
@@ -312,12 +317,17 @@ def read_steps(
             batch = missing[start : start + MAX_FDS]
             reply, fds = yield Exchange(OpenRequest(batch))
             _raise_for(reply, fds, OpenReply)
+            assert isinstance(reply, OpenReply)
             if len(fds) != len(batch):
                 for fd in fds:
                     os.close(fd)
                 raise ProtocolError(f"open sent {len(fds)} descriptors for {len(batch)} files")
-            for (f, _), fd in zip(batch, fds, strict=True):
-                cache.put(f, fd)
+            keep = set(range(len(fds))).difference(reply.read_once)
+            for i, ((f, _), fd) in enumerate(zip(batch, fds, strict=True)):
+                if i in keep:
+                    cache.put(f, fd)
+                else:
+                    once.append(fd)
                 fds_by_file[f] = fd
                 sizes[f] = os.fstat(fd).st_size
         for f, end in ends.items():  # a cached descriptor is re-checked: the same rule as HTTP
@@ -348,3 +358,5 @@ def read_steps(
         yield Blocking(read, total)
     finally:
         cache.end()
+        for fd in once:
+            os.close(fd)

@@ -4,7 +4,9 @@ Evolution rule: a Struct only ever gains fields appended at the end, each with a
 an older peer decodes a newer message (unknown trailing fields are ignored) and a newer peer
 decodes an older one (missing fields take their defaults).
 Fields are never reordered, renamed, retyped or removed; tags stay. The one strict Struct is
-`GcRequest`: it refuses unknown fields (docs/http-api.md, "Wire evolution").
+`GcRequest`: it refuses unknown fields (docs/http-api.md, "Wire evolution"), and it is encoded
+without the fields at their defaults, so that an older daemon takes a newer client's request
+unless that request uses a field the daemon does not know.
 
 Append body (``POST /v1/append``, ``Content-Type: application/x-payload-append``)::
 
@@ -167,10 +169,12 @@ class Health(msgspec.Struct):
     version: str
 
 
-class GcRequest(msgspec.Struct, forbid_unknown_fields=True):
+class GcRequest(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     """Body of ``POST /v1/admin/gc`` (JSON or msgpack): what to collect.
 
-    Strict: an unknown field is refused (400), never dropped, since GC removes data.
+    Strict: an unknown field is refused (400), never dropped, since GC removes data. Fields
+    at their defaults are not encoded: a request that uses no new field is one an older
+    daemon takes.
 
     Attributes
     ----------
@@ -185,15 +189,21 @@ class GcRequest(msgspec.Struct, forbid_unknown_fields=True):
         daemon's ``ttl_s`` setting. 0: no age rule in this call.
     dry_run : bool, default False
         Report what would be removed; remove nothing.
+    node : str, optional
+        Collect this node's prefix of a shared payload root instead of the daemon's own:
+        the watermark, and the age rule only when ``ttl_s`` is given (by the files' ages
+        alone); no orphans. One of the two is needed. Default: the daemon's own node.
 
-    Every call also removes orphans (files an earlier daemon created that hold no byte,
-    so no append was acknowledged from them) and empty directories of this node.
+    Every call on the daemon's own node also removes orphans (files an earlier daemon
+    created that hold no byte, so no append was acknowledged from them) and empty
+    directories of this node.
     """
 
     run: str | None = None
     before_step: Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)] | None = None
     ttl_s: Annotated[float, msgspec.Meta(ge=0)] | None = None
     dry_run: bool = False
+    node: str | None = None
 
 
 class GcCount(msgspec.Struct):
@@ -413,9 +423,16 @@ class OpenRequest(msgspec.Struct, tag="open", array_like=True):
 
 
 class OpenReply(msgspec.Struct, tag="opened", array_like=True):
-    """One read-only descriptor per requested file, in order, as SCM_RIGHTS."""
+    """One read-only descriptor per requested file, in order, as SCM_RIGHTS.
+
+    ``read_once`` lists the indexes (in reply order) of the descriptors the client uses for
+    this read only and then closes, instead of keeping them for later reads: files of
+    another node's prefix under the daemon's ``foreign_reads="reopen"`` (on NFS a kept
+    descriptor may show stale sizes and pages).
+    """
 
     count: int
+    read_once: list[int] = []
 
 
 class ReserveRequest(msgspec.Struct, tag="reserve", array_like=True):

@@ -5,7 +5,7 @@ version (same name, tag and options, one more trailing field with a default) and
 msgpack and JSON, that what the newer version encodes decodes in today's (the extra field is
 ignored) and that what today's version encodes decodes in the newer one (the new field takes
 its default). `GcRequest` is strict on purpose (see ``docs/http-api.md``, "Wire evolution"):
-it refuses unknown fields instead. The layout of today's Structs is pinned, so a reordered,
+it refuses unknown fields instead, and leaves out the fields at their defaults when encoded. The layout of today's Structs is pinned, so a reordered,
 renamed, retyped or non-defaulted field fails here.
 """
 
@@ -76,7 +76,8 @@ EXTRA_VALUE = 7
 EXTRA_DEFAULT = 0
 
 STRICT: frozenset[type[msgspec.Struct]] = frozenset({GcRequest})
-"""Structs that refuse unknown fields (documented in docs/http-api.md)."""
+"""Structs that refuse unknown fields, and are encoded without the fields at their defaults
+(documented in docs/http-api.md)."""
 
 SEG = PayloadSegment("routed_experts", "n/r/0/f-1.bin", 12, 40, 3, "uint8", [48, 8])
 ITEM = AppendItem("routed_experts", "uint8", [48, 8], 3, 40, "r", 2)
@@ -116,11 +117,11 @@ EXAMPLES: dict[type[msgspec.Struct], msgspec.Struct] = {
     ),
     Health: Health("ok", "n", "1.0"),
     ErrorBody: ErrorBody("InvalidRequestError", "bad"),
-    GcRequest: GcRequest("r", 3, 60.0, True),
+    GcRequest: GcRequest("r", 3, 60.0, True, "node-b"),
     GcCount: GcCount(2, 10),
     GcReport: GcReport(True, 2, 10, 1, {"watermark": GcCount(2, 10)}, 1, [("r", 3)]),
     OpenRequest: OpenRequest([("a.bin", 8), ("b.bin", 16)]),
-    OpenReply: OpenReply(2),
+    OpenReply: OpenReply(2, [1]),
     ReserveRequest: ReserveRequest([ITEM]),
     ReservedExtent: ReservedExtent(1, 64, 128),
     ReserveReply: ReserveReply(5, ["a.bin", "b.bin"], [ReservedExtent(0, 0, 8)]),
@@ -217,6 +218,7 @@ LAYOUT: dict[str, list[str]] = {
         "before_step: Optional[Annotated[int, msgspec.Meta(ge=0, le=9223372036854775807)]] = None",
         "ttl_s: Optional[Annotated[float, msgspec.Meta(ge=0)]] = None",
         "dry_run: bool = False",
+        "node: str | None = None",
     ],
     "GcCount": ["files: int = 0", "bytes: int = 0"],
     "GcReport": [
@@ -229,7 +231,7 @@ LAYOUT: dict[str, list[str]] = {
         "steps: list[tuple[str, int]] = list()",
     ],
     "OpenRequest": [f"files: list[tuple[str, {NNI}]]"],
-    "OpenReply": ["count: int"],
+    "OpenReply": ["count: int", "read_once: list[int] = list()"],
     "ReserveRequest": ["items: list[AppendItem]"],
     "ReservedExtent": ["file: int", "offset: int", "nbytes: int"],
     "ReserveReply": ["txn: int", "files: list[str]", "extents: list[ReservedExtent]"],
@@ -436,7 +438,7 @@ def test_layout_only_grows_at_the_end_with_defaults(cls: type[msgspec.Struct]) -
     config = cls.__struct_config__
     assert (config.array_like, config.tag) == OPTIONS.get(cls.__name__, (False, None))
     assert config.forbid_unknown_fields == (cls in STRICT)
-    assert not config.omit_defaults
+    assert config.omit_defaults == (cls in STRICT)
     assert all(f.encode_name == f.name for f in msgspec.structs.fields(cls))  # no renaming
 
 
@@ -521,6 +523,25 @@ def test_daemon_refuses_unknown_gc_fields(decoder: Any) -> None:
         decoder.decode(data)
     # a newer daemon's GcRequest still takes today's body
     assert msgspec.json.decode(msgspec.json.encode(EXAMPLES[GcRequest]), type=newer(GcRequest))
+
+
+def _gc_request_before_node() -> type[msgspec.Struct]:
+    """`GcRequest` as daemons had it before ``node``: four fields, strict."""
+    fields = [(f.name, f.type, f.default) for f in msgspec.structs.fields(GcRequest)]
+    assert fields[4][0] == "node"
+    return msgspec.defstruct("GcRequest", fields[:4], forbid_unknown_fields=True)
+
+
+@pytest.mark.parametrize("codec", list(CODECS))
+def test_an_older_daemon_takes_gc_requests_without_node_and_refuses_node(codec: str) -> None:
+    encode, decode = CODECS[codec]
+    older = _gc_request_before_node()
+    plain = GcRequest("r", 3, None, True)  # fields at their defaults are not sent at all
+    assert set(decode(encode(plain))) == {"run", "before_step", "dry_run"}
+    assert decode(encode(plain), type=older) == older("r", 3, None, True)
+    assert decode(encode(GcRequest()), type=older) == older()
+    with pytest.raises(msgspec.ValidationError, match="unknown field `node`"):
+        decode(encode(GcRequest("r", 3, node="b")), type=older)
 
 
 # -- end to end, against a real daemon -------------------------------------------------------

@@ -24,6 +24,7 @@ ADMIN_CALLS = [
     ("POST", "/v1/admin/gc"),
     ("DELETE", "/v1/admin/runs/r1"),
     ("GET", "/v1/admin/usage"),
+    ("DELETE", "/v1/admin/nodes/n2/runs/r1"),
     ("GET", "/v1/admin"),
 ]
 

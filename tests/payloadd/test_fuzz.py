@@ -49,6 +49,7 @@ OPERATIONS: dict[tuple[str, str], tuple[int, int]] = {
     ("POST", "/v1/admin/gc"): (30, 30),
     ("DELETE", "/v1/admin/runs/{run}"): (30, 30),
     ("GET", "/v1/admin/usage"): (10, 10),
+    ("DELETE", "/v1/admin/nodes/{node}/runs/{run}"): (30, 30),
 }
 
 

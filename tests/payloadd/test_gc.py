@@ -337,3 +337,36 @@ def test_reads_of_made_up_nodes_keep_no_ledger(tmp_path: Path) -> None:
         with pytest.raises(FileMissingError):
             store.open_for_read(f"node{k}/r/0/f-00000000-000001.bin", 1)
     assert set(store.reads._ledgers) <= {"n"}
+
+
+def test_another_nodes_prefix_only_when_told_and_never_against_the_cap(tmp_path: Path) -> None:
+    a, b = Store(tmp_path, "a"), Store(tmp_path, "b")
+    theirs = {step: append(b, "r", step) for step in range(3)}
+    mine = append(a, "r", 0)
+    used = a.root_bytes
+    collect = Collector(a, ttl_s=1e-9)  # its own node: anything idle goes
+    time.sleep(0.01)
+    assert collect.collect(GcRequest("r", 5)).steps == [("r", 0)]  # a's own step only
+    assert all(read(b, s) for s in theirs.values())
+    report = collect.collect(GcRequest("r", 0, node="b"))  # no age rule, no orphans there
+    assert report.steps == [("r", 0)] and set(report.by_reason) == {"watermark"}
+    assert a.root_bytes == used - 12  # only a's own step counted off
+    with pytest.raises(FileGoneError, match="step 0 of run 'r'"):
+        read(a, theirs[0])
+    assert b.ledger().find(theirs[0].file) is not None  # b's ledger, read by b too
+    assert a.ledger().find(theirs[0].file) is None
+    solo = append(b, "solo", 0)
+    report = collect.collect(GcRequest("solo", 0, node="b"))
+    assert report.dirs == 2 and not (tmp_path / "b" / "solo").exists()  # step and run
+    with pytest.raises(FileGoneError):
+        read(b, solo)
+    assert collect.delete_run("r", node="b").steps == [("r", 1), ("r", 2)]
+    assert not (tmp_path / "b" / "r").exists()
+    with pytest.raises(FileGoneError, match=r"\(run,"):
+        read(b, theirs[2])
+    with pytest.raises(InvalidRequestError, match="needs run and before_step, or ttl_s"):
+        collect.collect(GcRequest(node="b"))
+    with pytest.raises(InvalidRequestError, match="node"):
+        collect.delete_run("r", node="..")
+    with pytest.raises(FileGoneError):
+        read(a, mine)
