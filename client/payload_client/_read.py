@@ -181,7 +181,15 @@ def _check_fill(fill: Any, dtype: np.dtype[Any]) -> int | float:
         if not float(fill).is_integer() or not lo <= fill <= hi:
             raise InvalidRequestError(f"fill {fill!r} does not fit the output dtype {dtype}")
         return int(fill)
-    return float(fill)
+    value = float(fill)
+    if math.isfinite(value) and abs(value) > _float_max(dtype):  # NaN and inf are values
+        raise InvalidRequestError(f"fill {fill!r} does not fit the output dtype {dtype}")
+    return value
+
+
+@functools.lru_cache(maxsize=64)
+def _float_max(dtype: np.dtype[Any]) -> float:
+    return float(np.finfo(dtype).max)
 
 
 @functools.lru_cache(maxsize=64)
