@@ -114,7 +114,7 @@ def test_float_field_reads_float32_and_table_fills_uncovered_positions(sc: Paylo
     got, covered = sc.read_field(flat, "weights", 0, 4, table["weights"].fill, coverage=True)
     want = np.full((4, 2), 0.25, np.float32)
     want[1:3] = w
-    assert got.dtype == np.float32
+    assert got is not None and got.dtype == np.float32
     np.testing.assert_array_equal(got, want)  # NaN where NaN was stored, inf kept
     assert covered.tolist() == [False, True, True, False]
     got = sc.read_field(flat, "sampling_mask", 0, 4, table["sampling_mask"].fill)
