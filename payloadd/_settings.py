@@ -64,15 +64,16 @@ class FieldRule(BaseModel):
         floats = {d.startswith("float") for d in self.dtypes}
         if len(floats) > 1:
             raise ValueError(f"dtypes {self.dtypes} mix integer and float")
-        if not math.isfinite(self.fill):  # JSON (GET /v1/fields) carries no NaN or infinity
-            raise ValueError(f"fill must be a finite number, got {self.fill}")
+        fill = self.fill  # compared as it is: a large int never goes through float
+        if isinstance(fill, float) and not math.isfinite(fill):  # JSON carries no NaN or inf
+            raise ValueError(f"fill must be a finite number, got {fill}")
         if floats.pop():
-            if abs(self.fill) > FLOAT32_MAX:
-                raise ValueError(f"a float field's fill must fit float32, got {self.fill}")
-        elif not float(self.fill).is_integer():
-            raise ValueError(f"an integer field's fill must be an integer, got {self.fill}")
-        elif not INT32_MIN <= self.fill <= INT32_MAX:
-            raise ValueError(f"an integer field's fill must fit int32, got {self.fill}")
+            if abs(fill) > FLOAT32_MAX:
+                raise ValueError(f"a float field's fill must fit float32, got {str(fill)[:40]}")
+        elif isinstance(fill, float) and not fill.is_integer():
+            raise ValueError(f"an integer field's fill must be an integer, got {fill}")
+        elif not INT32_MIN <= fill <= INT32_MAX:
+            raise ValueError(f"an integer field's fill must fit int32, got {str(fill)[:40]}")
         return self
 
     @property

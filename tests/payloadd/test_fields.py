@@ -157,6 +157,9 @@ def test_settings_refuse_bad_tables() -> None:
         Settings(fields={"x": {"dtypes": ["uint8"], "fill": 2**31}})
     with pytest.raises(ValueError, match="fit float32"):
         Settings(fields={"x": {"dtypes": ["float32"], "fill": 1e39}})
+    for dtype in ("int32", "float32"):  # an integer no float holds
+        with pytest.raises(ValueError, match=f"fit {dtype}"):
+            Settings(fields=f'{{"x": {{"dtypes": ["{dtype}"], "fill": 1{"0" * 400}}}}}')
     with pytest.raises(ValueError, match="not a boolean"):
         Settings(fields={"x": {"dtypes": ["int32"], "fill": True}})
     with pytest.raises(ValueError, match="not a boolean"):
