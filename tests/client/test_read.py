@@ -123,7 +123,9 @@ def test_checks_come_in_contract_order() -> None:
     assert plan_window([seg("other", 0, 1, [1])], "m", 0, 2, 0) is None  # then the filter
 
 
-@pytest.mark.parametrize("fill", [2**31, 1.5, "0", None, True])
+@pytest.mark.parametrize(
+    "fill", [2**31, 1.5, "0", None, True, pytest.param(10**400, id="10**400"), np.nan]
+)
 def test_bad_fill_for_an_integer_field(fill: object) -> None:
     with pytest.raises(InvalidRequestError, match="fill"):
         plan_window([seg("m", 0, 1, [1])], "m", 0, 1, fill)  # type: ignore[arg-type]
@@ -131,7 +133,12 @@ def test_bad_fill_for_an_integer_field(fill: object) -> None:
 
 @pytest.mark.parametrize(
     ("fill", "stored", "dtype"),
-    [(1e39, "float32", None), (-1e300, "float16", None), (70000.0, "float16", np.float16)],
+    [
+        (1e39, "float32", None),
+        (-1e300, "float16", None),
+        (70000.0, "float16", np.float16),
+        pytest.param(-(10**400), "float32", None, id="-10**400"),
+    ],
 )
 def test_a_float_fill_out_of_the_outputs_range_is_refused(
     fill: float, stored: str, dtype: object
