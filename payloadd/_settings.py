@@ -11,22 +11,31 @@ often to many), and ``config``, the file itself, is not a key of it.
 from __future__ import annotations
 
 import json
+import math
 import re
 import socket as _socket
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import (
+    BaseSettings,
+    NoDecode,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
 
 from payload_client import SUPPORTED_DTYPES, InvalidRequestError
 from payload_client._fields import DEFAULT_FIELDS
-from payload_client._segment import check_name
+from payload_client._segment import INT64_MAX, check_name
 from payload_client._wire import FieldSpec, FieldsTable
 
 __all__ = ["FieldRule", "Settings", "default_node"]
 
 GiB = 1 << 30
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+FLOAT32_MAX = 3.4028234663852886e38
+"""Largest finite ``float32``."""
 
 
 def default_node() -> str:
@@ -37,13 +46,22 @@ def default_node() -> str:
 
 class FieldRule(BaseModel):
     """What one field takes: ``dtypes`` (all integer or all float), ``fill`` (the value of
-    uncovered positions), ``max_width`` (largest last row dimension; 0: no limit)."""
+    uncovered positions: an integer that fits ``int32``, or a finite number that fits
+    ``float32``: what reads return), ``max_width`` (largest last row dimension; 0: no
+    limit)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     dtypes: list[str] = Field(min_length=1)
     fill: int | float = 0
-    max_width: int = Field(0, ge=0)
+    max_width: int = Field(0, ge=0, le=INT64_MAX)
+
+    @field_validator("fill", "max_width", mode="before")
+    @classmethod
+    def _not_bool(cls, value: object) -> object:
+        if isinstance(value, bool):  # JSON true would pass as 1
+            raise ValueError(f"must be a number, not a boolean ({json.dumps(value)})")
+        return value
 
     @model_validator(mode="after")
     def _dtypes_fit(self) -> FieldRule:
@@ -53,8 +71,16 @@ class FieldRule(BaseModel):
         floats = {d.startswith("float") for d in self.dtypes}
         if len(floats) > 1:
             raise ValueError(f"dtypes {self.dtypes} mix integer and float")
-        if not floats.pop() and not float(self.fill).is_integer():
-            raise ValueError(f"an integer field's fill must be an integer, got {self.fill}")
+        fill = self.fill  # compared as it is: a large int never goes through float
+        if isinstance(fill, float) and not math.isfinite(fill):  # JSON carries no NaN or inf
+            raise ValueError(f"fill must be a finite number, got {fill}")
+        if floats.pop():
+            if abs(fill) > FLOAT32_MAX:
+                raise ValueError(f"a float field's fill must fit float32, got {str(fill)[:40]}")
+        elif isinstance(fill, float) and not fill.is_integer():
+            raise ValueError(f"an integer field's fill must be an integer, got {fill}")
+        elif not INT32_MIN <= fill <= INT32_MAX:
+            raise ValueError(f"an integer field's fill must fit int32, got {str(fill)[:40]}")
         return self
 
     @property
@@ -196,7 +222,7 @@ class Settings(BaseSettings):
         "keep it above clients' keep-alive (payload_client: 2 s) so they never send on a "
         "connection being closed.",
     )
-    fields: dict[str, FieldRule] = Field(
+    fields: Annotated[dict[str, FieldRule], NoDecode] = Field(  # JSON read by _json_fields
         default_factory=_default_fields,
         description="The fields table, JSON: name -> {dtypes, fill, max_width}. An append "
         "whose dtype is not among the field's dtypes or whose rows are wider than max_width "

@@ -174,10 +174,13 @@ class Store:
 
     def _release(self, files: list[_File]) -> None:
         with self._lock:
-            for f in files:
-                f.users -= 1
-                if f.sealed and f.users == 0 and f.fd >= 0:
-                    self._close_file(f)
+            self._release_locked(files)
+
+    def _release_locked(self, files: list[_File]) -> None:
+        for f in files:
+            f.users -= 1
+            if f.sealed and f.users == 0 and f.fd >= 0:
+                self._close_file(f)
 
     def _mkdirs(self, rel_dir: str) -> list[str]:
         """Create ``rel_dir`` and its parents under the root, each with mode 0750; return the
@@ -227,11 +230,10 @@ class Store:
         return f
 
     def _place(
-        self, index: int, item: AppendItem, row_nb: int, held: dict[int, _File]
-    ) -> list[_Extent]:
-        """Reserve room for one item's rows; caller holds the lock."""
+        self, index: int, item: AppendItem, row_nb: int, held: dict[int, _File], out: list[_Extent]
+    ) -> None:
+        """Reserve room for one item's rows, adding its extents to ``out``; lock held."""
         key = (item.run, item.step, item.field)
-        out: list[_Extent] = []
         rows, pos = item.rows, item.pos
         f = self._current(key)
         while True:
@@ -241,7 +243,7 @@ class Store:
                 self._hold(f, held)
                 out.append(_Extent(index, f, f.size, pos, rows, nbytes))
                 f.size += nbytes
-                return out
+                return
             if f.size > 0:
                 f = self._new_file(*key)
                 continue
@@ -291,11 +293,18 @@ class Store:
                 f"append of {total} row bytes is above the limit of {self.max_append_bytes}"
             )
         held: dict[int, _File] = {}  # files this append writes to, kept open until it is done
+        extents: list[_Extent] = []
         with self._lock, os_errors(self.root):
             self._budget.room(total, f"append of {total} bytes")
-            extents = [
-                e for i, it in enumerate(items) for e in self._place(i, it, sizes[i][0], held)
-            ]
+            try:
+                for i, it in enumerate(items):
+                    self._place(i, it, sizes[i][0], held, extents)
+            except BaseException:  # e.g. no room for a new file: give back what was placed
+                for e in reversed(extents):
+                    if e.file.size == e.offset + e.nbytes:
+                        e.file.size = e.offset
+                self._release_locked(list(held.values()))
+                raise
             now = time.monotonic()
             for it in items:
                 self.last_used[it.run] = now

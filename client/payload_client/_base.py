@@ -259,6 +259,8 @@ class _Sink:
 def _rows_for_wire(rows: Any) -> np.ndarray:
     if not isinstance(rows, np.ndarray):
         raise InvalidRequestError(f"rows must be a numpy.ndarray, got {type(rows).__name__}")
+    if isinstance(rows, np.ma.MaskedArray):  # its mask would be dropped, its masked values kept
+        raise InvalidRequestError("rows must not be a masked array: fill it first (rows.filled(v))")
     if rows.ndim < 2:
         raise InvalidRequestError(
             f"rows must have shape [n, *row_shape] with a non-empty row shape, got {rows.shape}"

@@ -212,6 +212,13 @@ def _write_leased(
     return [key for key, lease, _ in places if os.fstat(lease.fd).st_nlink == 0]
 
 
+def _claims(
+    places: list[tuple[tuple[str, int, str], Lease, int]], sizes: list[int]
+) -> list[tuple[Lease, int, int]]:
+    """The ``(lease, offset, nbytes)`` of each item placed so far."""
+    return [(lease, at, n) for (_, lease, at), n in zip(places, sizes[: len(places)], strict=True)]
+
+
 def append_steps(
     items: Sequence[AppendItem], bodies: Sequence[memoryview], leases: LeaseCache
 ) -> Steps[list[list[PayloadSegment]]]:
@@ -233,29 +240,39 @@ def append_steps(
     sizes = [b.nbytes for b in bodies]
     while True:
         places: list[tuple[tuple[str, int, str], Lease, int]] = []
+        too_large = False
         leases.begin()  # no lease descriptor is closed while this append writes
         try:
-            for item, n in zip(items, sizes, strict=True):
-                key = (item.run, item.step, item.field)
-                got = leases.claim(key, n)
-                if got is None:
-                    reply, fds = yield Exchange(LeaseRequest(item.run, item.step, item.field, n))
-                    if isinstance(reply, ErrorReply) and reply.error == "PayloadTooLargeError":
-                        for fd in fds:
-                            os.close(fd)
-                        return (yield from reserve_steps(items, bodies))
-                    _raise_for(reply, fds, LeaseReply)
-                    assert isinstance(reply, LeaseReply)
-                    if len(fds) != 1:
-                        for fd in fds:
-                            os.close(fd)
-                        raise ProtocolError(f"lease sent {len(fds)} descriptors, expected 1")
-                    end = reply.offset + reply.nbytes
-                    leases.put(key, Lease(reply.file, fds[0], reply.offset, end, reply.fsync))
+            try:
+                for item, n in zip(items, sizes, strict=True):
+                    key = (item.run, item.step, item.field)
                     got = leases.claim(key, n)
                     if got is None:
-                        raise ProtocolError(f"lease of {reply.nbytes} bytes cannot hold {n}")
-                places.append((key, *got))
+                        req = LeaseRequest(item.run, item.step, item.field, n)
+                        reply, fds = yield Exchange(req)
+                        if isinstance(reply, ErrorReply) and reply.error == "PayloadTooLargeError":
+                            for fd in fds:
+                                os.close(fd)
+                            too_large = True  # the whole append goes through a reservation
+                            break
+                        _raise_for(reply, fds, LeaseReply)
+                        assert isinstance(reply, LeaseReply)
+                        if len(fds) != 1:
+                            for fd in fds:
+                                os.close(fd)
+                            raise ProtocolError(f"lease sent {len(fds)} descriptors, expected 1")
+                        end = reply.offset + reply.nbytes
+                        leases.put(key, Lease(reply.file, fds[0], reply.offset, end, reply.fsync))
+                        got = leases.claim(key, n)
+                        if got is None:
+                            raise ProtocolError(f"lease of {reply.nbytes} bytes cannot hold {n}")
+                    places.append((key, *got))
+            except BaseException:  # nothing written: the next append lands where these would
+                leases.unclaim(_claims(places, sizes))
+                raise
+            if too_large:
+                leases.unclaim(_claims(places, sizes))
+                return (yield from reserve_steps(items, bodies))
 
             try:
                 gone = yield Blocking(functools.partial(_write_leased, places, bodies), sum(sizes))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -192,6 +192,14 @@ class LeaseCache(_Cache[tuple[str, int, str], Lease]):
             lease.next += nbytes
             self.used.add(lease.file)
             return lease, offset
+
+    def unclaim(self, claims: Sequence[tuple[Lease, int, int]]) -> None:
+        """Give back ``(lease, offset, nbytes)`` claims of an append that wrote nothing,
+        last first; a claim followed by another one stays taken (its bytes stay a hole)."""
+        with self.lock:
+            for lease, offset, nbytes in reversed(claims):
+                if lease.next == offset + nbytes:
+                    lease.next = offset
 
 
 class Scratch:

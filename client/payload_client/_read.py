@@ -176,12 +176,26 @@ def page_matched(buf: np.ndarray, offset: int, nbytes: int) -> np.ndarray:
 def _check_fill(fill: Any, dtype: np.dtype[Any]) -> int | float:
     if isinstance(fill, bool) or not isinstance(fill, int | float | np.integer | np.floating):
         raise InvalidRequestError(f"fill must be a number, got {type(fill).__name__}")
+    bad = InvalidRequestError(f"fill {str(fill)[:40]} does not fit the output dtype {dtype}")
     if dtype.kind in "iu":
-        lo, hi = _int_range(dtype)
-        if not float(fill).is_integer() or not lo <= fill <= hi:
-            raise InvalidRequestError(f"fill {fill!r} does not fit the output dtype {dtype}")
+        lo, hi = _int_range(dtype)  # an int fill is compared as it is, never through float
+        if isinstance(fill, float | np.floating) and not float(fill).is_integer():
+            raise bad
+        if not lo <= fill <= hi:
+            raise bad
         return int(fill)
-    return float(fill)
+    try:
+        value = float(fill)
+    except OverflowError:  # an int no float holds
+        raise bad from None
+    if math.isfinite(value) and abs(value) > _float_max(dtype):  # NaN and inf are values
+        raise bad
+    return value
+
+
+@functools.lru_cache(maxsize=64)
+def _float_max(dtype: np.dtype[Any]) -> float:
+    return float(np.finfo(dtype).max)
 
 
 @functools.lru_cache(maxsize=64)

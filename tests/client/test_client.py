@@ -61,6 +61,7 @@ def test_connect_error_names_the_socket(offline: PayloadClient) -> None:
         (("routed_experts", np.zeros(4, np.uint8), 0), "row shape"),
         (("routed_experts", np.zeros((4, 2), np.int64), 0), "dtype"),
         (("routed_experts", np.zeros((4, 2), np.float64), 0), "dtype"),
+        (("routed_experts", np.ma.masked_equal(np.eye(2, dtype=np.uint8), 0), 0), "masked"),
         (("routed_experts", np.zeros((4, 0), np.uint8), 0), "> 0"),
         (("routed_experts", np.zeros((4, 2), np.uint8), -1), "pos"),
         (("routed_experts", np.zeros((4, 2), np.uint8), 1.0), "pos"),

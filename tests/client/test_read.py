@@ -123,10 +123,37 @@ def test_checks_come_in_contract_order() -> None:
     assert plan_window([seg("other", 0, 1, [1])], "m", 0, 2, 0) is None  # then the filter
 
 
-@pytest.mark.parametrize("fill", [2**31, 1.5, "0", None, True])
+@pytest.mark.parametrize(
+    "fill", [2**31, 1.5, "0", None, True, pytest.param(10**400, id="10**400"), np.nan]
+)
 def test_bad_fill_for_an_integer_field(fill: object) -> None:
     with pytest.raises(InvalidRequestError, match="fill"):
         plan_window([seg("m", 0, 1, [1])], "m", 0, 1, fill)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("fill", "stored", "dtype"),
+    [
+        (1e39, "float32", None),
+        (-1e300, "float16", None),
+        (70000.0, "float16", np.float16),
+        pytest.param(-(10**400), "float32", None, id="-10**400"),
+    ],
+)
+def test_a_float_fill_out_of_the_outputs_range_is_refused(
+    fill: float, stored: str, dtype: object
+) -> None:
+    w = seg("w", 0, 1, [1], dtype=stored)
+    with pytest.raises(InvalidRequestError, match="does not fit the output dtype"):
+        plan_window([w], "w", 0, 2, fill, dtype)
+
+
+@pytest.mark.parametrize("fill", [np.nan, np.inf, -np.inf, 3.4e38, -0.0])
+def test_float_fills_the_output_holds_are_taken(fill: float) -> None:
+    plan = plan_window([seg("w", 0, 0, [2], dtype="float32")], "w", 0, 2, fill)
+    assert plan is not None
+    got = assemble(plan, b"")
+    np.testing.assert_array_equal(got, np.full((2, 2), fill, np.float32))
 
 
 def test_mixed_ranks_or_kinds_are_refused() -> None:

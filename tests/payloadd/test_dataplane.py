@@ -19,6 +19,7 @@ from payload_client import (
     PayloadClient,
     PayloadSegment,
     SegmentFileError,
+    StorageFullError,
     _descriptors,
 )
 from payload_client._wire import FRAME_PREFIX, AppendItem, ReserveRequest
@@ -353,3 +354,29 @@ def test_a_lease_whose_file_gc_removes_at_once_is_placed_again(
         dp.close()
         server.stop()
         store.close()
+
+
+@pytest.mark.parametrize("refusal", ["full", "too-large"])
+def test_an_append_the_daemon_refuses_gives_back_what_it_claimed(
+    tmp_path: Path, refusal: str
+) -> None:
+    # item 0 fits its lease; item 1 needs a lease the daemon refuses: too big for the room
+    # left under the cap (the append fails, 507), or for the rotation size (the append goes
+    # through a reservation instead). Either way item 0's claim is given back: the next
+    # append of its key lands right after the last one stored.
+    sock = tmp_path / "payloadd.sock"
+    flags = ["--lease-bytes", "4096", "--max-file-bytes", "8192", "--min-free-bytes", "0"]
+    if refusal == "full":
+        flags += ["--max-root-bytes", "12288"]
+    with start_daemon(tmp_path / "root", sock, *flags), PayloadClient(sock) as c:
+        one = np.ones((1, 16), np.uint8)
+        (first,) = c.append("a", one, 0, run="r", step=0)
+        c.append("c", one, 0, run="r", step=0)  # a second 4096-byte lease
+        big = ("b", np.ones((1, 6000 if refusal == "full" else 9000), np.uint8), 0)
+        if refusal == "full":
+            with pytest.raises(StorageFullError):
+                c.append_many([("a", one, 1), big], run="r", step=0)
+        else:
+            c.append_many([("a", one, 1), big], run="r", step=0)
+        (nxt,) = c.append("a", one, 2, run="r", step=0)
+        assert (nxt.file, nxt.offset) == (first.file, first.offset + 16)

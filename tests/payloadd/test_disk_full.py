@@ -17,6 +17,8 @@ from payload_client import (
     StorageFullError,
     _descriptors,
 )
+from payload_client._wire import AppendItem
+from payloadd import Store
 from payloadd._process import start_daemon
 
 
@@ -99,3 +101,34 @@ def test_gc_frees_a_file_system_that_others_filled(
         np.testing.assert_array_equal(c.read_field(segs[2], "f", 0, 256, 0), rows)
         again = c.append("f", rows, 0, run="full", step=3)  # room again
         np.testing.assert_array_equal(c.read_field(again, "f", 0, 256, 0), rows)
+
+
+def test_an_append_refused_when_no_inode_is_left_keeps_nothing(tmp_path: Path) -> None:
+    """Item 0 goes to an existing file, item 1 needs a new step directory the file system has
+    no inode for: 507, and item 0's range is given back (the next append lands right after
+    the last one stored) and its file released (GC can still remove it)."""
+    mnt = tmp_path / "fs"
+    mnt.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,nr_inodes=16", "tmpfs",
+                           str(mnt)], capture_output=True)  # fmt: skip
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    store = Store(mnt / "root", "n")
+    try:
+
+        def item(step: int, pos: int) -> AppendItem:
+            return AppendItem("f", "uint8", [4], 1, pos, "r", step)
+
+        ((last,),) = store.append([item(0, 0)], b"aaaa")
+        with pytest.raises(StorageFullError, match="full"):
+            for step in range(1, 100):  # a new step directory and file each time
+                ((last,), _) = store.append([item(0, step), item(step, 0)], b"bbbbcccc")
+        ((nxt,),) = store.append([item(0, 100)], b"dddd")
+        assert (nxt.file, nxt.offset) == (last.file, last.offset + 4)
+        removal = store.remove_step("r", 0, store.step_files("r", 0))
+        assert removal.in_use == 0 and [rel for rel, _ in removal.files] == [last.file]
+    finally:
+        store.close()
+        subprocess.run(["umount", "-l", str(mnt)], check=True)

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from payload_client import FieldsTable, InvalidRequestError, PayloadClient
+from payload_client import AsyncPayloadClient, FieldsTable, InvalidRequestError, PayloadClient
 from payloadd._process import start_daemon
 from payloadd._settings import Settings
 
@@ -19,7 +21,7 @@ from ..conftest import TRANSPORTS
 TABLE = {
     "routed_experts": {"dtypes": ["uint8", "uint16"], "fill": 0},
     "sampling_mask": {"dtypes": ["int32"], "fill": -1, "max_width": 8},
-    "weights": {"dtypes": ["float32"], "fill": 0.0},
+    "weights": {"dtypes": ["float32"], "fill": 0.25},
 }
 
 
@@ -103,6 +105,35 @@ def test_accepted_and_big_endian_stored_little(sc: PayloadClient) -> None:
     np.testing.assert_array_equal(raw.reshape(3, 4), mask)
 
 
+def test_float_field_reads_float32_and_table_fills_uncovered_positions(sc: PayloadClient) -> None:
+    table = sc.fields().fields
+    w = np.array([[np.nan, 1.5], [np.inf, -np.inf]], np.float32)
+    mask = np.array([[3, 4]], np.int32)
+    segs = sc.append_many([("weights", w, 1), ("sampling_mask", mask, 2)], run="r", step=2)
+    flat = [s for group in segs for s in group]
+    got, covered = sc.read_field(flat, "weights", 0, 4, table["weights"].fill, coverage=True)
+    want = np.full((4, 2), 0.25, np.float32)
+    want[1:3] = w
+    assert got is not None and got.dtype == np.float32
+    np.testing.assert_array_equal(got, want)  # NaN where NaN was stored, inf kept
+    assert covered.tolist() == [False, True, True, False]
+    got = sc.read_field(flat, "sampling_mask", 0, 4, table["sampling_mask"].fill)
+    np.testing.assert_array_equal(got, [[-1, -1], [-1, -1], [3, 4], [-1, -1]])
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_async_clients_check_the_table_too(strict: Path, transport: str) -> None:
+    async with AsyncPayloadClient(strict, data_plane=transport == "data-plane") as c:
+        with pytest.raises(InvalidRequestError, match="at most 8 wide, got 9"):
+            await c.append("sampling_mask", np.zeros((1, 9), np.int32), 0, run="a", step=0)
+        with pytest.raises(InvalidRequestError, match="takes dtype uint8 or uint16"):
+            await c.append("routed_experts", np.zeros((1, 2), np.int8), 0, run="a", step=0)
+        (seg,) = await c.append("sampling_mask", np.ones((1, 8), ">i4"), 0, run="a", step=0)
+        got = await c.read_field([seg], "sampling_mask", 0, 2, -1)
+        np.testing.assert_array_equal(got, [[1] * 8, [-1] * 8])
+
+
 def sc_root(sc: PayloadClient) -> Path:
     return Path(sc.stats().root)
 
@@ -118,5 +149,54 @@ def test_settings_refuse_bad_tables() -> None:
         Settings(fields={"a/b": {"dtypes": ["int32"]}})
     with pytest.raises(ValueError, match="JSON object"):
         Settings(fields="{nope")
+    with pytest.raises(ValueError, match="finite"):  # JSON has no NaN: GET /v1/fields would lie
+        Settings(fields='{"x": {"dtypes": ["float32"], "fill": NaN}}')
+    with pytest.raises(ValueError, match="finite"):
+        Settings(fields={"x": {"dtypes": ["float16"], "fill": float("-inf")}})
+    with pytest.raises(ValueError, match="fit int32"):
+        Settings(fields={"x": {"dtypes": ["uint8"], "fill": 2**31}})
+    with pytest.raises(ValueError, match="fit float32"):
+        Settings(fields={"x": {"dtypes": ["float32"], "fill": 1e39}})
+    for dtype in ("int32", "float32"):  # an integer no float holds
+        with pytest.raises(ValueError, match=f"fit {dtype}"):
+            Settings(fields=f'{{"x": {{"dtypes": ["{dtype}"], "fill": 1{"0" * 400}}}}}')
+    with pytest.raises(ValueError, match="not a boolean"):
+        Settings(fields={"x": {"dtypes": ["int32"], "fill": True}})
+    with pytest.raises(ValueError, match="not a boolean"):
+        Settings(fields={"x": {"dtypes": ["int32"], "max_width": True}})
+    with pytest.raises(ValueError, match="max_width"):  # more than msgpack carries
+        Settings(fields={"x": {"dtypes": ["int32"], "max_width": 2**64}})
+    assert Settings(fields={"x": {"dtypes": ["int32"], "fill": -(2**31)}}).fields["x"].fill < 0
     s = Settings(fields=json.dumps(TABLE), unknown_fields="refuse")
     assert s.fields_table().fields["weights"].read_dtype == "float32"
+
+
+BAD_TABLES = [
+    "{nope",
+    "",
+    "null",
+    "[]",
+    '{"x": {"dtypes": ["float32"], "fill": NaN}}',
+    '{"x": {"dtypes": ["int32"], "fill": true}}',
+    '{"x": {"dtypes": ["int32"], "max_width": 100000000000000000000000}}',
+]
+
+
+@pytest.mark.parametrize(
+    ("source", "table"), [("env", t) for t in BAD_TABLES] + [("flag", t) for t in BAD_TABLES[::4]]
+)
+def test_serve_exits_2_naming_a_bad_fields_table(tmp_path: Path, source: str, table: str) -> None:
+    cmd = [sys.executable, "-m", "payloadd", "serve", "--root", str(tmp_path / "r")]
+    cmd += ["--socket", str(tmp_path / "s")]
+    env = dict(os.environ)
+    if source == "flag":
+        cmd += ["--fields", table]
+    else:
+        env["PAYLOADD_FIELDS"] = table
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=30, env=env)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"payloadd serve started with fields {table!r}")
+    assert out.returncode == 2, out.stderr
+    assert "invalid settings" in out.stderr and "fields" in out.stderr
+    assert "Traceback" not in out.stderr
