@@ -17,7 +17,7 @@ It wraps the whole app, Starlette's own error middleware included, so it sees ev
 from __future__ import annotations
 
 import logging
-import os
+import random
 import re
 import time
 from collections.abc import Sequence
@@ -42,13 +42,13 @@ _SANE_ID = re.compile(rb"[A-Za-z0-9._:+/=-]{1,64}")
 _BY_STATUS = {status: cls.__name__ for cls, status in STATUS_BY_ERROR.items()}
 
 
-def _request_id(headers: Sequence[tuple[bytes, bytes]]) -> str:
+def _request_id(headers: Sequence[tuple[bytes, bytes]], rng: random.Random) -> str:
     for name, value in headers:
         if name == REQUEST_ID_HEADER:
             if _SANE_ID.fullmatch(value):
                 return value.decode()
             break
-    return os.urandom(8).hex()
+    return f"{rng.getrandbits(64):016x}"  # an id, not a secret: no system call per request
 
 
 class Observe:
@@ -70,13 +70,14 @@ class Observe:
         self, app: ASGIApp, metrics: Metrics, routes: Sequence[BaseRoute], access_log: bool
     ) -> None:
         self.app, self.metrics, self.routes, self.access_log = app, metrics, routes, access_log
+        self._rng = random.Random()  # seeded from the system's entropy
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         start = time.perf_counter()
-        rid = _request_id(scope["headers"])
+        rid = _request_id(scope["headers"], self._rng)
         REQUEST_ID.set(rid)  # this request's task only (each request runs in a task of its own)
         header = (REQUEST_ID_HEADER, rid.encode())
         status = 0
