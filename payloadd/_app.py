@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import logging
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
@@ -18,6 +18,7 @@ import msgspec
 from fastapi import FastAPI, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
@@ -32,6 +33,7 @@ from payload_client._wire import (
     AppendRequest,
     AppendResponse,
     ErrorBody,
+    Extent,
     FieldsTable,
     GcReport,
     GcRequest,
@@ -47,7 +49,9 @@ from ._auth import TokenGuard, load_admin_token
 from ._dataplane import DataPlaneServer
 from ._durability import Flusher
 from ._gc import Collector
-from ._openapi import install_openapi, operation
+from ._metrics import HTTP, Metrics, StoreCollector
+from ._observe import ERROR_CLASS, Observe
+from ._openapi import install_openapi, metrics_operation, operation
 from ._reads import ExtentReader
 from ._settings import Settings
 from ._store import Store
@@ -65,12 +69,16 @@ READ_CHUNK = 1 << 20
 """Bytes of a large read the daemon reads (in the thread pool) and sends at a time."""
 
 
-async def _stream(reader: ExtentReader) -> AsyncIterator[memoryview]:
-    """The read's bytes, a chunk at a time, each read in the thread pool; closes the reader."""
+async def _stream(
+    reader: ExtentReader, extents: list[Extent], metrics: Metrics
+) -> AsyncIterator[memoryview]:
+    """The read's bytes, a chunk at a time, each read in the thread pool; closes the reader.
+    The read counts in ``metrics`` once its last chunk is handed over."""
     chunks = reader.chunks(READ_CHUNK)
     try:
         while (chunk := await run_in_threadpool(next, chunks, None)) is not None:
             yield memoryview(chunk)
+        metrics.read(extents)
     finally:
         reader.close()
 
@@ -84,16 +92,18 @@ _gc_msgpack = msgspec.msgpack.Decoder(GcRequest)
 _gc_json = msgspec.json.Decoder(GcRequest)
 
 
-async def _sweep_every(collector: Collector, seconds: float) -> None:
+async def _sweep_every(collector: Collector, seconds: float, metrics: Metrics) -> None:
     """The background GC: the age rule, orphans and empty directories, every ``seconds``
     (the first at once); a failed sweep is logged and the next one still runs."""
     while True:
         try:
             report = await run_in_threadpool(collector.sweep)
+            metrics.collected(report, "sweep")
             if report.files or report.dirs:
                 log.info("gc sweep: %d files, %d bytes, %d directories removed",
                          report.files, report.bytes, report.dirs)  # fmt: skip
         except Exception:
+            metrics.gc_failed("sweep")
             log.exception("gc sweep failed")
         await asyncio.sleep(seconds)
 
@@ -105,7 +115,10 @@ def _answer(request: Request, obj: Any, status: int = 200) -> Response:
     return Response(_json.encode(obj), status, media_type="application/json")
 
 
-def _error(status: int, name: str, message: str, headers: dict[str, str] | None = None) -> Response:
+def _error(
+    request: Request, status: int, name: str, message: str, headers: dict[str, str] | None = None
+) -> Response:
+    setattr(request.state, ERROR_CLASS, name)  # counted by the Observe middleware
     body = _json.encode(ErrorBody(name, message))
     return Response(body, status, headers=headers, media_type="application/json")
 
@@ -143,12 +156,13 @@ def create_app(settings: Settings, data_listener: socket.socket | None = None) -
     Returns
     -------
     fastapi.FastAPI
-        Routes ``GET /healthz``, ``GET /v1/stats``, ``GET /v1/fields``, ``POST /v1/append``, ``POST /v1/read``,
-        ``POST /v1/admin/gc``, ``DELETE /v1/admin/runs/{run}``,
-        ``DELETE /v1/admin/nodes/{node}/runs/{run}``, ``GET /v1/admin/usage`` and
-        ``GET /openapi.json``;
-        behind `TokenGuard` (the admin token, if configured, on ``/v1/admin``; on every call
-        that does not come over a Unix socket).
+        Routes ``GET /healthz``, ``GET /v1/stats``, ``GET /metrics``, ``GET /v1/fields``,
+        ``POST /v1/append``, ``POST /v1/read``, ``POST /v1/admin/gc``,
+        ``DELETE /v1/admin/runs/{run}``, ``DELETE /v1/admin/nodes/{node}/runs/{run}``,
+        ``GET /v1/admin/usage`` and ``GET /openapi.json``; behind `TokenGuard` (the
+        admin token, if configured, on ``/v1/admin``; on every call that does not come over a
+        Unix socket), all inside `Observe` (request ids, metrics, the access log). The
+        metrics (`Metrics`) are in a registry of this app's own.
 
     Raises
     ------
@@ -156,6 +170,7 @@ def create_app(settings: Settings, data_listener: socket.socket | None = None) -
         The admin token settings are unusable (see `load_admin_token`).
     """
     token = load_admin_token(settings, warn=False)  # serve() warned already
+    metrics = Metrics(settings.fields, settings.node, __version__)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
@@ -180,16 +195,21 @@ def create_app(settings: Settings, data_listener: socket.socket | None = None) -
         data_plane = None
         if settings.data_plane:
             path = f"{settings.socket}{DATA_SOCKET_SUFFIX}"
-            data_plane = DataPlaneServer(store, path, settings.socket_mode, settings.lease_bytes)
+            data_plane = DataPlaneServer(
+                store, path, settings.socket_mode, settings.lease_bytes, metrics=metrics
+            )
             data_plane.start(data_listener)
+        gauges = StoreCollector(store, data_plane.connections if data_plane else None)
+        metrics.registry.register(gauges)
         collector = Collector(store, settings.ttl_s)
-        sweeper = asyncio.create_task(_sweep_every(collector, settings.gc_interval_s))
+        sweeper = asyncio.create_task(_sweep_every(collector, settings.gc_interval_s, metrics))
         try:
             yield {"store": store, "settings": settings, "collector": collector}
         finally:
             sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await sweeper
+            metrics.registry.unregister(gauges)
             if data_plane is not None:
                 data_plane.stop()
             if flusher is not None:
@@ -210,32 +230,32 @@ def create_app(settings: Settings, data_listener: socket.socket | None = None) -
         status = status_of(exc)
         if status >= 500:  # a full disk or an I/O error: the operator must see it
             log.error("%s %s: %s: %s", request.method, request.url.path, type(exc).__name__, exc)
-        return _error(status, type(exc).__name__, str(exc))
+        return _error(request, status, type(exc).__name__, str(exc))
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> Response:
         where = "; ".join(
             f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()
         )  # e.g. "query.dry_run: Input should be a valid boolean"
-        return _error(400, "InvalidRequestError", where)
+        return _error(request, 400, "InvalidRequestError", where)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> Response:
-        return _error(exc.status_code, "HTTPError", str(exc.detail))
+        return _error(request, exc.status_code, "HTTPError", str(exc.detail))
 
     @app.exception_handler(ClientDisconnect)
     async def disconnected(request: Request, exc: ClientDisconnect) -> Response:
         log.info(
             "client left during %s %s; nothing was acknowledged", request.method, request.url.path
         )
-        return _error(400, "InvalidRequestError", "client disconnected")
+        return _error(request, 400, "InvalidRequestError", "client disconnected")
 
     @app.exception_handler(Exception)
     async def server_error(request: Request, exc: Exception) -> Response:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
         # uvicorn drops the connection after an unhandled error: say so, so no client reuses it
         message = f"internal error: {type(exc).__name__}"
-        return _error(500, "ServerError", message, headers={"Connection": "close"})
+        return _error(request, 500, "ServerError", message, headers={"Connection": "close"})
 
     @app.get("/healthz", **operation(200, Health, "Liveness and readiness."))
     async def healthz(request: Request) -> Response:
@@ -245,6 +265,12 @@ def create_app(settings: Settings, data_listener: socket.socket | None = None) -
     @app.get("/v1/stats", **operation(200, Stats, "Counters since start."))
     async def stats(request: Request) -> Response:
         return _answer(request, request.state.store.stats())
+
+    @app.get("/metrics", **metrics_operation("Prometheus metrics (text exposition format)."))
+    async def prometheus(request: Request) -> Response:
+        # statvfs of the root among them: a round trip on a network file system
+        body = await run_in_threadpool(metrics.render)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     @app.get(
         "/v1/fields",
@@ -308,6 +334,7 @@ def create_app(settings: Settings, data_listener: socket.socket | None = None) -
             segments = pending.commit()
         finally:
             pending.close()
+        metrics.appended(items, HTTP)
         return _answer(request, AppendResponse(segments))
 
     @app.post(
@@ -335,12 +362,13 @@ def create_app(settings: Settings, data_listener: socket.socket | None = None) -
         big = len(extents) > THREAD_PARTS or sum(e.nbytes for e in extents) > THREAD_BYTES
         if not big:
             data = store.read_extents(extents)
+            metrics.read(extents)
             return Response(memoryview(data), media_type="application/octet-stream")
         # checked and opened first (errors are still answers), then streamed chunk by chunk:
         # the daemon holds READ_CHUNK bytes of it at a time, and sending starts at once
         reader = await run_in_threadpool(store.open_extents, extents)
         return StreamingResponse(
-            _stream(reader),
+            _stream(reader, extents, metrics),
             media_type="application/octet-stream",
             headers={"Content-Length": str(reader.total)},
         )
@@ -370,7 +398,7 @@ def create_app(settings: Settings, data_listener: socket.socket | None = None) -
         except msgspec.DecodeError as exc:
             raise InvalidRequestError(f"bad gc request: {exc}") from None
         collector: Collector = request.state.collector
-        return _answer(request, await run_in_threadpool(collector.collect, req))
+        return _answer(request, await _collect(collector.collect, req))
 
     @app.delete(
         "/v1/admin/runs/{run}",
@@ -378,8 +406,20 @@ def create_app(settings: Settings, data_listener: socket.socket | None = None) -
     )
     async def delete_run(request: Request, run: str, dry_run: bool = False) -> Response:
         collector: Collector = request.state.collector
-        report = await run_in_threadpool(collector.delete_run, run, dry_run=dry_run)
+        report = await _collect(collector.delete_run, run, dry_run=dry_run)
         return _answer(request, report)
+
+    async def _collect(fn: Callable[..., GcReport], *args: Any, **kw: Any) -> GcReport:
+        """Run a GC call in the thread pool and count it (``trigger="call"``)."""
+        try:
+            report = await run_in_threadpool(fn, *args, **kw)
+        except InvalidRequestError:
+            raise  # nothing ran
+        except Exception:
+            metrics.gc_failed("call")
+            raise
+        metrics.collected(report, "call")
+        return report
 
     @app.get(
         "/v1/admin/usage",
@@ -412,9 +452,14 @@ def create_app(settings: Settings, data_listener: socket.socket | None = None) -
         request: Request, node: str, run: str, dry_run: bool = False
     ) -> Response:
         collector: Collector = request.state.collector
-        report = await run_in_threadpool(collector.delete_run, run, dry_run=dry_run, node=node)
+        report = await _collect(collector.delete_run, run, dry_run=dry_run, node=node)
         return _answer(request, report)
 
     install_openapi(app)
     app.add_middleware(TokenGuard, token=token)
+    # outermost, around Starlette's error middleware too: it sees every answer
+    build = app.build_middleware_stack
+    app.build_middleware_stack = lambda: Observe(  # type: ignore[method-assign]
+        build(), metrics, app.routes, settings.access_log
+    )
     return app

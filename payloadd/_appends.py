@@ -163,6 +163,11 @@ class PendingAppend:
         """The reserved ranges in row-stream order: ``(file, offset, nbytes)``."""
         return [(e.file.rel, e.offset, e.nbytes) for e in self._extents]
 
+    @property
+    def items(self) -> Sequence[AppendItem]:
+        """The items of this append, in order."""
+        return self._items
+
     def written_elsewhere(self) -> None:
         """Declare every reserved byte written by the client (data plane) and not here."""
         self.remaining = 0

@@ -15,6 +15,7 @@ import os
 import selectors
 import socket
 import threading
+import time
 from pathlib import Path
 
 import msgspec
@@ -43,6 +44,7 @@ from payload_client._wire import (
 )
 
 from ._appends import Lease, PendingAppend
+from ._metrics import DATA_PLANE, Metrics
 from ._sockets import bind_unix_socket
 from ._store import Store
 
@@ -81,6 +83,9 @@ class DataPlaneServer:
         File mode of the socket.
     lease_bytes : int
         Size of the byte ranges clients lease for small appends.
+    metrics : Metrics, optional
+        Where requests (by kind, with their latency), errors, descriptors, leases and the
+        appends clients report in notes are counted.
     """
 
     def __init__(
@@ -89,8 +94,11 @@ class DataPlaneServer:
         path: str | os.PathLike[str],
         mode: int = 0o660,
         lease_bytes: int = 16 << 20,
+        *,
+        metrics: Metrics | None = None,
     ) -> None:
         self.store = store
+        self.metrics = metrics
         self.lease_bytes = lease_bytes
         self.path = Path(path)
         self.mode = mode
@@ -135,6 +143,11 @@ class DataPlaneServer:
             with contextlib.suppress(FileNotFoundError):
                 self.path.unlink()
 
+    def connections(self) -> int:
+        """Data-plane connections open now."""
+        with self._lock:
+            return len(self._conns)
+
     def _accept(self) -> None:
         assert self._listener is not None
         with selectors.DefaultSelector() as selector:
@@ -168,20 +181,24 @@ class DataPlaneServer:
                 body = _recv_exact(conn, n) if n <= MAX_FRAME else None
                 if body is None:
                     return  # gone, or a frame no client sends: drop the connection
+                start = time.perf_counter()
                 self.store.count("data_plane_requests")
                 note = self._note(body)
                 if note is not None:  # counters only; a reply only when asked for
                     self.store.count("appends", note.appends)
                     self.store.count("rows_appended", note.rows)
                     self.store.count("bytes_appended", note.nbytes)
+                    if self.metrics is not None:
+                        self.metrics.noted(note)
                     for node, run in note.runs:  # runs in use: the GC age rule spares them
                         if node == self.store.node:
                             self.store.touch(run)
                     if note.ack:
                         frame = _encoder.encode(CommitReply([]))
                         conn.sendall(FRAME_PREFIX.pack(len(frame)) + frame)
+                    self._observe("note", start)
                     continue
-                reply, fds = self._handle(body, pending, leases)
+                kind, reply, fds = self._handle(body, pending, leases)
                 self.store.count("data_plane_fds", len(fds))
                 try:
                     frame = _encoder.encode(reply)
@@ -191,6 +208,7 @@ class DataPlaneServer:
                 finally:
                     for fd in fds:
                         os.close(fd)
+                self._observe(kind, start)
         except OSError:
             return
         finally:
@@ -201,6 +219,10 @@ class DataPlaneServer:
             with self._lock:
                 self._conns.discard(conn)
             conn.close()
+
+    def _observe(self, kind: str, start: float) -> None:
+        if self.metrics is not None:
+            self.metrics.dataplane_request(kind, time.perf_counter() - start)
 
     def _writer(self, rel: str) -> int:
         """A write-only descriptor of its own for a client: not a dup of the store's, so
@@ -250,11 +272,15 @@ class DataPlaneServer:
         body: bytes,
         pending: dict[int, PendingAppend],
         leases: dict[tuple[str, int, str], Lease],
-    ) -> tuple[DataReply, list[int]]:
+    ) -> tuple[str, DataReply, list[int]]:
+        """Serve one request: ``(kind, reply, descriptors to pass)``."""
         fds: list[int] = []
+        kind = "invalid"
+        m = self.metrics
         try:
             req = _decoder.decode(body)
             if isinstance(req, LeaseRequest):
+                kind = "lease"
                 key = (req.run, req.step, req.field)
                 lease, fd = self._lease(key, req.nbytes)
                 fds.append(fd)
@@ -264,17 +290,24 @@ class DataPlaneServer:
                 leases[key] = lease
                 while len(leases) > LEASES:  # as many as a client keeps: the oldest is done
                     leases.pop(next(iter(leases))).release()
+                if m is not None:
+                    m.leased(req.field, lease.nbytes)
+                    m.handed_out("write", [lease.file])
                 fsync = self.store.fsync == "always"
-                return LeaseReply(lease.file, lease.offset, lease.nbytes, fsync), fds
+                return kind, LeaseReply(lease.file, lease.offset, lease.nbytes, fsync), fds
             if isinstance(req, FieldsRequest):
-                return FieldsReply(self.store.fields), fds
+                return "fields", FieldsReply(self.store.fields), fds
             if isinstance(req, OpenRequest):
+                kind = "open"
                 for rel, end in req.files:
                     fds.append(self.store.open_for_read(rel, end))
                 keeps = self.store.reads.keeps
                 once = [i for i, (rel, _) in enumerate(req.files) if not keeps(rel)]
-                return OpenReply(len(fds), once), fds
+                if m is not None:
+                    m.handed_out("read", [rel for rel, _ in req.files])
+                return kind, OpenReply(len(fds), once), fds
             if isinstance(req, ReserveRequest):
+                kind = "reserve"
                 p = self.store.begin_append(req.items)
                 txn = next(self._txns)
                 pending[txn] = p  # closed with the connection, whatever happens next
@@ -282,14 +315,20 @@ class DataPlaneServer:
                 fds = [self._writer(rel) for rel, _ in p.files]
                 index = {rel: i for i, rel in enumerate(files)}
                 extents = [ReservedExtent(index[rel], off, n) for rel, off, n in p.extents]
-                return ReserveReply(txn, files, extents), fds
+                if m is not None:
+                    m.handed_out("write", files)
+                return kind, ReserveReply(txn, files, extents), fds
             if isinstance(req, CommitRequest | AbortRequest):
+                kind = "abort" if isinstance(req, AbortRequest) else "commit"
                 p = pending.pop(req.txn)
                 if isinstance(req, AbortRequest):
                     p.close()
-                    return CommitReply([]), []
+                    return kind, CommitReply([]), []
                 p.written_elsewhere()
-                return CommitReply(p.commit()), []
+                reply = CommitReply(p.commit())
+                if m is not None:
+                    m.appended(p.items, DATA_PLANE)
+                return kind, reply, []
             raise InvalidRequestError(f"unexpected request {type(req).__name__}")
         except Exception as exc:
             for fd in fds:
@@ -297,10 +336,14 @@ class DataPlaneServer:
             if isinstance(exc, PayloadError):
                 if status_of(exc) >= 500:  # a full disk or an I/O error: the operator must see it
                     log.error("data plane: %s: %s", type(exc).__name__, exc)
-                return ErrorReply(type(exc).__name__, str(exc)), []
-            if isinstance(exc, msgspec.DecodeError):
-                return ErrorReply("InvalidRequestError", f"bad data plane request: {exc}"), []
-            if isinstance(exc, KeyError):
-                return ErrorReply("InvalidRequestError", f"no open reservation {exc}"), []
-            log.exception("data plane request failed")
-            return ErrorReply("ServerError", f"internal error: {type(exc).__name__}"), []
+                error = ErrorReply(type(exc).__name__, str(exc))
+            elif isinstance(exc, msgspec.DecodeError):
+                error = ErrorReply("InvalidRequestError", f"bad data plane request: {exc}")
+            elif isinstance(exc, KeyError):
+                error = ErrorReply("InvalidRequestError", f"no open reservation {exc}")
+            else:
+                log.exception("data plane request failed")
+                error = ErrorReply("ServerError", f"internal error: {type(exc).__name__}")
+            if m is not None:
+                m.error(error.error, DATA_PLANE)
+            return kind, error, []

@@ -184,7 +184,9 @@ class Collector:
         if not report.dry_run and files:  # nothing to remove: no line (the ledger stays small)
             nbytes = sum(_size(self.store.root / rel) for rel in files)
             with os_errors(self.store.root):  # a full disk: 507, and nothing is removed
-                self.store.ledger(node).record(run, reason, files, nbytes)  # before any of them goes
+                self.store.ledger(node).record(
+                    run, reason, files, nbytes
+                )  # before any of them goes
         for step in steps:
             removal = self.store.remove_step(
                 run, step, planned[step], dry_run=report.dry_run, idle_since=idle_since, node=node

@@ -29,7 +29,7 @@ from payload_client._wire import (
     Usage,
 )
 
-__all__ = ["install_openapi", "operation"]
+__all__ = ["install_openapi", "metrics_operation", "operation"]
 
 _REF = "#/components/schemas/{name}"
 _, COMPONENTS = msgspec.json.schema_components(
@@ -115,6 +115,18 @@ def operation(
         "response_model": None,
         "responses": {status: {"description": "OK", "content": content}, **_errors(errors)},
         "openapi_extra": extra,
+    }
+
+
+def metrics_operation(summary: str) -> dict[str, Any]:
+    """Keyword arguments of the ``GET /metrics`` route decorator: a ``text/plain`` answer
+    (the Prometheus text exposition format)."""
+    text = {"text/plain": {"schema": {"type": "string"}}}
+    return {
+        "summary": summary,
+        "response_class": Response,
+        "response_model": None,
+        "responses": {200: {"description": "OK", "content": text}, **_errors((500,))},
     }
 
 

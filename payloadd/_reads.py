@@ -278,6 +278,11 @@ class Readers:
             self.reads += 1
             self.bytes_read += nbytes
 
+    def cached(self) -> int:
+        """Read descriptors held in the cache now."""
+        with self._lock:
+            return len(self._readers)
+
     def close(self) -> None:
         """Close every cached descriptor (at shutdown)."""
         with self._lock:

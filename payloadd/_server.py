@@ -10,12 +10,14 @@ import signal
 from pathlib import Path
 
 import uvicorn
+from prometheus_client import disable_created_metrics
 
 from payload_client._wire import DATA_SOCKET_SUFFIX
 
 from ._activation import match_sockets, passed_sockets
 from ._app import create_app
 from ._auth import load_admin_token
+from ._logs import configure_logging
 from ._settings import Settings
 from ._sockets import (
     SocketLock,
@@ -62,9 +64,8 @@ def serve(settings: Settings) -> None:
         `match_sockets`).
     """
     passed = passed_sockets()  # first: LISTEN_* are unset whatever happens next
-    logging.basicConfig(
-        level=settings.log_level.upper(), format="%(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(settings.log_level, settings.log_format)
+    disable_created_metrics()  # type: ignore[no-untyped-call]  # no *_created series
     Store.check_root(settings.root)  # fail here, with a clear message, not in the lifespan
     token = load_admin_token(settings)
     if settings.tcp_port is not None and token is None:
@@ -117,7 +118,8 @@ def serve(settings: Settings) -> None:
         config = uvicorn.Config(
             create_app(settings, data),
             log_level=settings.log_level,
-            access_log=False,
+            log_config=None,  # uvicorn's loggers propagate to ours (configure_logging)
+            access_log=False,  # the access log is payloadd.access (setting access_log)
             lifespan="on",
             loop="uvloop",
             http="httptools",

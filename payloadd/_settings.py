@@ -237,6 +237,16 @@ class Settings(BaseSettings):
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field(
         "info", description="Log level of the daemon and uvicorn."
     )
+    log_format: Literal["text", "json"] = Field(
+        "text",
+        description="Log lines on stderr: text ('LEVEL logger: message [request <id>]') or "
+        "json (one object a line: time, level, logger, message, request_id, exception).",
+    )
+    access_log: bool = Field(
+        False,
+        description="Log one line per HTTP request (logger payloadd.access, level info): "
+        "method, path, route, status, duration, bytes sent, request id.",
+    )
 
     @field_validator("socket_mode", mode="before")
     @classmethod

@@ -589,6 +589,15 @@ class Store:
             **disk,
         )
 
+    def open_descriptors(self) -> tuple[int, int, int]:
+        """``(data files open for appends, cached read descriptors, leases held)``: the
+        daemon's write descriptors (current files, and sealed ones a pending append or a
+        lease still uses), its read cache, and the data-plane leases not yet ended."""
+        with self._lock:
+            append_fds = len(self._open)
+            leases = sum(f.leases for f in self._open.values())
+        return append_fds, self.reads.cached(), leases
+
     # -- durability and disk limits -----------------------------------------------------
 
     def flush(self) -> list[str]:

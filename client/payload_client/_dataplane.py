@@ -286,7 +286,7 @@ def append_steps(
             break
         for key in set(gone):  # place the rows again, in new leases (new files)
             leases.forget(key)
-    note = leases.note(sum(it.rows for it in items), sum(sizes))
+    note = leases.note(items, sizes)
     if note is not None:  # counters only: the rows are in place, the append is done
         with contextlib.suppress(DataPlaneDownError, TransportError):
             yield Exchange(note, reply=False)

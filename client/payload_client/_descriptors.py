@@ -15,7 +15,7 @@ from typing import Generic, TypeVar
 
 import numpy as np
 
-from ._wire import FieldsTable, NoteRequest
+from ._wire import AppendItem, FieldsTable, NoteRequest
 
 __all__ = [
     "CACHE_FDS",
@@ -155,30 +155,49 @@ class LeaseCache(_Cache[tuple[str, int, str], Lease]):
     def __init__(self, size: int = LEASES) -> None:
         super().__init__(size, lambda lease: lease.fd)
         self.unnoted = [0, 0, 0]  # appends, rows, bytes placed but not yet told
+        self.unnoted_fields: dict[str, list[int]] = {}  # field -> [rows, bytes] of those
         self.fields: FieldsTable | None = None  # the daemon's fields table, once fetched
 
-    def note(self, rows: int, nbytes: int, every: int = NOTE_EVERY) -> NoteRequest | None:
-        """Count one append; return the note to send once ``every`` appends are untold."""
+    def note(
+        self, items: Sequence[AppendItem], sizes: Sequence[int], every: int = NOTE_EVERY
+    ) -> NoteRequest | None:
+        """Count one append of ``items`` (``sizes``: their bytes); return the note to send
+        once ``every`` appends are untold."""
         with self.lock:
             u = self.unnoted
-            u[0], u[1], u[2] = u[0] + 1, u[1] + rows, u[2] + nbytes
+            u[0] += 1
+            by_field = self.unnoted_fields
+            for it, n in zip(items, sizes, strict=True):
+                u[1] += it.rows
+                u[2] += n
+                f = by_field.get(it.field)
+                if f is None:
+                    by_field[it.field] = [it.rows, n]
+                else:
+                    f[0] += it.rows
+                    f[1] += n
             if u[0] < every:
                 return None
-            self.unnoted = [0, 0, 0]
-            return NoteRequest(u[0], u[1], u[2])
+            return self._take()
+
+    def _take(self) -> NoteRequest:
+        """The note of the untold appends; they count as told from now on. Lock held."""
+        u, self.unnoted = self.unnoted, [0, 0, 0]
+        by_field, self.unnoted_fields = self.unnoted_fields, {}
+        return NoteRequest(u[0], u[1], u[2], fields=[(f, r, n) for f, (r, n) in by_field.items()])
 
     def clear(self) -> None:
         """Forget every lease, and the appends untold: they went to a daemon that is gone."""
         with self.lock:
             self.unnoted = [0, 0, 0]
+            self.unnoted_fields = {}
             self.fields = None  # a restarted daemon may have other settings
         super().clear()
 
     def take_note(self) -> NoteRequest | None:
         """The note of every untold append, if any (before stats, at close)."""
         with self.lock:
-            u, self.unnoted = self.unnoted, [0, 0, 0]
-        return NoteRequest(u[0], u[1], u[2]) if u[0] else None
+            return self._take() if self.unnoted[0] else None
 
     def claim(self, key: tuple[str, int, str], nbytes: int) -> tuple[Lease, int] | None:
         """Take ``nbytes`` of the key's lease: ``(lease, offset)``, or ``None`` if it has

@@ -480,7 +480,7 @@ class LeaseReply(msgspec.Struct, tag="leased", array_like=True):
 class NoteRequest(msgspec.Struct, tag="note", array_like=True):
     """The client placed ``appends`` appends of ``rows`` rows, ``nbytes`` bytes, in its
     leases (for the daemon's counters). The daemon replies (an empty `CommitReply`) only
-    when ``ack`` is true."""
+    when ``ack`` is true. ``fields`` splits ``rows`` and ``nbytes`` by field."""
 
     appends: NonNegInt
     rows: NonNegInt
@@ -489,6 +489,9 @@ class NoteRequest(msgspec.Struct, tag="note", array_like=True):
     runs: list[tuple[str, str]] = []
     """``(node, run)`` of the runs the client read or appended to through descriptors it
     held since its last note: in use, so the daemon's GC age rule spares them."""
+    fields: list[tuple[str, NonNegInt, NonNegInt]] = []
+    """``(field, rows, nbytes)`` of those appends, one entry per field (for the daemon's
+    metrics by field)."""
 
 
 class CommitRequest(msgspec.Struct, tag="commit", array_like=True):

@@ -43,6 +43,7 @@ CHECKS = [
 OPERATIONS: dict[tuple[str, str], tuple[int, int]] = {
     ("GET", "/healthz"): (1, 0),
     ("GET", "/v1/stats"): (1, 0),
+    ("GET", "/metrics"): (1, 0),
     ("GET", "/v1/fields"): (1, 0),
     ("POST", "/v1/append"): (200, 0),
     ("POST", "/v1/read"): (60, 60),
