@@ -103,6 +103,9 @@ def serve_settings(
     real command line, validated by the real settings."""
     for name in [n for n in os.environ if n.startswith("PAYLOADD_")]:
         monkeypatch.delenv(name)
+    # no config file: the image has none (/etc/payloadd/payloadd.toml, read when present,
+    # may exist on the machine running the tests)
+    monkeypatch.setenv("PAYLOADD_CONFIG", "")
     for name, value in env.items():
         unknown = name.startswith("PAYLOADD_") and name[9:].lower() not in Settings.model_fields
         assert not unknown, f"{name} is not a payloadd setting (it would be ignored)"
