@@ -2,13 +2,39 @@
 
 Start it with ``payloadd serve --root DIR --socket PATH``; talk to it with
 `payload_client.PayloadClient`. The app factory is `create_app`, the storage core `Store`.
+
+They are imported on first use, so that ``payloadd health`` (a probe, run every few seconds)
+does not import FastAPI, pydantic and numpy.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-from ._app import create_app
-from ._appends import PendingAppend
-from ._settings import Settings
-from ._store import Store
+if TYPE_CHECKING:
+    from ._app import create_app
+    from ._appends import PendingAppend
+    from ._settings import Settings
+    from ._store import Store
 
 __all__ = ["PendingAppend", "Settings", "Store", "__version__", "create_app"]
+
+_LAZY = {
+    "create_app": "._app",
+    "PendingAppend": "._appends",
+    "Settings": "._settings",
+    "Store": "._store",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """Import `create_app`, `PendingAppend`, `Settings` or `Store` on first use."""
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value

@@ -1,7 +1,10 @@
-"""The ``payloadd`` command: ``serve``, ``demo``, ``bench``, ``gc``, ``stat`` and ``inspect``.
+"""The ``payloadd`` command: ``serve``, ``demo``, ``bench``, ``gc``, ``stat``, ``inspect`` and
+``health``.
 
 ``serve``'s flags are generated from `Settings`, one per field, so a flag, an environment
-variable and a settings field never drift apart.
+variable and a settings field never drift apart. ``health`` (run by probes every few seconds)
+is handed over before anything heavy is imported: `Settings` and pydantic are imported where
+they are used.
 """
 
 from __future__ import annotations
@@ -11,12 +14,9 @@ import sys
 from collections.abc import Sequence
 from typing import Literal, get_args, get_origin
 
-from pydantic import ValidationError
-from pydantic_settings import SettingsError
-
 from . import __version__
-from ._config import DEFAULT_CONFIG, ConfigFileError
-from ._settings import Settings
+from ._health_cli import DESCRIPTION, add_health_flags
+from ._health_cli import main as health_main
 
 __all__ = ["main"]
 
@@ -27,6 +27,9 @@ ENV_ONLY_FLAGS = frozenset(f"--{name.replace('_', '-')}" for name in ENV_ONLY)
 
 
 def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
+    from ._config import DEFAULT_CONFIG
+    from ._settings import Settings
+
     for name, info in Settings.model_fields.items():
         if name in ENV_ONLY:
             continue
@@ -123,12 +126,21 @@ def _parser() -> argparse.ArgumentParser:
     from ._inspect_cli import add_inspect_flags
 
     add_inspect_flags(inspect)
+    health = sub.add_parser(
+        "health",
+        allow_abbrev=False,
+        help="check that a daemon answers on its socket (for probes)",
+        description=DESCRIPTION,
+    )
+    add_health_flags(health)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; return the exit status."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["health"]:  # here, before the imports below: probes run it often
+        return health_main(argv[1:])
     for arg in argv if argv[:1] == ["serve"] else ():
         if arg.replace("_", "-").split("=")[0] in ENV_ONLY_FLAGS:
             print(
@@ -139,6 +151,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
     args = _parser().parse_args(argv)
     if args.command == "serve":
+        from pydantic import ValidationError
+        from pydantic_settings import SettingsError
+
+        from ._config import ConfigFileError
+        from ._settings import Settings
+
         values = {k: v for k, v in vars(args).items() if k != "command"}
         try:
             settings = Settings(**values)
