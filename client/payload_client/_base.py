@@ -6,6 +6,7 @@ that decides what to send and what an answer means lives here, once.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
@@ -498,17 +499,17 @@ class BaseClient:
             check_name(run, "run")
         if before_step is not None:
             before_step = check_int(before_step, "before_step")
-        if ttl_s is not None and (
-            isinstance(ttl_s, bool)
-            or not isinstance(ttl_s, int | float)
-            or not 0 <= ttl_s < math.inf  # inf would go out as JSON null: the daemon's default
-        ):
-            raise InvalidRequestError(
-                f"ttl_s must be a finite number of seconds >= 0, got {ttl_s!r}"
-            )
+        ttl = None
+        if ttl_s is not None:
+            with contextlib.suppress(OverflowError):  # an int too large for a float
+                ttl = float(ttl_s) if isinstance(ttl_s, int | float) else None
+            # inf would go out as JSON null: the daemon's default
+            if isinstance(ttl_s, bool) or ttl is None or not 0 <= ttl < math.inf:
+                raise InvalidRequestError(
+                    f"ttl_s must be a finite number of seconds >= 0, got {ttl_s!r}"
+                )
         if node is not None:
             check_name(node, "node")
-        ttl = None if ttl_s is None else float(ttl_s)
         req = GcRequest(run, before_step, ttl, bool(dry_run), node)
         return self._json_call("/v1/admin/gc", GcReport, "POST", req)
 

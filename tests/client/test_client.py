@@ -164,7 +164,11 @@ def test_http_bodies_land_in_their_targets_in_order_whatever_the_chunking(chunk:
         short.result()
 
 
-@pytest.mark.parametrize("ttl_s", [float("inf"), float("nan"), -1.0, True, "60"])
+@pytest.mark.parametrize(
+    "ttl_s",
+    [float("inf"), float("nan"), -1.0, True, "60", 10**400],
+    ids=["inf", "nan", "negative", "bool", "str", "int-beyond-float"],
+)
 def test_gc_refuses_a_ttl_that_is_no_finite_number_of_seconds(
     tmp_path: Path, ttl_s: object
 ) -> None:
