@@ -10,6 +10,7 @@ they are used.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Sequence
 from typing import Literal, get_args, get_origin
@@ -27,6 +28,8 @@ ENV_ONLY_FLAGS = frozenset(f"--{name.replace('_', '-')}" for name in ENV_ONLY)
 
 
 def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
+    from pydantic_core import to_jsonable_python
+
     from ._config import DEFAULT_CONFIG
     from ._settings import Settings
 
@@ -40,6 +43,10 @@ def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
             default = f"{DEFAULT_CONFIG} if it exists"
         elif default is None:
             default = "none"
+        elif isinstance(default, bool):
+            default = str(default).lower()  # as the flag and the config file take it
+        elif isinstance(default, dict):
+            default = json.dumps(to_jsonable_python(default))  # as --fields takes it, not a repr
         choices = get_args(info.annotation) if get_origin(info.annotation) is Literal else None
         parser.add_argument(
             f"--{name.replace('_', '-')}",

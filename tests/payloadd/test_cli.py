@@ -156,3 +156,17 @@ def test_a_busy_data_socket_path_is_a_clean_start_error(tmp_path: Path) -> None:
     assert out.returncode == 1 and "s.sock.data exists and is not a socket" in out.stderr
     assert "Traceback" not in out.stderr
     assert not (tmp_path / "s.sock").exists()  # the control socket is not left behind
+
+
+def test_serve_help_prints_defaults_as_flags_take_them() -> None:
+    env = {**os.environ, "COLUMNS": "2000"}  # one line per flag
+    cmd = [*PAYLOADD, "serve", "--help"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    assert "[env PAYLOADD_DATA_PLANE; default true]" in text
+    assert "[env PAYLOADD_ACCESS_LOG; default false]" in text
+    start = text.index("[env PAYLOADD_FIELDS; default ") + len("[env PAYLOADD_FIELDS; default ")
+    fields, _ = json.JSONDecoder().raw_decode(text[start:])  # JSON, as --fields takes it
+    default = Settings.model_fields["fields"].get_default(call_default_factory=True)
+    assert fields == {name: rule.model_dump() for name, rule in default.items()}

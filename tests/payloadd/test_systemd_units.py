@@ -46,6 +46,7 @@ def test_the_units_agree_with_each_other_and_the_settings() -> None:
     assert sock["SocketMode"] == ["0660"] and sock["DirectoryMode"] == ["0750"]
     assert sock["FileDescriptorName"]
     assert "payloadd.socket" in service["Wants"] and "payloadd.socket" in service["After"]
+    assert service["RestartPreventExitStatus"] == ["2"]  # serve: bad settings or config file
     # the socket directory outlives the service: stopping it must not remove the sockets
     run_dir = os.path.dirname(socket_path)
     assert service["RuntimeDirectory"] == [os.path.basename(run_dir)]
