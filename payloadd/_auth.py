@@ -110,7 +110,8 @@ class TokenGuard:
         if sent is None:
             message = (
                 f"{what} need the admin token: send 'Authorization: Bearer <token>' "
-                "(PayloadClient(..., token=...); payloadd gc --token-file, or "
+                "(PayloadClient(..., token=...); the --token-file flag of payloadd gc, stat and "
+                "inspect, or "
                 "$PAYLOADD_ADMIN_TOKEN)"
             )
             challenge = b'Bearer realm="payloadd"'

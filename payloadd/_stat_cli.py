@@ -114,14 +114,19 @@ def _limit(value: int, unit: str = "") -> str:
     return "none" if value == 0 else human_bytes(value) + unit
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 def render(stats: Stats, usage: Usage, r: dict[str, float] | None, where: str) -> str:
     """The text ``payloadd stat`` prints for one daemon."""
     mb = 1e6
     up = _age(stats.uptime_s)
     lines = [
         f"daemon  node {stats.node} on {where}: root {stats.root}, up {up}, fsync {stats.fsync}",
-        f"disk    {usage.files} files in {usage.steps} steps of {len(usage.runs) + usage.more_runs}"
-        f" runs: {human_bytes(usage.bytes)} ({human_bytes(usage.disk_bytes)} on disk)",
+        f"disk    {_count(usage.files, 'file')} in {_count(usage.steps, 'step')} of "
+        f"{_count(len(usage.runs) + usage.more_runs, 'run')}: {human_bytes(usage.bytes)} "
+        f"({human_bytes(usage.disk_bytes)} on disk)",
         f"        counted against the cap {human_bytes(stats.root_bytes)}, cap "
         f"{_limit(stats.max_root_bytes)}; free {human_bytes(stats.free_bytes)}, floor "
         f"{_limit(stats.min_free_bytes)}; appends refused {stats.appends_refused}",
