@@ -147,6 +147,20 @@ def test_a_bad_config_file_stops_the_start(tmp_path: Path, text: str, keys: list
     assert not (tmp_path / "r").exists() and not (tmp_path / "s").exists()
 
 
+def test_a_config_file_not_utf8_stops_the_start_with_a_message(tmp_path: Path) -> None:
+    config = tmp_path / "latin1.toml"
+    config.write_bytes('node = "n\xe9ud"\n'.encode("latin-1"))  # TOML is UTF-8 only
+    out = subprocess.run(
+        [*PAYLOADD, "serve", "--root", str(tmp_path / "r"), "--socket", str(tmp_path / "s"),
+         "--config", str(config)],
+        capture_output=True, text=True, timeout=60, env=_env(),
+    )  # fmt: skip
+    assert out.returncode == 2, out.stderr
+    assert "Traceback" not in out.stderr
+    assert f"config file {config} is not valid TOML: not UTF-8" in out.stderr
+    assert not (tmp_path / "r").exists() and not (tmp_path / "s").exists()
+
+
 @pytest.mark.parametrize("how", ["flag", "env"])
 def test_a_named_config_file_that_is_missing_stops_the_start(tmp_path: Path, how: str) -> None:
     missing = tmp_path / "nowhere" / "payloadd.toml"
