@@ -390,3 +390,21 @@ def test_a_path_with_a_newline_cannot_forge_an_access_log_line(tmp_path: Path) -
         "INFO payloadd.access: GET /v1/none\\nERROR payloadd: forged\\r\\x1b[2J\\u2028x -> 404 "
         + mine[0].split(" -> 404 ")[1]
     ], lines
+
+
+def test_notes_with_absurd_counts_leave_stats_answering(tmp_path: Path) -> None:
+    sock = tmp_path / "s.sock"
+    huge = 2**63 - 1  # the largest count a note may carry
+    with (
+        start_daemon(tmp_path / "root", sock),
+        httpx.Client(transport=httpx.HTTPTransport(uds=str(sock)), base_url="http://d") as h,
+    ):
+        for _ in range(3):  # their sum no longer fits 64 bits
+            _note(f"{sock}{DATA_SOCKET_SUFFIX}", NoteRequest(huge, huge, huge, ack=True))
+        for accept in ("application/json", "application/msgpack"):
+            r = h.get("/v1/stats", headers={"Accept": accept})
+            assert r.status_code == 200, r.text
+        with PayloadClient(sock, data_plane=False) as c:
+            stats = c.stats()
+        assert stats.appends == stats.rows_appended == stats.bytes_appended == huge
+        assert h.get("/metrics").status_code == 200
