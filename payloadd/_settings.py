@@ -328,3 +328,11 @@ class Settings(BaseSettings):
     @classmethod
     def _empty_is_none(cls, value: object) -> object:
         return None if value == "" else value
+
+    @field_validator("root", "socket", "admin_token_file", mode="before")
+    @classmethod
+    def _not_empty(cls, value: object) -> object:
+        # Path("") is ".": an empty PAYLOADD_ROOT would make the working directory the root
+        if isinstance(value, str) and not value.strip():
+            raise ValueError("must not be empty (an empty path is the working directory)")
+        return value

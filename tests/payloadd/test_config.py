@@ -147,6 +147,36 @@ def test_a_bad_config_file_stops_the_start(tmp_path: Path, text: str, keys: list
     assert not (tmp_path / "r").exists() and not (tmp_path / "s").exists()
 
 
+@pytest.mark.parametrize("how", ["flag", "env", "file"])
+@pytest.mark.parametrize("key", ["root", "socket"])
+def test_an_empty_path_is_refused_not_taken_for_the_working_directory(
+    tmp_path: Path, how: str, key: str
+) -> None:
+    paths = {"root": str(tmp_path / "r"), "socket": str(tmp_path / "s")}
+    env = _env()
+    if how == "flag":
+        paths[key] = ""
+    elif how == "env":
+        del paths[key]
+        env[f"PAYLOADD_{key.upper()}"] = ""  # e.g. a template variable left unset
+    else:
+        del paths[key]
+        config = tmp_path / "c.toml"
+        config.write_text(f'{key} = ""\n')
+        env["PAYLOADD_CONFIG"] = str(config)
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    flags = [a for k, v in paths.items() for a in (f"--{k}", v)]
+    out = subprocess.run(
+        [*PAYLOADD, "serve", "--node", "n", *flags], cwd=cwd, env=env, capture_output=True,
+        text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 2, out.stderr
+    assert key in out.stderr and "must not be empty" in out.stderr
+    assert "Traceback" not in out.stderr
+    assert list(cwd.iterdir()) == []  # nothing made in the working directory
+
+
 def test_a_config_file_not_utf8_stops_the_start_with_a_message(tmp_path: Path) -> None:
     config = tmp_path / "latin1.toml"
     config.write_bytes('node = "n\xe9ud"\n'.encode("latin-1"))  # TOML is UTF-8 only
