@@ -35,6 +35,8 @@ RATES = {
     "leases_per_s": "leases",
 }
 """Rate name -> the `Stats` counter it is the growth of, per second."""
+MAX_INTERVAL_S = 86400.0
+"""Longest ``--interval`` (a day; ``time.sleep`` overflows far beyond)."""
 CLOCK_SLACK = 1e-3
 """How much slower than this host's clock a daemon's (over TCP, on another host) may run."""
 
@@ -47,8 +49,8 @@ def add_stat_flags(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=1.0,
         metavar="SECONDS",
-        help="seconds between the two samples the rates come from; 0: one sample, no rates "
-        "[default: 1]",
+        help="seconds between the two samples the rates come from, at most "
+        f"{MAX_INTERVAL_S:g}; 0: one sample, no rates [default: 1]",
     )
     parser.add_argument(
         "--max-steps",
@@ -196,9 +198,11 @@ def render(stats: Stats, usage: Usage, r: dict[str, float] | None, where: str) -
 def run_stat(args: argparse.Namespace) -> int:
     """Run ``payloadd stat``: exit status 0, 1 on a daemon or connection error, 2 on bad
     flags."""
-    if not (math.isfinite(args.interval) and args.interval >= 0):
+    if not (math.isfinite(args.interval) and 0 <= args.interval <= MAX_INTERVAL_S):
         print(
-            f"payloadd stat: --interval must be >= 0 seconds, got {args.interval}", file=sys.stderr
+            f"payloadd stat: --interval must be >= 0 and <= {MAX_INTERVAL_S:g} seconds, got "
+            f"{args.interval}",
+            file=sys.stderr,
         )
         return 2
     for flag, value in (("--max-steps", args.max_steps), ("--ledger", args.ledger)):

@@ -244,6 +244,7 @@ def test_stat_with_one_sample_has_no_rates_and_refuses_bad_flags(
     for flags, message in [
         (["--interval", "-1"], "--interval must be >= 0"),
         (["--interval", "nan"], "--interval must be >= 0"),
+        (["--interval", "1e300"], "and <= 86400 seconds"),  # time.sleep would overflow
         (["--max-steps", "-2"], "--max-steps must be in [0, 100000]"),
         (["--ledger", "100001"], "--ledger must be in [0, 100000]"),
         (["--interval", "x"], "invalid float value"),
