@@ -179,6 +179,7 @@ class Settings(BaseSettings):
     fsync_interval_s: float = Field(
         1.0,
         gt=0,
+        le=86400,  # the flusher's wait overflows far beyond
         description="Seconds between two flushes under fsync=interval: every data file written "
         "since the last flush (and every file with a data-plane lease) is fsync'd.",
     )

@@ -177,6 +177,24 @@ def test_an_empty_path_is_refused_not_taken_for_the_working_directory(
     assert list(cwd.iterdir()) == []  # nothing made in the working directory
 
 
+@pytest.mark.parametrize("how", ["flag", "file"])
+def test_an_fsync_interval_the_flusher_cannot_wait_is_refused(tmp_path: Path, how: str) -> None:
+    flags = ["--fsync", "interval", "--root", str(tmp_path / "r"), "--socket", str(tmp_path / "s")]
+    env = _env()
+    if how == "flag":
+        flags += ["--fsync-interval-s", "1e300"]
+    else:
+        config = tmp_path / "c.toml"
+        config.write_text("fsync_interval_s = 1e300\n")
+        env["PAYLOADD_CONFIG"] = str(config)
+    out = subprocess.run(
+        [*PAYLOADD, "serve", *flags], capture_output=True, text=True, timeout=60, env=env
+    )
+    assert out.returncode == 2, out.stderr  # not a daemon whose flusher died: it never fsyncs
+    assert "fsync_interval_s" in out.stderr and "86400" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
 def test_a_config_file_not_utf8_stops_the_start_with_a_message(tmp_path: Path) -> None:
     config = tmp_path / "latin1.toml"
     config.write_bytes('node = "n\xe9ud"\n'.encode("latin-1"))  # TOML is UTF-8 only
