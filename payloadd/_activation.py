@@ -61,9 +61,9 @@ def passed_sockets(
     pid = env.pop("LISTEN_PID", None)
     count = env.pop("LISTEN_FDS", None)
     names = env.pop("LISTEN_FDNAMES", None)
-    if pid is None or count is None or not pid.isdigit() or int(pid) != os.getpid():
+    if pid is None or count is None or not _number(pid) or int(pid) != os.getpid():
         return []
-    if not count.isdigit():
+    if not _number(count):
         raise StartError(f"LISTEN_FDS={count!r} (socket activation) is not a number")
     n = int(count)
     labels = names.split(":") if names is not None else []
@@ -81,6 +81,11 @@ def passed_sockets(
                 f"socket: {exc.strerror}"
             ) from None
     return passed
+
+
+def _number(text: str) -> bool:
+    # ASCII digits only: str.isdigit() also takes "³", which int() refuses
+    return text.isascii() and text.isdigit()
 
 
 def _bound_path(sock: socket.socket) -> str:

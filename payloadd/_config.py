@@ -144,7 +144,7 @@ class ConfigFileSource(TomlConfigSettingsSource):
     Raises
     ------
     ConfigFileError
-        The file cannot be read, is not TOML, or holds an unknown key, ``config``,
+        The file cannot be read, is not TOML (or not UTF-8), or holds an unknown key, ``config``,
         ``admin_token``, or an invalid value. The message names the file and each key.
     """
 
@@ -155,6 +155,11 @@ class ConfigFileSource(TomlConfigSettingsSource):
             super().__init__(settings_cls, toml_file=path)
         except tomllib.TOMLDecodeError as exc:
             raise ConfigFileError(f"config file {path} is not valid TOML: {exc}") from None
+        except UnicodeDecodeError as exc:  # tomllib decodes the whole file first
+            raise ConfigFileError(
+                f"config file {path} is not valid TOML: not UTF-8 text (byte {exc.start}: "
+                f"{exc.reason})"
+            ) from None
         except OSError as exc:
             raise ConfigFileError(f"cannot read config file {path}: {exc.strerror}") from None
         names = [n for n in Settings.model_fields if n not in NOT_IN_FILE]

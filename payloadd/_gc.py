@@ -108,11 +108,18 @@ class Collector:
         Raises
         ------
         InvalidRequestError
-            A bad node name.
+            A bad node name, or a node prefix that is a symlink (it may lead out of the
+            root: its files are never read through it, so none is removed through it).
         """
         if node is None or node == self.store.node:
             return None
-        return check_name(node, "node")
+        node = check_name(node, "node")
+        if os.path.islink(self.store.root / node):
+            raise InvalidRequestError(
+                f"node prefix {node!r} is a symlink, not a directory of the payload root: "
+                "it is not collected"
+            )
+        return node
 
     def sweep(self) -> GcReport:
         """The background sweep: the age rule, orphans, empty directories; then the bytes

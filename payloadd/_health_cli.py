@@ -44,6 +44,8 @@ DEFAULT_SOCKET = "/run/payloadd/payloadd.sock"
 this module avoids."""
 DEFAULT_TIMEOUT_S = 3.0
 """Seconds the whole check may take by default: connect, send, and receive the answer."""
+MAX_TIMEOUT_S = 86400.0
+"""Longest ``--timeout`` (a day)."""
 MAX_ANSWER_BYTES = 64 << 10
 """Largest ``/healthz`` answer body read (the daemon's is about 50 bytes)."""
 DESCRIPTION = (
@@ -169,8 +171,10 @@ def _seconds(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text}")
+    if not 0 < value <= MAX_TIMEOUT_S:  # socket timeouts overflow far beyond
+        raise argparse.ArgumentTypeError(
+            f"must be a number of seconds > 0 and <= {MAX_TIMEOUT_S:g}, got {text}"
+        )
     return value
 
 
@@ -185,8 +189,8 @@ def add_health_flags(parser: argparse.ArgumentParser) -> None:
         type=_seconds,
         default=DEFAULT_TIMEOUT_S,
         metavar="SECONDS",
-        help="seconds the whole check may take: connect, ask, get the answer "
-        f"[default: {DEFAULT_TIMEOUT_S:g}]",
+        help="seconds the whole check may take: connect, ask, get the answer; at most "
+        f"{MAX_TIMEOUT_S:g} [default: {DEFAULT_TIMEOUT_S:g}]",
     )
 
 

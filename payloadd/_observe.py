@@ -11,7 +11,8 @@ It wraps the whole app, Starlette's own error middleware included, so it sees ev
   answer by error class. Routes and the exception handlers name the error class in
   ``request.state.error_class``; an answer of 4xx/5xx that names none (the token guard's
   401) counts under the class of its status in `STATUS_BY_ERROR`, else ``HTTPError``.
-- **Access log** (``access_log`` setting): one ``payloadd.access`` line per request.
+- **Access log** (``access_log`` setting): one ``payloadd.access`` line per request; the
+  path's unprintable characters (a decoded ``%0A``...) are escaped in the message.
 """
 
 from __future__ import annotations
@@ -49,6 +50,17 @@ def _request_id(headers: Sequence[tuple[bytes, bytes]], rng: random.Random) -> s
                 return value.decode()
             break
     return f"{rng.getrandbits(64):016x}"  # an id, not a secret: no system call per request
+
+
+def _printable(path: str) -> str:
+    """``path`` with its unprintable characters escaped (``\\n``, ``\\x1b``, ``\\u2028``).
+
+    The path is percent-decoded: ``%0A`` in a request line would otherwise end the access
+    log line and start a forged one.
+    """
+    if path.isprintable():
+        return path
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in path)
 
 
 class Observe:
@@ -115,7 +127,7 @@ class Observe:
         if self.access_log:
             access.info(
                 "%s %s -> %d in %.3f ms, %d bytes sent",
-                scope["method"], scope["path"], status, seconds * 1e3, sent,
+                scope["method"], _printable(scope["path"]), status, seconds * 1e3, sent,
                 extra={"method": scope["method"], "path": scope["path"], "route": route,
                        "status": status, "duration_s": seconds, "bytes_sent": sent},
             )  # fmt: skip

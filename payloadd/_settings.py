@@ -179,6 +179,7 @@ class Settings(BaseSettings):
     fsync_interval_s: float = Field(
         1.0,
         gt=0,
+        le=86400,  # the flusher's wait overflows far beyond
         description="Seconds between two flushes under fsync=interval: every data file written "
         "since the last flush (and every file with a data-plane lease) is fsync'd.",
     )
@@ -328,3 +329,11 @@ class Settings(BaseSettings):
     @classmethod
     def _empty_is_none(cls, value: object) -> object:
         return None if value == "" else value
+
+    @field_validator("root", "socket", "admin_token_file", mode="before")
+    @classmethod
+    def _not_empty(cls, value: object) -> object:
+        # Path("") is ".": an empty PAYLOADD_ROOT would make the working directory the root
+        if isinstance(value, str) and not value.strip():
+            raise ValueError("must not be empty (an empty path is the working directory)")
+        return value

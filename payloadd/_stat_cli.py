@@ -35,6 +35,10 @@ RATES = {
     "leases_per_s": "leases",
 }
 """Rate name -> the `Stats` counter it is the growth of, per second."""
+MAX_INTERVAL_S = 86400.0
+"""Longest ``--interval`` (a day; ``time.sleep`` overflows far beyond)."""
+CLOCK_SLACK = 1e-3
+"""How much slower than this host's clock a daemon's (over TCP, on another host) may run."""
 
 
 def add_stat_flags(parser: argparse.ArgumentParser) -> None:
@@ -45,8 +49,8 @@ def add_stat_flags(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=1.0,
         metavar="SECONDS",
-        help="seconds between the two samples the rates come from; 0: one sample, no rates "
-        "[default: 1]",
+        help="seconds between the two samples the rates come from, at most "
+        f"{MAX_INTERVAL_S:g}; 0: one sample, no rates [default: 1]",
     )
     parser.add_argument(
         "--max-steps",
@@ -65,8 +69,22 @@ def add_stat_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the data as JSON")
 
 
-def rates(first: Stats, second: Stats, u1: Usage, u2: Usage) -> dict[str, float] | None:
+def rates(
+    first: Stats, second: Stats, u1: Usage, u2: Usage, elapsed_s: float = 0.0
+) -> dict[str, float] | None:
     """Per-second growth of the counters between two samples of the same daemon run.
+
+    Parameters
+    ----------
+    first, second : Stats
+        The two samples of ``GET /v1/stats``, in the order taken.
+    u1, u2 : Usage
+        The usage sampled with each.
+    elapsed_s : float
+        Seconds (this process's monotonic clock) from the end of the first sample to the
+        start of the second. The daemon that answered both was up for at least as long
+        between them: when its uptime grew less (by more than `CLOCK_SLACK`, for a daemon
+        on another host), the second answer came from a daemon started since (a restart).
 
     Returns
     -------
@@ -74,11 +92,13 @@ def rates(first: Stats, second: Stats, u1: Usage, u2: Usage) -> dict[str, float]
         ``interval_s`` (the daemon's seconds between the samples), each rate of `RATES`,
         and ``disk_bytes_per_s`` (growth of the node's bytes on disk, negative when GC freed
         more than was written); ``None`` when the daemon restarted in between (its uptime
-        went down) or no time passed.
+        grew less than ``elapsed_s``, or a counter went down) or no time passed.
     """
     dt = second.uptime_s - first.uptime_s
-    if dt <= 0:
+    if dt <= 0 or dt < elapsed_s * (1 - CLOCK_SLACK):
         return None
+    if any(getattr(second, c) < getattr(first, c) for c in RATES.values()):
+        return None  # counters never go down within one daemon run
     out = {"interval_s": dt}
     for name, counter in RATES.items():
         out[name] = (getattr(second, counter) - getattr(first, counter)) / dt
@@ -183,9 +203,11 @@ def render(stats: Stats, usage: Usage, r: dict[str, float] | None, where: str) -
 def run_stat(args: argparse.Namespace) -> int:
     """Run ``payloadd stat``: exit status 0, 1 on a daemon or connection error, 2 on bad
     flags."""
-    if not (math.isfinite(args.interval) and args.interval >= 0):
+    if not (math.isfinite(args.interval) and 0 <= args.interval <= MAX_INTERVAL_S):
         print(
-            f"payloadd stat: --interval must be >= 0 seconds, got {args.interval}", file=sys.stderr
+            f"payloadd stat: --interval must be >= 0 and <= {MAX_INTERVAL_S:g} seconds, got "
+            f"{args.interval}",
+            file=sys.stderr,
         )
         return 2
     for flag, value in (("--max-steps", args.max_steps), ("--ledger", args.ledger)):
@@ -196,8 +218,10 @@ def run_stat(args: argparse.Namespace) -> int:
         with open_client(args, data_plane=False) as c:
             s1, u1 = c.stats(), c.usage(max_steps=args.max_steps, ledger=args.ledger)
             s2, u2 = s1, u1
+            sampled, elapsed = time.monotonic(), 0.0
             if args.interval > 0:
                 time.sleep(args.interval)
+                elapsed = time.monotonic() - sampled  # the daemon's uptime grows as much
                 s2, u2 = c.stats(), c.usage(max_steps=args.max_steps, ledger=args.ledger)
             where = c.where
     except FlagError as exc:
@@ -206,7 +230,7 @@ def run_stat(args: argparse.Namespace) -> int:
     except (PayloadError, OSError) as exc:
         print(f"payloadd stat: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
-    r = rates(s1, s2, u1, u2) if args.interval > 0 else None
+    r = rates(s1, s2, u1, u2, elapsed) if args.interval > 0 else None
     if args.json:
         doc: dict[str, Any] = {"daemon": where, "rates": r, "stats": s2, "usage": u2}
         emit(msgspec.json.format(msgspec.json.encode(doc)).decode())

@@ -552,9 +552,14 @@ class Store:
     # -- state --------------------------------------------------------------------------
 
     def count(self, name: str, n: int = 1) -> None:
-        """Add ``n`` to the counter ``name`` of `Stats`."""
+        """Add ``n`` to the counter ``name`` of `Stats`; it stops at ``INT64_MAX``.
+
+        Data-plane clients report their own appends (notes): a client that reports
+        absurd counts must not push a counter past what ``GET /v1/stats`` can encode
+        (msgpack: 64 bits) or its readers decode.
+        """
         with self._lock:
-            self._counts[name] += n
+            self._counts[name] = min(self._counts[name] + n, INT64_MAX)
 
     def stats(self) -> Stats:
         """Counters since start, durability and disk limits (bytes in bytes, uptime in

@@ -233,6 +233,10 @@ def test_listen_variables_are_always_unset_and_only_this_pid_takes_them() -> Non
     with pytest.raises(StartError, match="LISTEN_FDS='two'"):
         passed_sockets(bad)
     assert bad == {}
+    odd = {"LISTEN_PID": str(os.getpid()), "LISTEN_FDS": "\u00b3"}  # a digit int() refuses
+    with pytest.raises(StartError, match="is not a number"):
+        passed_sockets(odd)
+    assert passed_sockets({"LISTEN_PID": "\u00b3", "LISTEN_FDS": "2"}) == []  # not this pid
     none = {"LISTEN_PID": str(os.getpid()), "LISTEN_FDS": "0", "PATH": "/bin"}
     assert passed_sockets(none) == [] and none == {"PATH": "/bin"}
 

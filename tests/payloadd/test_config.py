@@ -147,6 +147,68 @@ def test_a_bad_config_file_stops_the_start(tmp_path: Path, text: str, keys: list
     assert not (tmp_path / "r").exists() and not (tmp_path / "s").exists()
 
 
+@pytest.mark.parametrize("how", ["flag", "env", "file"])
+@pytest.mark.parametrize("key", ["root", "socket"])
+def test_an_empty_path_is_refused_not_taken_for_the_working_directory(
+    tmp_path: Path, how: str, key: str
+) -> None:
+    paths = {"root": str(tmp_path / "r"), "socket": str(tmp_path / "s")}
+    env = _env()
+    if how == "flag":
+        paths[key] = ""
+    elif how == "env":
+        del paths[key]
+        env[f"PAYLOADD_{key.upper()}"] = ""  # e.g. a template variable left unset
+    else:
+        del paths[key]
+        config = tmp_path / "c.toml"
+        config.write_text(f'{key} = ""\n')
+        env["PAYLOADD_CONFIG"] = str(config)
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    flags = [a for k, v in paths.items() for a in (f"--{k}", v)]
+    out = subprocess.run(
+        [*PAYLOADD, "serve", "--node", "n", *flags], cwd=cwd, env=env, capture_output=True,
+        text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 2, out.stderr
+    assert key in out.stderr and "must not be empty" in out.stderr
+    assert "Traceback" not in out.stderr
+    assert list(cwd.iterdir()) == []  # nothing made in the working directory
+
+
+@pytest.mark.parametrize("how", ["flag", "file"])
+def test_an_fsync_interval_the_flusher_cannot_wait_is_refused(tmp_path: Path, how: str) -> None:
+    flags = ["--fsync", "interval", "--root", str(tmp_path / "r"), "--socket", str(tmp_path / "s")]
+    env = _env()
+    if how == "flag":
+        flags += ["--fsync-interval-s", "1e300"]
+    else:
+        config = tmp_path / "c.toml"
+        config.write_text("fsync_interval_s = 1e300\n")
+        env["PAYLOADD_CONFIG"] = str(config)
+    out = subprocess.run(
+        [*PAYLOADD, "serve", *flags], capture_output=True, text=True, timeout=60, env=env
+    )
+    assert out.returncode == 2, out.stderr  # not a daemon whose flusher died: it never fsyncs
+    assert "fsync_interval_s" in out.stderr and "86400" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_a_config_file_not_utf8_stops_the_start_with_a_message(tmp_path: Path) -> None:
+    config = tmp_path / "latin1.toml"
+    config.write_bytes('node = "n\xe9ud"\n'.encode("latin-1"))  # TOML is UTF-8 only
+    out = subprocess.run(
+        [*PAYLOADD, "serve", "--root", str(tmp_path / "r"), "--socket", str(tmp_path / "s"),
+         "--config", str(config)],
+        capture_output=True, text=True, timeout=60, env=_env(),
+    )  # fmt: skip
+    assert out.returncode == 2, out.stderr
+    assert "Traceback" not in out.stderr
+    assert f"config file {config} is not valid TOML: not UTF-8" in out.stderr
+    assert not (tmp_path / "r").exists() and not (tmp_path / "s").exists()
+
+
 @pytest.mark.parametrize("how", ["flag", "env"])
 def test_a_named_config_file_that_is_missing_stops_the_start(tmp_path: Path, how: str) -> None:
     missing = tmp_path / "nowhere" / "payloadd.toml"

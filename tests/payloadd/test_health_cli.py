@@ -219,6 +219,7 @@ def test_no_answer_in_time(
         (["--timeout", "-1"], "must be a number of seconds > 0"),
         (["--timeout", "nan"], "must be a number of seconds > 0"),
         (["--timeout", "inf"], "must be a number of seconds > 0"),
+        (["--timeout", "1e300"], "and <= 86400, got 1e300"),  # a socket timeout overflows
         (["--timeout", "soon"], "not a number of seconds: 'soon'"),
         (["--sock", "/x"], "unrecognized arguments"),
         (["extra"], "unrecognized arguments"),

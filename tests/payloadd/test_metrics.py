@@ -371,3 +371,40 @@ def test_text_logs_carry_the_request_id_and_uvicorn_follows(tmp_path: Path) -> N
     assert "INFO uvicorn.error: Application startup complete." in text
     assert re.search(r"^INFO payloadd.access: GET /v1/stats -> 200 in [0-9.]+ ms, \d+ bytes "
                      r"sent \[request text-1\]$", text, re.M), text  # fmt: skip
+
+
+def test_a_path_with_a_newline_cannot_forge_an_access_log_line(tmp_path: Path) -> None:
+    sock, log = tmp_path / "s.sock", tmp_path / "log"
+    forged = "/v1/none%0AERROR%20payloadd:%20forged%0D%1B[2J%E2%80%A8x"  # decoded by the server
+    with (
+        open(log, "wb") as err,
+        start_daemon(tmp_path / "root", sock, "--access-log", "true", log_level="info", stderr=err),
+        httpx.Client(transport=httpx.HTTPTransport(uds=str(sock)), base_url="http://d") as h,
+    ):
+        assert h.get(forged, headers={"X-Request-ID": "forge-1"}).status_code == 404
+        h.get("/healthz")  # the access line of the first request is written by now
+    lines = log.read_text().splitlines()
+    assert not any(line.startswith("ERROR payloadd: forged") for line in lines), lines
+    mine = [line for line in lines if line.endswith("[request forge-1]")]
+    assert mine == [
+        "INFO payloadd.access: GET /v1/none\\nERROR payloadd: forged\\r\\x1b[2J\\u2028x -> 404 "
+        + mine[0].split(" -> 404 ")[1]
+    ], lines
+
+
+def test_notes_with_absurd_counts_leave_stats_answering(tmp_path: Path) -> None:
+    sock = tmp_path / "s.sock"
+    huge = 2**63 - 1  # the largest count a note may carry
+    with (
+        start_daemon(tmp_path / "root", sock),
+        httpx.Client(transport=httpx.HTTPTransport(uds=str(sock)), base_url="http://d") as h,
+    ):
+        for _ in range(3):  # their sum no longer fits 64 bits
+            _note(f"{sock}{DATA_SOCKET_SUFFIX}", NoteRequest(huge, huge, huge, ack=True))
+        for accept in ("application/json", "application/msgpack"):
+            r = h.get("/v1/stats", headers={"Accept": accept})
+            assert r.status_code == 200, r.text
+        with PayloadClient(sock, data_plane=False) as c:
+            stats = c.stats()
+        assert stats.appends == stats.rows_appended == stats.bytes_appended == huge
+        assert h.get("/metrics").status_code == 200

@@ -414,3 +414,30 @@ def test_foreign_reads_is_a_setting(tmp_path: Path) -> None:
     )
     assert bad.returncode == 2 and "--foreign-reads" in bad.stderr
     assert Settings(foreign_reads="reopen").foreign_reads == "reopen"
+
+
+def test_a_node_prefix_that_is_a_symlink_out_of_the_root_is_not_collected(
+    pair: Pair, tmp_path: Path
+) -> None:
+    outside = tmp_path / "outside"  # not under the root: no daemon's files
+    step = outside / "r" / "0"
+    step.mkdir(parents=True)
+    (step / "f-00000000-000001.bin").write_bytes(b"not the daemon's")
+    age(outside)
+    before = digest(outside)
+    link = pair.root / "elsewhere"
+    link.symlink_to(outside)
+    try:
+        with pair.client("a") as a:
+            for collect in (
+                lambda: a.delete_run("r", node="elsewhere"),
+                lambda: a.gc("r", 5, node="elsewhere"),
+                lambda: a.gc(node="elsewhere", ttl_s=1),
+            ):
+                with pytest.raises(InvalidRequestError, match="symlink"):
+                    collect()
+        with httpx.Client(transport=httpx.HTTPTransport(uds=str(pair.a)), base_url="http://d") as h:
+            assert h.delete("/v1/admin/nodes/elsewhere/runs/r").status_code == 400
+    finally:
+        link.unlink()
+    assert digest(outside) == before

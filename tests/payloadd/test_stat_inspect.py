@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +26,7 @@ from payload_client import (
 )
 from payloadd._cli import main
 from payloadd._process import start_daemon
+from payloadd._stat_cli import rates
 from tests.conftest import Daemon
 
 PAYLOADD = [sys.executable, "-m", "payloadd"]
@@ -242,6 +244,7 @@ def test_stat_with_one_sample_has_no_rates_and_refuses_bad_flags(
     for flags, message in [
         (["--interval", "-1"], "--interval must be >= 0"),
         (["--interval", "nan"], "--interval must be >= 0"),
+        (["--interval", "1e300"], "and <= 86400 seconds"),  # time.sleep would overflow
         (["--max-steps", "-2"], "--max-steps must be in [0, 100000]"),
         (["--ledger", "100001"], "--ledger must be in [0, 100000]"),
         (["--interval", "x"], "invalid float value"),
@@ -252,6 +255,27 @@ def test_stat_with_one_sample_has_no_rates_and_refuses_bad_flags(
     code, _, err = run_main(capsys, "stat", "--socket", str(own.root / "nobody.sock"),
                             "--interval", "0")  # fmt: skip
     assert code == 1 and "ConnectError" in err
+
+
+def test_stat_has_no_rates_across_a_restart_between_its_samples(tmp_path: Path) -> None:
+    root, sock = tmp_path / "root", tmp_path / "s.sock"
+    with start_daemon(root, sock), PayloadClient(sock, data_plane=False) as c:
+        for step in range(3):
+            c.append("routed_experts", routed(2, step), 0, run="r", step=step)
+        s1, u1 = c.stats(), c.usage()
+    sampled = time.monotonic()
+    with start_daemon(root, sock), PayloadClient(sock, data_plane=False) as c:
+        for step in range(3, 8):  # more than the first daemon: no counter goes down
+            c.append("routed_experts", routed(2, step), 0, run="r", step=step)
+        while c.stats().uptime_s <= s1.uptime_s:  # the new daemon's uptime passes the old one's
+            time.sleep(0.05)
+        elapsed = time.monotonic() - sampled
+        s2, u2 = c.stats(), c.usage()
+    assert s2.appends > s1.appends and s2.uptime_s > s1.uptime_s
+    assert rates(s1, s2, u1, u2, elapsed) is None  # its uptime grew less than the time passed
+    fewer = msgspec.structs.replace(s2, appends=s1.appends - 1)
+    assert rates(s1, fewer, u1, u2) is None  # a counter went down
+    assert rates(s1, s2, u1, u2) is not None  # what the times alone cannot tell
 
 
 # -- payloadd inspect -----------------------------------------------------------------------
