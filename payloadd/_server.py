@@ -66,7 +66,9 @@ def serve(settings: Settings) -> None:
     passed = passed_sockets()  # first: LISTEN_* are unset whatever happens next
     configure_logging(settings.log_level, settings.log_format)
     disable_created_metrics()  # type: ignore[no-untyped-call]  # no *_created series
-    Store.check_root(settings.root)  # fail here, with a clear message, not in the lifespan
+    Store.check_root(
+        settings.root, settings.node
+    )  # fail here, with a clear message, not in the lifespan
     token = load_admin_token(settings)
     if settings.tcp_port is not None and token is None:
         raise StartError(

@@ -100,7 +100,7 @@ class Store:
         foreign_reads: Literal["cached", "reopen"] = "cached",
     ) -> None:
         self.node = check_name(node, "node")
-        self.root = self.check_root(root)
+        self.root = self.check_root(root, self.node)
         self._root_prefix = str(self.root) + os.sep
         self.max_file_bytes = max_file_bytes
         self.max_read_bytes = max_read_bytes
@@ -123,14 +123,26 @@ class Store:
         self._counts |= {"data_plane_fds": 0, "leases": 0, "leased_bytes": 0}
 
     @staticmethod
-    def check_root(root: str | os.PathLike[str]) -> Path:
+    def check_root(root: str | os.PathLike[str], node: str | None = None) -> Path:
         """Create the payload root (mode 0750) if missing; return its real path.
+
+        With ``node``, also check the node prefix ``<root>/<node>``: when it exists it must
+        be a directory, not a symlink (reads refuse files reached through a symlink, so the
+        daemon would write rows it could not serve).
 
         Raises
         ------
         OSError
-            When it cannot be created, is not a directory, or is not writable.
+            When it cannot be created, is not a directory, or is not writable; when the node
+            prefix is a symlink or not a directory.
         """
+        if node is not None:
+            prefix = os.path.join(root, node)
+            if os.path.islink(prefix) or (os.path.lexists(prefix) and not os.path.isdir(prefix)):
+                raise NotADirectoryError(
+                    f"node prefix {prefix} is a symlink or not a directory: the daemon writes "
+                    "only into a directory of the payload root"
+                )
         if os.path.lexists(root) and not os.path.isdir(root):
             raise NotADirectoryError(f"payload root {root} exists and is not a directory")
         if not os.path.lexists(root):

@@ -170,3 +170,21 @@ def test_serve_help_prints_defaults_as_flags_take_them() -> None:
     fields, _ = json.JSONDecoder().raw_decode(text[start:])  # JSON, as --fields takes it
     default = Settings.model_fields["fields"].get_default(call_default_factory=True)
     assert fields == {name: rule.model_dump() for name, rule in default.items()}
+
+
+@pytest.mark.parametrize("kind", ["symlink", "file"])
+def test_a_node_prefix_that_is_no_directory_of_the_root_is_a_clean_start_error(
+    tmp_path: Path, kind: str
+) -> None:
+    root, outside = tmp_path / "r", tmp_path / "outside"
+    root.mkdir()
+    outside.mkdir()
+    if kind == "symlink":
+        (root / "n1").symlink_to(outside)
+    else:
+        (root / "n1").write_text("")
+    cmd = [*PAYLOADD, "serve", "--root", str(root), "--socket", str(tmp_path / "s.sock")]
+    out = subprocess.run([*cmd, "--node", "n1"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and "node prefix" in out.stderr and str(root / "n1") in out.stderr
+    assert "Traceback" not in out.stderr
+    assert not (tmp_path / "s.sock").exists() and list(outside.iterdir()) == []
