@@ -3,30 +3,20 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-from pathlib import Path
 
 import msgspec
 
-from payload_client import PayloadClient, PayloadError
+from payload_client import PayloadError
+
+from ._client_cli import FlagError, add_connection_flags, open_client
 
 __all__ = ["add_gc_flags", "run_gc"]
 
 
 def add_gc_flags(parser: argparse.ArgumentParser) -> None:
     """Add the flags of ``payloadd gc`` to ``parser``."""
-    where = parser.add_mutually_exclusive_group()
-    where.add_argument(
-        "--socket",
-        help="the daemon's Unix socket [default: $PAYLOADD_SOCKET or /run/payloadd/payloadd.sock]",
-    )
-    where.add_argument("--base-url", help="the daemon's TCP listener, http://host:port")
-    parser.add_argument(
-        "--token-file",
-        type=Path,
-        help="file holding the admin token [default: $PAYLOADD_ADMIN_TOKEN, if set]",
-    )
+    add_connection_flags(parser)
     parser.add_argument("--run", help="with --before-step: the run whose steps go")
     parser.add_argument(
         "--before-step", type=int, metavar="STEP", help="remove the run's steps <= STEP"
@@ -51,7 +41,7 @@ def add_gc_flags(parser: argparse.ArgumentParser) -> None:
 
 def run_gc(args: argparse.Namespace) -> int:
     """Run ``payloadd gc``: print the report as JSON; exit status 1 on an error, 2 on flags
-    that do not go together."""
+    that do not go together or a token file that cannot be read."""
     if (args.run is None) != (args.before_step is None):
         print("payloadd gc: --run and --before-step go together", file=sys.stderr)
         return 2
@@ -64,11 +54,8 @@ def run_gc(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    token = os.environ.get("PAYLOADD_ADMIN_TOKEN") or None
     try:
-        if args.token_file is not None:
-            token = args.token_file.read_text().strip()
-        with PayloadClient(args.socket, base_url=args.base_url, token=token) as c:
+        with open_client(args, data_plane=True) as c:
             if args.delete_run is not None:
                 report = c.delete_run(args.delete_run, dry_run=args.dry_run, node=args.node)
             else:
@@ -79,6 +66,9 @@ def run_gc(args: argparse.Namespace) -> int:
                     dry_run=args.dry_run,
                     node=args.node,
                 )
+    except FlagError as exc:
+        print(f"payloadd gc: {exc}", file=sys.stderr)
+        return 2
     except (PayloadError, OSError) as exc:
         print(f"payloadd gc: {exc}", file=sys.stderr)
         return 1

@@ -153,6 +153,11 @@ def test_ledger_survives_a_restart_and_the_cli_collects(tmp_path: Path) -> None:
         both = subprocess.run([*PAYLOADD, "gc", "--socket", str(sock), "--delete-run", "r",
                                "--run", "r", "--before-step", "1"], capture_output=True, text=True)  # fmt: skip
         assert both.returncode == 2 and "--delete-run goes alone" in both.stderr
+        no_token = subprocess.run([*PAYLOADD, "gc", "--socket", str(sock), "--token-file",
+                                   str(tmp_path / "missing"), "--run", "r", "--before-step", "1"],
+                                  capture_output=True, text=True)  # fmt: skip
+        assert no_token.returncode == 2 and "cannot read --token-file" in no_token.stderr
+        assert (root / segs[0].file).exists()  # nothing collected
         done = subprocess.run([*PAYLOADD, "gc", "--socket", str(sock), "--run", "r",
                                "--before-step", "1"], capture_output=True, text=True)  # fmt: skip
         assert json.loads(done.stdout)["files"] == 1
