@@ -7,9 +7,9 @@ import sys
 
 import msgspec
 
-from payload_client import PayloadError
+from payload_client import InvalidRequestError, PayloadError
 
-from ._client_cli import FlagError, add_connection_flags, open_client
+from ._client_cli import add_connection_flags, open_client
 
 __all__ = ["add_gc_flags", "run_gc"]
 
@@ -41,7 +41,7 @@ def add_gc_flags(parser: argparse.ArgumentParser) -> None:
 
 def run_gc(args: argparse.Namespace) -> int:
     """Run ``payloadd gc``: print the report as JSON; exit status 1 on an error, 2 on flags
-    that do not go together or a token file that cannot be read."""
+    that do not go together, an invalid value or a token file that cannot be read."""
     if (args.run is None) != (args.before_step is None):
         print("payloadd gc: --run and --before-step go together", file=sys.stderr)
         return 2
@@ -66,7 +66,7 @@ def run_gc(args: argparse.Namespace) -> int:
                     dry_run=args.dry_run,
                     node=args.node,
                 )
-    except FlagError as exc:
+    except InvalidRequestError as exc:  # a bad name or number, or an unreadable token file
         print(f"payloadd gc: {exc}", file=sys.stderr)
         return 2
     except (PayloadError, OSError) as exc:

@@ -157,6 +157,11 @@ def test_ledger_survives_a_restart_and_the_cli_collects(tmp_path: Path) -> None:
                                    str(tmp_path / "missing"), "--run", "r", "--before-step", "1"],
                                   capture_output=True, text=True)  # fmt: skip
         assert no_token.returncode == 2 and "cannot read --token-file" in no_token.stderr
+        for bad_value in (["--run", "../r", "--before-step", "1"], ["--ttl-s", "nan"]):
+            out = subprocess.run([*PAYLOADD, "gc", "--socket", str(sock), *bad_value],
+                                 capture_output=True, text=True)  # fmt: skip
+            assert out.returncode == 2 and "InvalidRequest" not in out.stderr, out.stderr
+            assert ("run" if "--run" in bad_value else "ttl_s") in out.stderr
         assert (root / segs[0].file).exists()  # nothing collected
         done = subprocess.run([*PAYLOADD, "gc", "--socket", str(sock), "--run", "r",
                                "--before-step", "1"], capture_output=True, text=True)  # fmt: skip
