@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,6 +12,13 @@ import pytest_asyncio
 
 from payload_client import AsyncPayloadClient, PayloadClient
 from payloadd._process import start_daemon
+
+
+def free_port() -> int:
+    """A TCP port on loopback that nothing listens on now (for a daemon's TCP listener)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -17,6 +16,7 @@ import pytest
 from payload_client import AsyncPayloadClient, PayloadClient, UnauthorizedError
 from payloadd._process import start_daemon
 from payloadd._settings import Settings
+from tests.conftest import free_port
 
 PAYLOADD = [sys.executable, "-m", "payloadd"]
 TOKEN = "t0ken-" + "a1b2c3d4" * 4
@@ -27,12 +27,6 @@ ADMIN_CALLS = [
     ("DELETE", "/v1/admin/nodes/n2/runs/r1"),
     ("GET", "/v1/admin"),
 ]
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass(frozen=True)
@@ -50,7 +44,7 @@ def guarded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Guarded]:
     tmp = tmp_path_factory.mktemp("guarded")
     (tmp / "token").write_text(f"  {TOKEN}\n")
     (tmp / "token").chmod(0o600)
-    port = _free_port()
+    port = free_port()
     g = Guarded(tmp / "root", tmp / "payloadd.sock", f"http://127.0.0.1:{port}", tmp / "log")
     flags = ("--admin-token-file", str(tmp / "token"), "--tcp-port", str(port))
     with (

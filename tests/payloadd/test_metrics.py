@@ -21,17 +21,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from payload_client import FileMissingError, PayloadClient, PayloadSegment
 from payload_client._wire import DATA_SOCKET_SUFFIX, FRAME_PREFIX, NoteRequest
 from payloadd._process import start_daemon
+from tests.conftest import free_port
 
 TOKEN = "m3trics-" + "0123abcd" * 4
 R, M = "routed_experts", "sampling_mask"
 HEX16 = re.compile(r"[0-9a-f]{16}")
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass(frozen=True)
@@ -55,7 +50,7 @@ class Observed:
 @pytest.fixture(scope="module")
 def observed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Observed]:
     tmp = tmp_path_factory.mktemp("observed")
-    port = _free_port()
+    port = free_port()
     o = Observed(tmp / "root", tmp / "s.sock", f"http://127.0.0.1:{port}", tmp / "log")
     flags = (
         "--node", "obs", "--tcp-port", str(port), "--log-format", "json",
