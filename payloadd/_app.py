@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import logging
 import socket
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
@@ -22,8 +22,14 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
+from starlette.types import Message, Send
 
-from payload_client import InvalidRequestError, PayloadError, PayloadTooLargeError
+from payload_client import (
+    InvalidRequestError,
+    PayloadError,
+    PayloadTooLargeError,
+    RequestTimeoutError,
+)
 from payload_client._errors import status_of
 from payload_client._wire import (
     APPEND_CONTENT_TYPE,
@@ -46,7 +52,8 @@ from payload_client._wire import (
 from . import __version__
 from ._appends import item_nbytes
 from ._auth import TokenGuard, load_admin_token
-from ._dataplane import DataPlaneServer
+from ._budget import Descriptors, InFlight
+from ._dataplane import SMALL_FRAME, DataPlaneServer
 from ._durability import Flusher
 from ._gc import Collector
 from ._metrics import HTTP, Metrics, StoreCollector
@@ -67,13 +74,17 @@ THREAD_PARTS = 64
 """So do reads of more extents and appends of more items than this."""
 READ_CHUNK = 1 << 20
 """Bytes of a large read the daemon reads (in the thread pool) and sends at a time."""
+SMALL_APPEND = 1 << 20
+"""An append body up to this size is received whole before anything is reserved (so no
+reservation waits on a client); a larger one streams into files of its own."""
 
 
 async def _stream(
-    reader: ExtentReader, extents: list[Extent], metrics: Metrics
+    reader: ExtentReader, extents: list[Extent], metrics: Metrics, release: Callable[[], None]
 ) -> AsyncIterator[memoryview]:
-    """The read's bytes, a chunk at a time, each read in the thread pool; closes the reader.
-    The read counts in ``metrics`` once its last chunk is handed over."""
+    """The read's bytes, a chunk at a time, each read in the thread pool; closes the reader
+    and calls ``release`` at the end. The read counts in ``metrics`` once its last chunk is
+    handed over."""
     chunks = reader.chunks(READ_CHUNK)
     try:
         while (chunk := await run_in_threadpool(next, chunks, None)) is not None:
@@ -81,6 +92,71 @@ async def _stream(
         metrics.read(extents)
     finally:
         reader.close()
+        release()
+
+
+class _TimedStream(StreamingResponse):
+    """A streamed answer whose client must take each chunk within ``timeout`` seconds; one
+    that stops reading is cut off (its connection closed), and what the answer holds (open
+    files) is let go."""
+
+    def __init__(self, content: AsyncIterator[memoryview], timeout: float, **kw: Any) -> None:
+        super().__init__(content, **kw)
+        self.timeout = timeout
+
+    async def stream_response(self, send: Send) -> None:
+        async def timed(message: Message) -> None:
+            await asyncio.wait_for(send(message), self.timeout)
+
+        try:
+            await super().stream_response(timed)
+        except TimeoutError:
+            log.warning("a client took no byte of a read answer for %g s (request_timeout_s); "
+                        "its connection is closed", self.timeout)  # fmt: skip
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]
+
+
+async def _next(chunks: AsyncIterator[bytes], timeout: float, what: str) -> bytes | None:
+    """The next chunk of a request body, ``None`` at its end.
+
+    Raises
+    ------
+    RequestTimeoutError
+        No byte of it came for ``timeout`` seconds.
+    """
+    try:
+        return await asyncio.wait_for(chunks.__anext__(), timeout)
+    except StopAsyncIteration:
+        return None
+    except TimeoutError:
+        raise RequestTimeoutError(
+            f"{what} stalled: no byte for {timeout:g} s (request_timeout_s); dropped"
+        ) from None
+
+
+async def _body(request: Request, length: int, timeout: float, what: str) -> bytes:
+    """The whole body (``length`` bytes, as announced), each chunk within ``timeout``."""
+    chunks = request.stream().__aiter__()
+    parts = bytearray()
+    while (chunk := await _next(chunks, timeout, what)) is not None:
+        parts += chunk
+    if len(parts) != length:
+        raise InvalidRequestError(f"{what} is {len(parts)} bytes, not the {length} announced")
+    return bytes(parts)
+
+
+@contextlib.contextmanager
+def _counted(inflight: InFlight, n: int) -> Iterator[None]:
+    """Count ``n`` bytes of a control body as in flight for the block (above `SMALL_FRAME`)."""
+    big = n > SMALL_FRAME
+    if big:
+        inflight.try_acquire(n)
+    try:
+        yield
+    finally:
+        if big:
+            inflight.release(n)
 
 
 _msgpack = msgspec.msgpack.Encoder()
@@ -98,6 +174,7 @@ async def _sweep_every(collector: Collector, seconds: float, metrics: Metrics) -
     while True:
         try:
             report = await run_in_threadpool(collector.sweep)
+            await run_in_threadpool(collector.store.reads.drop_removed)
             metrics.collected(report, "sweep")
             if report.files or report.dirs:
                 log.info("gc sweep: %d files, %d bytes, %d directories removed",
@@ -137,7 +214,11 @@ def _content_length(request: Request, limit: int) -> int:
     return n
 
 
-def create_app(settings: Settings, data_listener: socket.socket | None = None) -> FastAPI:
+def create_app(
+    settings: Settings,
+    data_listener: socket.socket | None = None,
+    fds: Descriptors | None = None,
+) -> FastAPI:
     """Build the daemon's ASGI app for ``settings``.
 
     The `Store` over ``settings.root`` is created when the app's lifespan starts and put on
@@ -152,6 +233,9 @@ def create_app(settings: Settings, data_listener: socket.socket | None = None) -
     data_listener : socket.socket, optional
         The data plane's listening socket, already bound to ``<socket>.data`` (so that
         `serve` reports a busy path before starting); bound at start-up when not given.
+    fds : Descriptors, optional
+        The daemon's shares of ``RLIMIT_NOFILE`` (`serve` computes them once its sockets
+        are bound); computed at start-up when not given.
 
     Returns
     -------
@@ -172,8 +256,16 @@ def create_app(settings: Settings, data_listener: socket.socket | None = None) -
     token = load_admin_token(settings, warn=False)  # serve() warned already
     metrics = Metrics(settings.fields, settings.node, __version__)
 
+    inflight = InFlight(settings.max_inflight_bytes)
+    timeout = settings.request_timeout_s
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
+        shares = fds or Descriptors.of_process(
+            max_connections=settings.max_connections,
+            max_data_connections=settings.max_data_connections if settings.data_plane else 0,
+        )
+        log.info("file descriptors: %s", shares.describe())
         store = Store(
             settings.root,
             settings.node,
@@ -186,6 +278,8 @@ def create_app(settings: Settings, data_listener: socket.socket | None = None) -
             min_free_bytes=settings.min_free_bytes,
             fields=settings.fields_table(),
             foreign_reads=settings.foreign_reads,
+            append_files=shares.shares.append_files,
+            read_cache=shares.shares.read_cache,
         )
         log.info("payloadd %s: root %s, node %s", __version__, store.root, store.node)
         flusher = None
@@ -196,15 +290,32 @@ def create_app(settings: Settings, data_listener: socket.socket | None = None) -
         if settings.data_plane:
             path = f"{settings.socket}{DATA_SOCKET_SUFFIX}"
             data_plane = DataPlaneServer(
-                store, path, settings.socket_mode, settings.lease_bytes, metrics=metrics
+                store,
+                path,
+                settings.socket_mode,
+                settings.lease_bytes,
+                metrics=metrics,
+                fds=shares,
+                inflight=inflight,
+                max_frame=settings.max_control_bytes,
+                request_timeout=timeout,
+                reservation_timeout=settings.reservation_timeout_s,
             )
             data_plane.start(data_listener)
-        gauges = StoreCollector(store, data_plane.connections if data_plane else None)
+        gauges = StoreCollector(
+            store, data_plane.connections if data_plane else None, shares, inflight
+        )
         metrics.registry.register(gauges)
         collector = Collector(store, settings.ttl_s)
         sweeper = asyncio.create_task(_sweep_every(collector, settings.gc_interval_s, metrics))
         try:
-            yield {"store": store, "settings": settings, "collector": collector}
+            yield {
+                "store": store,
+                "settings": settings,
+                "collector": collector,
+                "fds": shares,
+                "data_plane": data_plane,
+            }
         finally:
             sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -224,13 +335,22 @@ def create_app(settings: Settings, data_listener: socket.socket | None = None) -
         docs_url=None,
         redoc_url=None,
     )
+    app.state.metrics = metrics  # for what counts outside the routes (the HTTP protocol)
 
     @app.exception_handler(PayloadError)
     async def payload_error(request: Request, exc: PayloadError) -> Response:
         status = status_of(exc)
-        if status >= 500:  # a full disk or an I/O error: the operator must see it
+        if status >= 500 and status != 503:  # a full disk or an I/O error: the operator must see it
             log.error("%s %s: %s: %s", request.method, request.url.path, type(exc).__name__, exc)
-        return _error(request, status, type(exc).__name__, str(exc))
+        headers = None
+        if isinstance(exc, RequestTimeoutError):  # the rest of its body may still come
+            log.warning("%s %s: %s", request.method, request.url.path, exc)
+            metrics.refused_one(HTTP, "stalled")
+            headers = {"Connection": "close"}
+        elif status == 503:
+            reason = "inflight" if "max_inflight_bytes" in str(exc) else "descriptors"
+            metrics.refused_one(HTTP, reason)
+        return _error(request, status, type(exc).__name__, str(exc), headers)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> Response:
@@ -260,7 +380,10 @@ def create_app(settings: Settings, data_listener: socket.socket | None = None) -
     @app.get("/healthz", **operation(200, Health, "Liveness and readiness."))
     async def healthz(request: Request) -> Response:
         store: Store = request.state.store
-        return _answer(request, Health("ok", store.node, __version__))
+        dp: DataPlaneServer | None = request.state.data_plane
+        state = "off" if dp is None else dp.state()
+        status = "ok" if state in ("off", "serving") else "degraded"
+        return _answer(request, Health(status, store.node, __version__, state))
 
     @app.get("/v1/stats", **operation(200, Stats, "Counters since start."))
     async def stats(request: Request) -> Response:
@@ -300,40 +423,50 @@ def create_app(settings: Settings, data_listener: socket.socket | None = None) -
         chunks = request.stream().__aiter__()
         head = bytearray()
         need = FRAME_PREFIX.size
-        while len(head) < need:
+        with contextlib.ExitStack() as counted:  # what is buffered counts as in flight
+            counted.enter_context(_counted(inflight, min(length, SMALL_APPEND)))
+            while len(head) < min(length, SMALL_APPEND) or len(head) < need:
+                chunk = await _next(chunks, timeout, "append body")
+                if chunk is None:
+                    if len(head) < need:
+                        raise InvalidRequestError("append body ends inside its header")
+                    break
+                head += chunk
+                if len(head) >= FRAME_PREFIX.size and need == FRAME_PREFIX.size:
+                    (hlen,) = FRAME_PREFIX.unpack_from(head)
+                    if hlen > settings.max_control_bytes:
+                        raise PayloadTooLargeError(
+                            f"append header of {hlen} bytes is above the limit of "
+                            f"{settings.max_control_bytes}"
+                        )
+                    need += hlen
+                    if need > SMALL_APPEND:
+                        counted.enter_context(_counted(inflight, need - SMALL_APPEND))
             try:
-                head += await chunks.__anext__()
-            except StopAsyncIteration:
-                raise InvalidRequestError("append body ends inside its header") from None
-            if len(head) >= FRAME_PREFIX.size and need == FRAME_PREFIX.size:
-                (hlen,) = FRAME_PREFIX.unpack_from(head)
-                if hlen > settings.max_control_bytes:
-                    raise PayloadTooLargeError(
-                        f"append header of {hlen} bytes is above the limit of "
-                        f"{settings.max_control_bytes}"
-                    )
-                need += hlen
-        try:
-            header = _append_header.decode(memoryview(head)[FRAME_PREFIX.size : need])
-        except msgspec.DecodeError as exc:
-            raise InvalidRequestError(f"bad append header: {exc}") from None
-        items = header.items
-        announced = need + sum(item_nbytes(it, i)[1] for i, it in enumerate(items))
-        if length != announced:  # checked before anything is reserved
-            raise InvalidRequestError(
-                f"body is {length} bytes but its header announces {announced}"
-            )
-        if len(items) > THREAD_PARTS:
-            pending = await run_in_threadpool(store.begin_append, items)
-        else:
-            pending = store.begin_append(items)
-        try:
-            pending.write(memoryview(head)[need:])
-            async for chunk in chunks:
-                pending.write(chunk)
-            segments = pending.commit()
-        finally:
-            pending.close()
+                header = _append_header.decode(memoryview(head)[FRAME_PREFIX.size : need])
+            except msgspec.DecodeError as exc:
+                raise InvalidRequestError(f"bad append header: {exc}") from None
+            items = header.items
+            announced = need + sum(item_nbytes(it, i)[1] for i, it in enumerate(items))
+            if length != announced:  # checked before anything is reserved
+                raise InvalidRequestError(
+                    f"body is {length} bytes but its header announces {announced}"
+                )
+            whole = len(head) == length  # received whole: no reservation waits on the client
+            files = store.files_needed(items)
+            with request.state.fds.held(files, f"an append of {len(items)} items"):
+                if len(items) > THREAD_PARTS:
+                    pending = await run_in_threadpool(store.begin_append, items, not whole)
+                else:
+                    pending = store.begin_append(items, private=not whole)
+                try:
+                    pending.write(memoryview(head)[need:])
+                    del head
+                    while (chunk := await _next(chunks, timeout, "append body")) is not None:
+                        pending.write(chunk)
+                    segments = pending.commit()
+                finally:
+                    pending.close()
         metrics.appended(items, HTTP)
         return _answer(request, AppendResponse(segments))
 
@@ -349,26 +482,37 @@ def create_app(settings: Settings, data_listener: socket.socket | None = None) -
     )
     async def read(request: Request) -> Response:
         store: Store = request.state.store
-        _content_length(request, settings.max_control_bytes)
-        body = await request.body()
-        try:
-            if _media_type(request) == "application/json":
-                req = _read_json.decode(body)
-            else:
-                req = _read_msgpack.decode(body)
-        except msgspec.DecodeError as exc:
-            raise InvalidRequestError(f"bad read request: {exc}") from None
+        fds: Descriptors = request.state.fds
+        length = _content_length(request, settings.max_control_bytes)
+        with _counted(inflight, length):
+            body = await _body(request, length, timeout, "read request")
+            try:
+                if _media_type(request) == "application/json":
+                    req = _read_json.decode(body)
+                else:
+                    req = _read_msgpack.decode(body)
+            except msgspec.DecodeError as exc:
+                raise InvalidRequestError(f"bad read request: {exc}") from None
+            del body
         extents = req.extents
+        files = len({e.file for e in extents})
         big = len(extents) > THREAD_PARTS or sum(e.nbytes for e in extents) > THREAD_BYTES
         if not big:
-            data = store.read_extents(extents)
+            with fds.held(files, f"a read of {files} files"):
+                data = store.read_extents(extents)
             metrics.read(extents)
             return Response(memoryview(data), media_type="application/octet-stream")
         # checked and opened first (errors are still answers), then streamed chunk by chunk:
         # the daemon holds READ_CHUNK bytes of it at a time, and sending starts at once
-        reader = await run_in_threadpool(store.open_extents, extents)
-        return StreamingResponse(
-            _stream(reader, extents, metrics),
+        fds.take(files, f"a read of {files} files")
+        try:
+            reader = await run_in_threadpool(store.open_extents, extents)
+        except BaseException:
+            fds.give(files)
+            raise
+        return _TimedStream(
+            _stream(reader, extents, metrics, lambda: fds.give(files)),
+            timeout,
             media_type="application/octet-stream",
             headers={"Content-Length": str(reader.total)},
         )
@@ -386,8 +530,9 @@ def create_app(settings: Settings, data_listener: socket.socket | None = None) -
     async def gc(request: Request) -> Response:
         body = b""
         if "content-length" in request.headers or "transfer-encoding" in request.headers:
-            _content_length(request, settings.max_control_bytes)
-            body = await request.body()
+            length = _content_length(request, settings.max_control_bytes)
+            with _counted(inflight, length):
+                body = await _body(request, length, timeout, "gc request")
         try:
             if not body:
                 req = GcRequest()

@@ -19,6 +19,7 @@ import numpy as np
 
 from payload_client import (
     SUPPORTED_DTYPES,
+    BusyError,
     InvalidRequestError,
     PayloadError,
     PayloadSegment,
@@ -65,7 +66,8 @@ def item_nbytes(item: AppendItem, index: int = 0) -> tuple[int, int]:
 
 @contextlib.contextmanager
 def os_errors(root: Path) -> Iterator[None]:
-    """Translate OS errors of the payload root: a full disk or quota is 507, others 500."""
+    """Translate OS errors of the payload root: a full disk or quota is 507, no descriptor left
+    503, others 500."""
     try:
         yield
     except PayloadError:
@@ -73,23 +75,36 @@ def os_errors(root: Path) -> Iterator[None]:
     except OSError as exc:
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
             raise StorageFullError(f"payload root {root} is full: {exc.strerror}") from exc
+        if exc.errno in (errno.EMFILE, errno.ENFILE):
+            raise BusyError(
+                f"daemon out of file descriptors for now ({exc.strerror}); try again"
+            ) from exc
         raise ServerError(f"I/O error under the payload root {root}: {exc}") from exc
 
 
 @dataclass(eq=False)
 class _File:
-    """A data file open for appends. ``size`` is the end of what has been reserved; ``fd``
-    stays open while the file takes appends or a pending append or lease still uses it.
-    ``users`` counts both; ``leases`` the leases among them (GC may remove a leased file:
-    the client checks after writing, see `Store.remove_step`)."""
+    """A data file open for appends. ``size`` is the end of what has been reserved.
+
+    ``owner`` 0: a shared file, written only by the daemon (HTTP appends). Otherwise the file
+    is private to one data-plane connection (its leases) or to one pending append (its own
+    fresh files): nobody else's rows are ever placed in it, so the descriptors handed out for
+    it can only damage what their holder wrote. ``fd`` is the daemon's descriptor (-1 for a
+    lease file: its client writes it through a descriptor of its own). ``open`` while its
+    reserved bytes count against the cap; it ends once the file is sealed and unused.
+    ``users`` counts pending appends and leases, ``leases`` the leases among them (GC may
+    remove a leased file: the client checks after writing, see `Store.remove_step`)."""
 
     rel: str
     size: int
     fd: int
     key: tuple[str, int, str]
+    owner: int = 0
+    ino: tuple[int, int] = (0, 0)
     users: int = 0
     leases: int = 0
     sealed: bool = False
+    open: bool = True
 
 
 @dataclass(frozen=True)
@@ -108,19 +123,28 @@ class PendingAppend:
     """Reserved byte ranges waiting for their rows; fill with `write`, finish with `commit`.
 
     The rows arrive as one byte stream: item 0's rows, then item 1's, ... in any chunking.
-    The files stay open (the store's descriptors) until `commit` or `close`.
+    The files stay open (the store's descriptors) until `commit` or `close`. An append placed
+    in files of its own (``private``) that ends without `commit` takes them away with it:
+    nothing in them was acknowledged, so they are removed and their bytes stop counting.
     """
 
     def __init__(
-        self, store: Store, items: Sequence[AppendItem], extents: list[_Extent], files: list[_File]
+        self,
+        store: Store,
+        items: Sequence[AppendItem],
+        extents: list[_Extent],
+        files: list[_File],
+        private: bool = False,
     ) -> None:
         self._store = store
         self._items = items
         self._extents = extents
         self._files = files
+        self.private = private
         self._cursor = 0  # index into extents
         self._done = 0  # bytes of extents[cursor] written
         self.remaining = sum(e.nbytes for e in extents)
+        self._committed = False
         self._closed = False
 
     def write(self, data: Any) -> None:
@@ -154,9 +178,9 @@ class PendingAppend:
                 self._done = 0
 
     @property
-    def files(self) -> list[tuple[str, int]]:
-        """The files written to, with the store's descriptors: ``(file, fd)`` (borrowed)."""
-        return [(f.rel, f.fd) for f in self._files]
+    def files(self) -> list[str]:
+        """The files written to, relative to the root."""
+        return [f.rel for f in self._files]
 
     @property
     def extents(self) -> list[tuple[str, int, int]]:
@@ -182,15 +206,16 @@ class PendingAppend:
         """
         if self.remaining:
             raise InvalidRequestError(f"body ended {self.remaining} row bytes early")
-        try:
-            if self._store.fsync == "always":
-                with os_errors(self._store.root):
-                    for f in self._files:
-                        os.fsync(f.fd)
-            elif self._store._dirty is not None:
-                self._store._dirty.wrote(f.rel for f in self._files)
-        finally:
-            self.close()
+        if self._closed:
+            raise InvalidRequestError("this append was already given up")
+        if self._store.fsync == "always":
+            with os_errors(self._store.root):
+                for f in self._files:
+                    os.fsync(f.fd)
+        elif self._store._dirty is not None:
+            self._store._dirty.wrote(f.rel for f in self._files)
+        self._committed = True
+        self.close()
         out: list[list[PayloadSegment]] = [[] for _ in self._items]
         for e in self._extents:
             it = self._items[e.item]
@@ -203,10 +228,15 @@ class PendingAppend:
         return out
 
     def close(self) -> None:
-        """Let go of the files (an uncommitted append leaves unreferenced bytes)."""
+        """Let go of the files. Without `commit`, the reservation is given back: files of
+        its own are removed; in shared files, ranges at a file's end are taken back (others
+        stay unreferenced bytes)."""
         if not self._closed:
             self._closed = True
-            self._store._release(self._files)
+            if self._committed:
+                self._store._release(self._files)
+            else:
+                self._store._give_up(self._extents, self._files, self.private)
 
 
 class Lease:
@@ -214,7 +244,7 @@ class Lease:
 
     def __init__(self, store: Store, f: _File, offset: int, nbytes: int) -> None:
         self._store, self._file = store, f
-        self.file, self.fd, self.offset, self.nbytes = f.rel, f.fd, offset, nbytes
+        self.file, self.offset, self.nbytes = f.rel, offset, nbytes
         self._released = False
 
     def release(self) -> None:

@@ -2,25 +2,55 @@
 
 One thread per connection, blocking sockets: a request, its reply, the next request. The
 `Store` does all placement and checking, exactly as for HTTP; this module only moves
-descriptors and frames. A reservation a client never commits (it died, or aborted) leaves
-unreferenced bytes in its file, as an unfinished HTTP append does.
+descriptors and frames.
+
+What each connection may hold is bounded, and all of it ends with the connection:
+
+- **Its own files.** Its leases are placed in files private to the connection, and each
+  reservation in fresh files of its own (`Store.lease`, `Store.begin_append`), so that the
+  write descriptors it gets reach no other client's rows. When it ends, its lease files are
+  sealed (their unused tails stop counting against the disk cap) and its uncommitted
+  reservations are given back (their files removed).
+- **Time.** A frame must arrive whole within ``request_timeout_s`` once it has started, and
+  a reservation must be committed within ``reservation_timeout_s``; else the connection is
+  dropped (a stalled frame) or the reservation given back (its commit then answers that no
+  such reservation is open). An idle connection between requests is fine.
+- **Memory.** A frame is at most ``max_frame`` bytes (the HTTP limit on control bodies,
+  ``max_control_bytes``); the bytes of frames being received at once stay under
+  ``max_inflight_bytes`` (`payloadd._budget.InFlight`).
+- **Descriptors.** Connections beyond the daemon's share are closed at once (clients then
+  fall back to HTTP); a request takes the descriptors it passes from the per-request share
+  (`payloadd._budget.Descriptors`) and is refused with `BusyError` when they are short.
+
+The accept loop never stops on its own: out of descriptors (``EMFILE``), it takes the
+connection at the head of the queue with a spare descriptor kept for that, answers it with
+`BusyError` and closes it, waits a moment and goes on; `DataPlaneServer.state` says so for
+``/healthz``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
+import errno
 import logging
 import os
 import selectors
 import socket
+import struct
 import threading
 import time
 from pathlib import Path
 
 import msgspec
 
-from payload_client import InvalidRequestError, PayloadError, ServerError
+from payload_client import (
+    BusyError,
+    InvalidRequestError,
+    PayloadError,
+    PayloadTooLargeError,
+    ServerError,
+)
+from payload_client._dataplane import MAX_FDS
 from payload_client._descriptors import LEASES
 from payload_client._errors import status_of
 from payload_client._wire import (
@@ -44,6 +74,7 @@ from payload_client._wire import (
 )
 
 from ._appends import Lease, PendingAppend
+from ._budget import Descriptors, InFlight
 from ._metrics import DATA_PLANE, Metrics
 from ._sockets import bind_unix_socket
 from ._store import Store
@@ -52,22 +83,32 @@ __all__ = ["DataPlaneServer"]
 
 log = logging.getLogger("payloadd.dataplane")
 
-MAX_FRAME = 64 << 20
-"""Largest request frame (a reservation's header or an open request)."""
+SMALL_FRAME = 64 << 10
+"""Frames up to this size are read without asking `InFlight` (every lease, note, commit)."""
+EXHAUSTED = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+"""``accept()`` errors that mean "out of a resource for now", not "broken"."""
+RETRY_ACCEPT_S = 0.1
+"""Seconds the accept loop waits after running out of descriptors (it never stops)."""
 
 _decoder = msgspec.msgpack.Decoder(DataRequest)
 _note_decoder = msgspec.msgpack.Decoder(NoteRequest)
 _encoder = msgspec.msgpack.Encoder()
 
 
-def _recv_exact(conn: socket.socket, n: int) -> bytes | None:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = conn.recv(n - len(buf))
-        if not chunk:
-            return None
-        buf += chunk
-    return bytes(buf)
+class _StalledError(Exception):
+    """A frame stopped arriving mid-way: the connection is dropped."""
+
+
+class _Conn:
+    """What one connection holds; all of it ends with the connection (`DataPlaneServer._serve`)."""
+
+    def __init__(self, sock: socket.socket, owner: int) -> None:
+        self.sock = sock
+        self.owner = owner  # its lease files are private to it
+        # txn -> (append, deadline, per-request descriptors it holds)
+        self.pending: dict[int, tuple[PendingAppend, float, int]] = {}
+        self.leases: dict[tuple[str, int, str], Lease] = {}
+        self.txns = 0
 
 
 class DataPlaneServer:
@@ -86,6 +127,19 @@ class DataPlaneServer:
     metrics : Metrics, optional
         Where requests (by kind, with their latency), errors, descriptors, leases and the
         appends clients report in notes are counted.
+    fds : Descriptors, optional
+        The daemon's descriptor shares: connections beyond ``data_connections`` are closed
+        at once, and requests take what they pass from the per-request share. Default: the
+        shares of this process's limit.
+    inflight : InFlight, optional
+        Bytes of frames being received at once (default: a cap of 256 MiB).
+    max_frame : int
+        Largest request frame in bytes; a larger one is answered with
+        `PayloadTooLargeError` and the connection dropped.
+    request_timeout : float
+        Seconds a started frame may take to arrive whole; then the connection is dropped.
+    reservation_timeout : float
+        Seconds a reservation may stay uncommitted; then it is given back.
     """
 
     def __init__(
@@ -96,18 +150,30 @@ class DataPlaneServer:
         lease_bytes: int = 16 << 20,
         *,
         metrics: Metrics | None = None,
+        fds: Descriptors | None = None,
+        inflight: InFlight | None = None,
+        max_frame: int = 16 << 20,
+        request_timeout: float = 30.0,
+        reservation_timeout: float = 600.0,
     ) -> None:
         self.store = store
         self.metrics = metrics
         self.lease_bytes = lease_bytes
         self.path = Path(path)
         self.mode = mode
-        self._txns = itertools.count(1)
+        self.fds = fds or Descriptors.of_process(max_connections=1024, max_data_connections=1024)
+        self.inflight = inflight or InFlight(256 << 20)
+        self.max_frame = max_frame
+        self.request_timeout = request_timeout
+        self.reservation_timeout = reservation_timeout
+        self.refused = {"connections": 0, "descriptors": 0}
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._listener: socket.socket | None = None
         self._owned = True
         self._thread: threading.Thread | None = None
+        self._exhausted_since: float | None = None  # wall time accept() began to run out
+        self._exhausted_last = 0.0  # monotonic time it last did
         self._wake: socket.socket
         self._woken: socket.socket
 
@@ -148,77 +214,253 @@ class DataPlaneServer:
         with self._lock:
             return len(self._conns)
 
+    def state(self) -> str:
+        """``"serving"``, or what keeps the data plane from it now (for ``/healthz``): its
+        accept thread ended, or the process has no descriptor left (a probe now, or a failed
+        ``accept()`` within the last second)."""
+        if self._thread is None or not self._thread.is_alive():
+            return "stopped: its accept thread ended"
+        probe = _spare()
+        if probe < 0:
+            return "refusing connections: out of file descriptors (EMFILE) now"
+        os.close(probe)
+        since = self._exhausted_since
+        if since is not None and time.monotonic() - self._exhausted_last < 1.0:
+            when = time.strftime("%H:%M:%SZ", time.gmtime(since))
+            return f"refusing connections: out of file descriptors (EMFILE) since {when}"
+        return "serving"
+
+    # -- accepting ---------------------------------------------------------------------
+
     def _accept(self) -> None:
         assert self._listener is not None
+        spare = _spare()  # given up to shed one queued connection when accept() runs out
         with selectors.DefaultSelector() as selector:
             selector.register(self._listener, selectors.EVENT_READ)
             selector.register(self._woken, selectors.EVENT_READ)
             while True:
                 ready = [key.fileobj for key, _ in selector.select()]
                 if self._woken in ready:
-                    return
+                    break
                 try:
                     conn, _ = self._listener.accept()
                 except (BlockingIOError, InterruptedError, ConnectionAbortedError):
                     continue
-                except OSError:
-                    log.exception("data plane: accepting connections failed; it stops")
-                    return
-                conn.setblocking(True)
-                with self._lock:
-                    self._conns.add(conn)
-                threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
-
-    def _serve(self, conn: socket.socket) -> None:
-        pending: dict[int, PendingAppend] = {}
-        leases: dict[tuple[str, int, str], Lease] = {}
-        try:
-            while True:
-                head = _recv_exact(conn, FRAME_PREFIX.size)
-                if head is None:
-                    return
-                (n,) = FRAME_PREFIX.unpack(head)
-                body = _recv_exact(conn, n) if n <= MAX_FRAME else None
-                if body is None:
-                    return  # gone, or a frame no client sends: drop the connection
-                start = time.perf_counter()
-                self.store.count("data_plane_requests")
-                note = self._note(body)
-                if note is not None:  # counters only; a reply only when asked for
-                    self.store.count("appends", note.appends)
-                    self.store.count("rows_appended", note.rows)
-                    self.store.count("bytes_appended", note.nbytes)
-                    if self.metrics is not None:
-                        self.metrics.noted(note)
-                    for node, run in note.runs:  # runs in use: the GC age rule spares them
-                        if node == self.store.node:
-                            self.store.touch(run)
-                    if note.ack:
-                        frame = _encoder.encode(CommitReply([]))
-                        conn.sendall(FRAME_PREFIX.pack(len(frame)) + frame)
-                    self._observe("note", start)
+                except OSError as exc:
+                    spare = self._ran_out(exc, spare)
+                    if self._woken in [k.fileobj for k, _ in selector.select(RETRY_ACCEPT_S)]:
+                        break
                     continue
-                kind, reply, fds = self._handle(body, pending, leases)
-                self.store.count("data_plane_fds", len(fds))
-                try:
-                    frame = _encoder.encode(reply)
-                    data = FRAME_PREFIX.pack(len(frame)) + frame
-                    sent = socket.send_fds(conn, [data], fds) if fds else 0
-                    conn.sendall(data[sent:])
-                finally:
-                    for fd in fds:
-                        os.close(fd)
-                self._observe(kind, start)
-        except OSError:
+                if self._exhausted_since is not None:
+                    log.warning("data plane: accepting connections again")
+                    self._exhausted_since = None
+                    if spare < 0:
+                        spare = _spare()
+                self._admit(conn)
+        if spare >= 0:
+            os.close(spare)
+
+    def _ran_out(self, exc: OSError, spare: int) -> int:
+        """``accept()`` failed: note it, shed the connection at the head of the queue (its
+        client is answered `BusyError`: HTTP has no descriptor either), and return the spare
+        descriptor."""
+        self._exhausted_last = time.monotonic()
+        if self._exhausted_since is None:
+            self._exhausted_since = time.time()
+            if exc.errno in EXHAUSTED:
+                log.error("data plane: accepting connections failed: %s; connections are "
+                          "answered busy and closed at once until descriptors are "
+                          "free", exc)  # fmt: skip
+            else:
+                log.error("data plane: accepting connections failed: %s; retrying", exc)
+        self.refused["descriptors"] += 1
+        if self.metrics is not None:
+            self.metrics.refused_one(DATA_PLANE, "descriptors")
+        if spare >= 0:
+            os.close(spare)
+        with contextlib.suppress(OSError):
+            assert self._listener is not None
+            shed, _ = self._listener.accept()
+            with shed:
+                message = f"daemon out of file descriptors for now ({exc.strerror}); try again"
+                frame = _encoder.encode(ErrorReply("BusyError", message))
+                shed.setblocking(False)
+                shed.send(FRAME_PREFIX.pack(len(frame)) + frame)  # the answer to its request
+                with contextlib.suppress(OSError):
+                    shed.recv(1 << 16)  # what it sent: closed unread, it would be a reset
+        return _spare()
+
+    def _admit(self, conn: socket.socket) -> None:
+        """Serve ``conn`` in a thread of its own, or close it at once beyond the share."""
+        with self._lock:
+            full = len(self._conns) >= self.fds.shares.data_connections
+            if not full:
+                self._conns.add(conn)
+        if full:
+            conn.close()  # its client falls back to HTTP
+            self.refused["connections"] += 1
+            if self.metrics is not None:
+                self.metrics.refused_one(DATA_PLANE, "connections")
+            if (
+                self.refused["connections"] in (1, 10, 100)
+                or self.refused["connections"] % 1000 == 0
+            ):
+                log.warning("data plane: %d connections open, its share of descriptors: "
+                            "connections beyond are closed at once (%d so far)",
+                            self.fds.shares.data_connections,
+                            self.refused["connections"])  # fmt: skip
             return
-        finally:
-            for p in pending.values():
-                p.close()
-            for lease in leases.values():
-                lease.release()
+        conn.setblocking(True)
+        try:
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+        except RuntimeError:  # no thread can be started now
             with self._lock:
                 self._conns.discard(conn)
             conn.close()
+            log.error("data plane: no thread for a new connection; it was closed")
+
+    # -- serving one connection ----------------------------------------------------------
+
+    def _serve(self, sock: socket.socket) -> None:
+        c = _Conn(sock, self.store.new_owner())
+        try:
+            timeout = _timeval(self.request_timeout)  # every wait is bounded, in the kernel
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeout)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeout)
+            while True:
+                body = self._next_frame(c)
+                if body is None:
+                    return
+                try:
+                    self._answer(c, body)
+                finally:
+                    if len(body) > SMALL_FRAME:
+                        self.inflight.release(len(body))
+        except _StalledError:
+            log.warning("data plane: a frame stalled for %.0f s mid-way; connection dropped",
+                        self.request_timeout)  # fmt: skip
+            if self.metrics is not None:
+                self.metrics.refused_one(DATA_PLANE, "stalled")
+        except OSError:
+            return
+        finally:
+            for txn in list(c.pending):
+                self._end_reservation(c, txn).close()
+            for lease in c.leases.values():
+                lease.release()
+            self.store.end_owner(c.owner)
+            with self._lock:
+                self._conns.discard(sock)
+            sock.close()
+
+    def _next_frame(self, c: _Conn) -> bytearray | None:
+        """The next request frame's body; ``None`` when the client is gone, or after a frame
+        above the limit or beyond the memory in flight (the client is told why, and
+        dropped). Expired reservations are given back while the connection idles.
+
+        Raises
+        ------
+        _StalledError
+            A frame stopped arriving mid-way.
+        """
+        head = self._recv(c, FRAME_PREFIX.size, idle=True)
+        if head is None:
+            return None
+        (n,) = FRAME_PREFIX.unpack(head)
+        if n > self.max_frame:
+            message = f"data plane frame of {n} bytes is above the limit of {self.max_frame}"
+            self._send(c, ErrorReply("PayloadTooLargeError", f"{message} (max_control_bytes)"))
+            return None
+        if n > SMALL_FRAME:
+            try:
+                self.inflight.acquire(n, self.request_timeout)
+            except BusyError as exc:
+                if self.metrics is not None:
+                    self.metrics.refused_one(DATA_PLANE, "inflight")
+                self._send(c, ErrorReply("BusyError", str(exc)))
+                return None
+        try:
+            body = self._recv(c, n, idle=False)
+        except BaseException:
+            if n > SMALL_FRAME:
+                self.inflight.release(n)
+            raise
+        if body is None and n > SMALL_FRAME:
+            self.inflight.release(n)
+        return body
+
+    def _recv(self, c: _Conn, n: int, idle: bool) -> bytearray | None:
+        """``n`` bytes from the connection, or ``None`` if it ended first. Waiting for the
+        first byte of a frame (``idle``) has no time limit, but wakes up every
+        ``request_timeout`` to give back expired reservations; once a frame has started,
+        each wait is bounded by it."""
+        buf = bytearray(n)
+        view = memoryview(buf)
+        got = 0
+        while got < n:
+            try:
+                k = c.sock.recv_into(view[got:])
+            except BlockingIOError:  # SO_RCVTIMEO elapsed
+                if idle and not got:
+                    self._expire(c)
+                    continue
+                raise _StalledError from None
+            if not k:
+                return None
+            got += k
+        return buf
+
+    def _end_reservation(self, c: _Conn, txn: int) -> PendingAppend:
+        """Take reservation ``txn`` off the connection, giving back its descriptors.
+
+        Raises
+        ------
+        KeyError
+            No such reservation is open.
+        """
+        p, _, held = c.pending.pop(txn)
+        self.fds.give(held)
+        return p
+
+    def _expire(self, c: _Conn) -> None:
+        now = time.monotonic()
+        for txn in [t for t, (_, deadline, _) in c.pending.items() if deadline <= now]:
+            self._end_reservation(c, txn).close()
+            log.warning("data plane: reservation %d not committed within %.0f s; given back",
+                        txn, self.reservation_timeout)  # fmt: skip
+
+    def _send(self, c: _Conn, reply: DataReply, fds: list[int] | None = None) -> None:
+        frame = _encoder.encode(reply)
+        data = FRAME_PREFIX.pack(len(frame)) + frame
+        sent = socket.send_fds(c.sock, [data], fds) if fds else 0  # SO_SNDTIMEO bounds both
+        c.sock.sendall(data[sent:])
+
+    def _answer(self, c: _Conn, body: bytearray) -> None:
+        start = time.perf_counter()
+        self.store.count("data_plane_requests")
+        note = self._note(body)
+        if note is not None:  # counters only; a reply only when asked for
+            self.store.count("appends", note.appends)
+            self.store.count("rows_appended", note.rows)
+            self.store.count("bytes_appended", note.nbytes)
+            if self.metrics is not None:
+                self.metrics.noted(note)
+            for node, run in note.runs:  # runs in use: the GC age rule spares them
+                if node == self.store.node:
+                    self.store.touch(run)
+            if note.ack:
+                self._send(c, CommitReply([]))
+            self._observe("note", start)
+            return
+        kind, reply, fds, taken = self._handle(body, c)
+        self.store.count("data_plane_fds", len(fds))
+        try:
+            self._send(c, reply, fds)
+        finally:
+            for fd in fds:
+                os.close(fd)
+            self.fds.give(taken)
+            self._observe(kind, start)
 
     def _observe(self, kind: str, start: float) -> None:
         if self.metrics is not None:
@@ -229,14 +471,14 @@ class DataPlaneServer:
         nothing a client does to its file status flags (O_APPEND...) reaches the store."""
         return os.open(self.store.root / rel, os.O_WRONLY | os.O_CLOEXEC)
 
-    def _lease(self, key: tuple[str, int, str], nbytes: int) -> tuple[Lease, int]:
-        """A lease of ``key`` and the client's descriptor of its file.
+    def _lease(self, c: _Conn, key: tuple[str, int, str], nbytes: int) -> tuple[Lease, int]:
+        """A lease of ``key`` in a file of this connection's, and the client's descriptor.
 
         Garbage collection may remove a leased file at any time, also before its descriptor
         is opened here: then the range is given up and a new one leased (in a new file).
         """
         for _ in range(8):
-            lease = self.store.lease(*key, nbytes, self.lease_bytes)
+            lease = self.store.lease(*key, nbytes, self.lease_bytes, owner=c.owner)
             try:
                 return lease, self._writer(lease.file)
             except FileNotFoundError:
@@ -247,7 +489,7 @@ class DataPlaneServer:
         raise ServerError(f"every file leased for run {key[0]!r} step {key[1]} was removed at once")
 
     @staticmethod
-    def _note(body: bytes) -> NoteRequest | None:
+    def _note(body: bytearray) -> NoteRequest | None:
         """The note in ``body``, or ``None`` for another request.
 
         Raises
@@ -267,14 +509,11 @@ class DataPlaneServer:
                 raise ConnectionAbortedError("malformed note") from None
             return None
 
-    def _handle(
-        self,
-        body: bytes,
-        pending: dict[int, PendingAppend],
-        leases: dict[tuple[str, int, str], Lease],
-    ) -> tuple[str, DataReply, list[int]]:
-        """Serve one request: ``(kind, reply, descriptors to pass)``."""
+    def _handle(self, body: bytearray, c: _Conn) -> tuple[str, DataReply, list[int], int]:
+        """Serve one request: ``(kind, reply, descriptors to pass, per-request descriptors
+        taken for them)``; the caller closes the descriptors and gives those back."""
         fds: list[int] = []
+        taken = 0
         kind = "invalid"
         m = self.metrics
         try:
@@ -282,68 +521,111 @@ class DataPlaneServer:
             if isinstance(req, LeaseRequest):
                 kind = "lease"
                 key = (req.run, req.step, req.field)
-                lease, fd = self._lease(key, req.nbytes)
+                self.fds.take(1, "a lease")
+                taken = 1
+                lease, fd = self._lease(c, key, req.nbytes)
                 fds.append(fd)
-                old = leases.pop(key, None)  # this client moves on to the new range
+                old = c.leases.pop(key, None)  # this client moves on to the new range
                 if old is not None:
                     old.release()
-                leases[key] = lease
-                while len(leases) > LEASES:  # as many as a client keeps: the oldest is done
-                    leases.pop(next(iter(leases))).release()
+                c.leases[key] = lease
+                while len(c.leases) > LEASES:  # as many as a client keeps: the oldest is done
+                    c.leases.pop(next(iter(c.leases))).release()
                 if m is not None:
                     m.leased(req.field, lease.nbytes)
                     m.handed_out("write", [lease.file])
                 fsync = self.store.fsync == "always"
-                return kind, LeaseReply(lease.file, lease.offset, lease.nbytes, fsync), fds
+                return kind, LeaseReply(lease.file, lease.offset, lease.nbytes, fsync), fds, taken
             if isinstance(req, FieldsRequest):
-                return "fields", FieldsReply(self.store.fields), fds
+                return "fields", FieldsReply(self.store.fields), fds, taken
             if isinstance(req, OpenRequest):
                 kind = "open"
+                if len(req.files) > MAX_FDS:
+                    raise PayloadTooLargeError(
+                        f"open of {len(req.files)} files is above the limit of {MAX_FDS} a "
+                        "request (what one message can pass)"
+                    )
+                self.fds.take(len(req.files), f"an open of {len(req.files)} files")
+                taken = len(req.files)
                 for rel, end in req.files:
                     fds.append(self.store.open_for_read(rel, end))
                 keeps = self.store.reads.keeps
                 once = [i for i, (rel, _) in enumerate(req.files) if not keeps(rel)]
                 if m is not None:
                     m.handed_out("read", [rel for rel, _ in req.files])
-                return kind, OpenReply(len(fds), once), fds
+                return kind, OpenReply(len(fds), once), fds, taken
             if isinstance(req, ReserveRequest):
                 kind = "reserve"
-                p = self.store.begin_append(req.items)
-                txn = next(self._txns)
-                pending[txn] = p  # closed with the connection, whatever happens next
-                files = [rel for rel, _ in p.files]
-                fds = [self._writer(rel) for rel, _ in p.files]
+                need = self.store.files_needed(req.items)
+                what = f"a reservation of {len(req.items)} items"
+                self.fds.take(2 * need, what)  # the store's while it lasts, and the client's
+                taken = 2 * need
+                p = self.store.begin_append(req.items, private=True)
+                try:
+                    files = p.files
+                    fds = [self._writer(rel) for rel in files]
+                except BaseException:
+                    p.close()
+                    raise
+                c.txns += 1
+                deadline = time.monotonic() + self.reservation_timeout
+                c.pending[c.txns] = (p, deadline, need)  # the store's are given back with it
+                taken = need  # the client's: given back once sent
                 index = {rel: i for i, rel in enumerate(files)}
                 extents = [ReservedExtent(index[rel], off, n) for rel, off, n in p.extents]
                 if m is not None:
                     m.handed_out("write", files)
-                return kind, ReserveReply(txn, files, extents), fds
+                return kind, ReserveReply(c.txns, files, extents), fds, taken
             if isinstance(req, CommitRequest | AbortRequest):
                 kind = "abort" if isinstance(req, AbortRequest) else "commit"
-                p = pending.pop(req.txn)
+                try:
+                    p = self._end_reservation(c, req.txn)
+                except KeyError:
+                    raise InvalidRequestError(
+                        f"no open reservation {req.txn}: never made, committed already, or "
+                        f"given back after {self.reservation_timeout:.0f} s uncommitted"
+                    ) from None
                 if isinstance(req, AbortRequest):
                     p.close()
-                    return kind, CommitReply([]), []
+                    return kind, CommitReply([]), [], taken
                 p.written_elsewhere()
-                reply = CommitReply(p.commit())
+                try:
+                    reply = CommitReply(p.commit())
+                finally:
+                    p.close()
                 if m is not None:
                     m.appended(p.items, DATA_PLANE)
-                return kind, reply, []
+                return kind, reply, [], taken
             raise InvalidRequestError(f"unexpected request {type(req).__name__}")
         except Exception as exc:
             for fd in fds:
                 os.close(fd)
+            self.fds.give(taken)
             if isinstance(exc, PayloadError):
+                if isinstance(exc, BusyError) and m is not None:
+                    m.refused_one(DATA_PLANE, "descriptors")
                 if status_of(exc) >= 500:  # a full disk or an I/O error: the operator must see it
                     log.error("data plane: %s: %s", type(exc).__name__, exc)
                 error = ErrorReply(type(exc).__name__, str(exc))
             elif isinstance(exc, msgspec.DecodeError):
                 error = ErrorReply("InvalidRequestError", f"bad data plane request: {exc}")
-            elif isinstance(exc, KeyError):
-                error = ErrorReply("InvalidRequestError", f"no open reservation {exc}")
             else:
                 log.exception("data plane request failed")
                 error = ErrorReply("ServerError", f"internal error: {type(exc).__name__}")
             if m is not None:
                 m.error(error.error, DATA_PLANE)
-            return kind, error, []
+            return kind, error, [], 0
+
+
+def _timeval(seconds: float) -> bytes:
+    """``struct timeval`` of ``seconds``, for ``SO_RCVTIMEO`` / ``SO_SNDTIMEO``."""
+    whole = int(seconds)
+    return struct.pack("ll", whole, int((seconds - whole) * 1e6))
+
+
+def _spare() -> int:
+    """A descriptor held in reserve for the accept loop (-1 if none can be had now)."""
+    try:
+        return os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return -1

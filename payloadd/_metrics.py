@@ -11,6 +11,7 @@ every metric.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
@@ -32,6 +33,7 @@ from payload_client import STATUS_BY_ERROR
 from payload_client._wire import AppendItem, Extent, GcReport, NoteRequest
 
 if TYPE_CHECKING:
+    from ._budget import Descriptors, InFlight
     from ._store import Store
 
 __all__ = [
@@ -39,6 +41,7 @@ __all__ = [
     "HTTP",
     "LATENCY_BUCKETS",
     "OTHER",
+    "REFUSALS",
     "Metrics",
     "StoreCollector",
     "field_of_file",
@@ -54,6 +57,12 @@ LATENCY_BUCKETS = (
 )  # fmt: skip
 """Upper bounds (seconds) of the latency histograms: a one-row append takes about 0.1 ms to
 1 ms, a large read seconds."""
+REFUSALS = tuple(
+    (transport, reason)
+    for transport in (HTTP, DATA_PLANE)
+    for reason in ("connections", "descriptors", "inflight", "stalled")
+)
+"""The ``(transport, reason)`` label pairs of ``payloadd_refused_total``."""
 ERRORS = frozenset({c.__name__ for c in STATUS_BY_ERROR} | {"HTTPError", "ServerError"})
 """Error classes counted by name; any other is counted as ``PayloadError``."""
 
@@ -150,6 +159,16 @@ class Metrics:
         self.gc_dirs = Counter(
             "payloadd_gc_removed_dirs", "Step and run directories removed by GC.", registry=r
         )
+        self.refused = Counter(
+            "payloadd_refused",
+            "Connections and requests refused at a limit of the daemon (not of the disk): "
+            "reason connections (beyond the share of descriptors), descriptors (EMFILE at "
+            "accept, or a request short of per-request descriptors), inflight "
+            "(max_inflight_bytes), stalled (a body or frame timed out, request_timeout_s).",
+            ["transport", "reason"], registry=r,
+        )  # fmt: skip
+        for transport, reason in REFUSALS:
+            self.refused.labels(transport, reason)
         Info("payloadd_build", "Version and node of this daemon.", registry=r).info(
             {"version": version, "node": node}
         )
@@ -249,6 +268,10 @@ class Metrics:
         """Count an error answer of class ``name``."""
         self.errors.labels(name if name in ERRORS else "PayloadError", transport).inc()
 
+    def refused_one(self, transport: str, reason: str) -> None:
+        """Count one connection or request refused at a limit (see `REFUSALS`)."""
+        self.refused.labels(transport, reason).inc()
+
     def handed_out(self, mode: str, files: Iterable[str]) -> None:
         """Count descriptors of ``files`` handed to a data-plane client (``read``/``write``)."""
         for rel in files:
@@ -292,11 +315,23 @@ class StoreCollector(Collector):
         Its disk budget, open descriptors, durability counters and uptime.
     connections : callable, optional
         Returns the data plane's open connections (absent without a data plane).
+    fds : Descriptors, optional
+        The daemon's descriptor shares (`payloadd._budget`).
+    inflight : InFlight, optional
+        The bytes of requests in flight.
     """
 
-    def __init__(self, store: Store, connections: Callable[[], int] | None = None) -> None:
+    def __init__(
+        self,
+        store: Store,
+        connections: Callable[[], int] | None = None,
+        fds: Descriptors | None = None,
+        inflight: InFlight | None = None,
+    ) -> None:
         self.store = store
         self.connections = connections
+        self.fds = fds
+        self.inflight = inflight
 
     def collect(self) -> Iterator[Metric]:
         """One sample of every metric (a ``statvfs`` of the root included)."""
@@ -341,7 +376,8 @@ class StoreCollector(Collector):
         yield files
         yield gauge(
             "payloadd_files_open_for_append",
-            "(run, step, field) files taking appends (at 256 the least recent is sealed).",
+            "Files taking appends: shared (run, step, field) files (beyond the append_files "
+            "share the least recent is sealed) and data-plane connections' lease files.",
             s.files_open_for_append,
         )
         yield gauge(
@@ -352,6 +388,30 @@ class StoreCollector(Collector):
                 "payloadd_dataplane_connections",
                 "Open data-plane connections.",
                 self.connections(),
+            )
+        if self.fds is not None:
+            shares = GaugeMetricFamily(
+                "payloadd_descriptor_share",
+                "The daemon's shares of RLIMIT_NOFILE (process_max_fds), by use.",
+                labels=["use"],
+            )
+            for use, n in dataclasses.asdict(self.fds.shares).items():
+                if use != "limit":
+                    shares.add_metric([use], n)
+            yield shares
+            yield gauge(
+                "payloadd_request_descriptors",
+                "Descriptors held by requests now (of the per_request share).",
+                self.fds.taken,
+            )
+        if self.inflight is not None:
+            yield gauge(
+                "payloadd_inflight_bytes",
+                "Bytes of request frames and control bodies being received now.",
+                self.inflight.used,
+            )
+            yield gauge(
+                "payloadd_max_inflight_bytes", "The cap max_inflight_bytes.", self.inflight.cap
             )
         yield counter(
             "payloadd_fsync_flushes", "Flushes that fsync'd something (fsync interval).", s.flushes

@@ -1,9 +1,10 @@
 """The read side of the storage core: checked opens, cached descriptors, extent reads.
 
 A data file is opened only strictly inside the payload root (no ``..``, no symlink out of
-it, regular files only) and only when it is at least as long as the segment says. A missing
-file answers `FileMissingError` (404), or `FileGoneError` (410) when its node's GC ledger
-says its step was collected (`payloadd._ledger`).
+it, regular files only), only where data files lie (``<node>/<run>/<step>/<name>``, never
+the daemon's own ``@`` files such as the GC ledger), and only when it is at least as long as
+the segment says. A missing file answers `FileMissingError` (404), or `FileGoneError` (410)
+when its node's GC ledger says its step was collected (`payloadd._ledger`).
 """
 
 from __future__ import annotations
@@ -30,12 +31,10 @@ from payload_client._segment import check_relative_path
 from payload_client._wire import Extent
 
 from ._appends import os_errors
+from ._budget import READ_CACHE
 from ._ledger import LEDGER_NAME, Ledger
 
-__all__ = ["READ_CACHE", "ExtentReader", "Readers"]
-
-READ_CACHE = 256
-"""Read-only descriptors the daemon keeps open, least recently used closed first."""
+__all__ = ["ExtentReader", "Readers"]
 
 
 class Readers:
@@ -70,8 +69,10 @@ class Readers:
         max_read_bytes: int,
         touch: Callable[[str], None],
         foreign_reads: Literal["cached", "reopen"] = "cached",
+        cache_size: int = READ_CACHE,
     ) -> None:
         self.root, self.node, self.max_read_bytes = root, node, max_read_bytes
+        self.cache_size = cache_size
         self.foreign_reads = foreign_reads
         self._root_prefix = str(root) + os.sep
         self._touch = touch
@@ -101,16 +102,20 @@ class Readers:
         InvalidSegmentError
             ``rel`` is not a normalised relative path.
         FileMissingError
-            The file does not exist.
+            The file does not exist, or is none of the data files (the daemon's own ``@``
+            files, or a path not shaped ``<node>/<run>/<step>/<file>`` once resolved).
+        FileGoneError
+            It does not exist and its node's GC ledger says its step was collected.
         SegmentFileError
             It resolves outside the root, is not a regular file, or is shorter than ``end``.
 
         Notes
         -----
-        Descriptors of recently read files are kept open (`READ_CACHE` of them). A cached one
-        is used only while ``rel`` still names the same file (one ``stat``), so a removed or
-        replaced file is never served from the cache. A file this daemon does not keep
-        descriptors of (`keeps`) is opened anew.
+        Descriptors of recently read files are kept open (``cache_size`` of them). A cached
+        one is used only while ``rel`` still names the same file (one ``stat``), so a removed
+        or replaced file is never served from the cache. A file this daemon does not keep
+        descriptors of (`keeps`) is opened anew. Threads that open the same new file at once
+        (trainer ranks released onto a new step) each get a descriptor; the cache keeps one.
         """
         node, _, rest = rel.partition("/")
         if node == self.node:  # a run being read is in use (the TTL rule spares it)
@@ -140,10 +145,22 @@ class Readers:
             self.drop(rel)
         fd = self._open_checked(rel, end)
         st = os.fstat(fd)
+        kept = os.dup(fd)
+        closing: list[int] = []
         with self._lock:
-            self._readers[rel] = (os.dup(fd), st.st_dev, st.st_ino)
-            while len(self._readers) > READ_CACHE:
-                os.close(self._readers.popitem(last=False)[1][0])
+            old = self._readers.get(rel)
+            if old is not None and old[1:] == (st.st_dev, st.st_ino):
+                closing.append(kept)  # another thread cached this file first: keep its entry
+                self._readers.move_to_end(rel)
+            else:
+                if old is not None:  # a file replaced since: its entry goes
+                    closing.append(old[0])
+                self._readers[rel] = (kept, st.st_dev, st.st_ino)
+                self._readers.move_to_end(rel)
+                while len(self._readers) > self.cache_size:
+                    closing.append(self._readers.popitem(last=False)[1][0])
+        for c in closing:
+            os.close(c)
         return fd
 
     def keeps(self, rel: str) -> bool:
@@ -158,6 +175,33 @@ class Readers:
         if hit is not None:
             os.close(hit[0])
 
+    def drop_removed(self) -> int:
+        """Close every cached descriptor whose file is gone (removed by another node's
+        daemon on a shared root, or by hand), so that its space is freed; return how many.
+
+        The daemon's own garbage collection drops what it removes at once (`drop`); this
+        catches the rest, from the background sweep.
+        """
+        with self._lock:
+            entries = list(self._readers.items())
+        gone = []
+        for rel, (fd, _, _) in entries:
+            try:
+                if os.fstat(fd).st_nlink == 0:
+                    gone.append((rel, fd))
+            except OSError:
+                gone.append((rel, fd))
+        closing = []
+        with self._lock:
+            for rel, fd in gone:
+                hit = self._readers.get(rel)
+                if hit is not None and hit[0] == fd:
+                    del self._readers[rel]
+                    closing.append(fd)
+        for fd in closing:
+            os.close(fd)
+        return len(closing)
+
     def _open_checked(self, rel: str, end: int) -> int:
         try:
             check_relative_path(rel)
@@ -166,6 +210,11 @@ class Readers:
         real = os.path.realpath(self.root / rel)
         if not real.startswith(self._root_prefix):
             raise SegmentFileError(f"payload file {rel!r} resolves outside the payload root")
+        parts = real[len(self._root_prefix) :].split(os.sep)
+        if len(parts) != 4 or parts[-1].startswith("@"):  # the GC ledger, a node's own files
+            raise FileMissingError(
+                f"payload file {rel!r} is no data file: they lie at <node>/<run>/<step>/<file>"
+            )
         try:
             fd = os.open(real, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
         except (FileNotFoundError, NotADirectoryError):

@@ -37,6 +37,7 @@ class StoreRemovals:
     reads: Readers
     _lock: threading.Lock
     _files: OrderedDict[tuple[str, int, str], _File]
+    _leased: dict[tuple[str, int, str, int], _File]
     _open: dict[str, _File]
     _budget: DiskBudget
 
@@ -133,8 +134,11 @@ class StoreRemovals:
                 if f is not None:
                     if self._files.get(f.key) is f:
                         del self._files[f.key]
+                    lease_key = (*f.key, f.owner)
+                    if self._leased.get(lease_key) is f:
+                        del self._leased[lease_key]
                     f.sealed = True
-                    if f.fd >= 0:  # leases write through their own descriptors: this one
+                    if f.open:  # leases write through their own descriptors: this one
                         self._close_file(f)  # would only hold the space
                 os.unlink(self.root / rel)
                 if own:

@@ -7,9 +7,11 @@ import contextlib
 import logging
 import os
 import signal
+from collections.abc import Callable
 from pathlib import Path
 
 import uvicorn
+from fastapi import FastAPI
 from prometheus_client import disable_created_metrics
 
 from payload_client._wire import DATA_SOCKET_SUFFIX
@@ -17,7 +19,10 @@ from payload_client._wire import DATA_SOCKET_SUFFIX
 from ._activation import match_sockets, passed_sockets
 from ._app import create_app
 from ._auth import load_admin_token
+from ._budget import Descriptors, raise_nofile_limit
 from ._logs import configure_logging
+from ._metrics import HTTP
+from ._protocol import limited_protocol
 from ._settings import Settings
 from ._sockets import (
     SocketLock,
@@ -36,6 +41,15 @@ log = logging.getLogger("payloadd")
 
 def _exit_cleanly(signum: int, frame: object) -> None:
     raise SystemExit(0)
+
+
+def _http_refused(app: FastAPI) -> Callable[[str], None]:
+    """Count a connection the HTTP protocol refused or closed in the app's metrics."""
+
+    def refused(reason: str) -> None:
+        app.state.metrics.refused_one(HTTP, reason)
+
+    return refused
 
 
 def serve(settings: Settings) -> None:
@@ -65,6 +79,9 @@ def serve(settings: Settings) -> None:
     """
     passed = passed_sockets()  # first: LISTEN_* are unset whatever happens next
     configure_logging(settings.log_level, settings.log_format)
+    before, now = raise_nofile_limit()
+    if now != before:
+        log.info("RLIMIT_NOFILE: soft limit raised from %d to %d", before, now)
     disable_created_metrics()  # type: ignore[no-untyped-call]  # no *_created series
     Store.check_root(
         settings.root, settings.node
@@ -117,14 +134,21 @@ def serve(settings: Settings) -> None:
                 settings.tcp_host,
                 settings.tcp_port,
             )
+        fds = Descriptors.of_process(  # what is open now is the base of the shares
+            max_connections=settings.max_connections,
+            max_data_connections=settings.max_data_connections if settings.data_plane else 0,
+        )
+        app = create_app(settings, data, fds)
         config = uvicorn.Config(
-            create_app(settings, data),
+            app,
             log_level=settings.log_level,
             log_config=None,  # uvicorn's loggers propagate to ours (configure_logging)
             access_log=False,  # the access log is payloadd.access (setting access_log)
             lifespan="on",
             loop="uvloop",
-            http="httptools",
+            http=limited_protocol(
+                fds.shares.http_connections, settings.request_timeout_s, _http_refused(app)
+            ),
             proxy_headers=False,
             timeout_graceful_shutdown=30,
             timeout_keep_alive=settings.keep_alive_s,  # type: ignore[arg-type]

@@ -158,6 +158,43 @@ class Settings(BaseSettings):
     max_append_items: int = Field(
         65536, gt=0, description="Most items (blocks of rows) in one append; above: 413."
     )
+    max_connections: int = Field(
+        1024,
+        gt=0,
+        description="Most HTTP connections at once (Unix socket and TCP together); one more "
+        "is answered 503 and closed. Capped by the daemon's share of RLIMIT_NOFILE (an eighth "
+        "of what is free at start).",
+    )
+    max_data_connections: int = Field(
+        1024,
+        gt=0,
+        description="Most data-plane connections at once; one more is closed at once (its "
+        "client falls back to HTTP). Capped like max_connections.",
+    )
+    max_inflight_bytes: int = Field(
+        256 << 20,
+        gt=0,
+        description="Most bytes of request frames and control bodies (read requests, append "
+        "headers) being received at once, both planes together; beyond, a request waits on "
+        "the data plane (up to request_timeout_s) and is answered 503 over HTTP. Row bytes "
+        "stream and do not count.",
+    )
+    request_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        le=86400,
+        description="Seconds a request may stall: an HTTP request head or body, or a "
+        "data-plane frame, that stops arriving mid-way, or an HTTP answer the client stops "
+        "taking, for this long is dropped (408 where an answer is still possible) and "
+        "what it held (its reserved bytes, its files) is given back.",
+    )
+    reservation_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        le=86400,
+        description="Seconds a data-plane reservation (an append larger than a lease, "
+        "written by the client itself) may stay uncommitted; then it is given back.",
+    )
     data_plane: bool = Field(
         True,
         description="Also serve file descriptors on <socket>.data, so clients on this node "

@@ -17,13 +17,14 @@ or lease that does not fit under ``max_root_bytes`` or above ``min_free_bytes`` 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import re
 import secrets
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -37,6 +38,7 @@ from payload_client._segment import INT64_MAX, check_name
 from payload_client._wire import AppendItem, Extent, FieldsTable, Stats
 
 from ._appends import Lease, PendingAppend, _Extent, _File, item_nbytes, os_errors
+from ._budget import APPEND_FILES, READ_CACHE
 from ._durability import DirtyFiles
 from ._ledger import Ledger
 from ._limits import DiskBudget, tree_sizes
@@ -47,9 +49,6 @@ __all__ = ["Removal", "Store"]
 
 DIR_MODE = 0o750
 FILE_MODE = 0o640
-OPEN_FOR_APPEND = 256
-"""Files kept open for appends (one per run, step and field); the least recently used is
-sealed beyond that: later appends of its key start a new file."""
 
 
 class Store(StoreRemovals):
@@ -82,6 +81,12 @@ class Store(StoreRemovals):
         What each field takes (`check_item`); default: any field, any supported dtype.
     foreign_reads : {"cached", "reopen"}
         Whether descriptors of files under other nodes' prefixes are kept (see `Readers`).
+    append_files : int
+        Shared files kept open for appends (one per run, step and field); the least
+        recently appended to is sealed beyond that, and later appends of its key start a
+        new file (the daemon's share of ``RLIMIT_NOFILE``, `payloadd._budget`).
+    read_cache : int
+        Read-only descriptors kept for later reads (`Readers`).
     """
 
     def __init__(
@@ -98,6 +103,8 @@ class Store(StoreRemovals):
         min_free_bytes: int = 0,
         fields: FieldsTable | None = None,
         foreign_reads: Literal["cached", "reopen"] = "cached",
+        append_files: int = APPEND_FILES,
+        read_cache: int = READ_CACHE,
     ) -> None:
         self.node = check_name(node, "node")
         self.root = self.check_root(root, self.node)
@@ -106,6 +113,7 @@ class Store(StoreRemovals):
         self.max_read_bytes = max_read_bytes
         self.max_append_bytes = max_append_bytes
         self.max_append_items = max_append_items
+        self.append_files = append_files
         self.fsync = fsync
         self.fields = fields if fields is not None else FieldsTable({})
         self._dirty = DirtyFiles(self.root) if fsync == "interval" else None
@@ -113,10 +121,14 @@ class Store(StoreRemovals):
         self.instance = secrets.token_hex(4)
         self.started = time.monotonic()
         self._lock = threading.Lock()
-        self._files: OrderedDict[tuple[str, int, str], _File] = OrderedDict()
-        self._open: dict[str, _File] = {}  # every file whose descriptor is open, by path
+        self._files: OrderedDict[tuple[str, int, str], _File] = OrderedDict()  # shared, current
+        self._leased: dict[tuple[str, int, str, int], _File] = {}  # an owner's current files
+        self._open: dict[str, _File] = {}  # every file whose reserved bytes count, by path
+        self._owners = itertools.count(1)
         self.last_used: dict[str, float] = {}  # run of this node -> monotonic time
-        self.reads = Readers(self.root, self.node, max_read_bytes, self.touch, foreign_reads)
+        self.reads = Readers(
+            self.root, self.node, max_read_bytes, self.touch, foreign_reads, read_cache
+        )
         self._seq = 0
         self._counts = {"appends": 0, "rows_appended": 0, "bytes_appended": 0}
         self._counts |= {"data_plane_requests": 0}
@@ -155,26 +167,64 @@ class Store(StoreRemovals):
 
     # -- appends ------------------------------------------------------------------------
 
+    def new_owner(self) -> int:
+        """A new owner id for files private to one client (a data-plane connection)."""
+        with self._lock:
+            return next(self._owners)
+
     def _seal(self, f: _File) -> None:
         """No more appends to ``f``; close it once no pending append uses it. Lock held."""
         f.sealed = True
-        if f.users == 0 and f.fd >= 0:
+        if f.users == 0 and f.open:
             self._close_file(f)
 
     def _close_file(self, f: _File) -> None:
-        """Close ``f``'s descriptor; reserved bytes past its end were never written, and stop
-        counting against the cap. Lock held."""
+        """Close ``f``: reserved bytes past its end were never written, and stop counting
+        against the cap. Lock held."""
         with contextlib.suppress(OSError):
-            self._budget.forget(max(0, f.size - os.fstat(f.fd).st_size))
-        os.close(f.fd)
-        f.fd = -1
+            st = os.fstat(f.fd) if f.fd >= 0 else os.stat(self.root / f.rel)
+            if f.fd >= 0 or (st.st_dev, st.st_ino) == f.ino:
+                self._budget.forget(max(0, f.size - st.st_size))
+        if f.fd >= 0:
+            os.close(f.fd)
+            f.fd = -1
+        f.open = False
         self._open.pop(f.rel, None)
 
+    def _discard(self, f: _File) -> None:
+        """Remove ``f``, a private file none of whose rows were acknowledged, with its step
+        and run directories if they are left empty; its bytes stop counting. Lock held."""
+        self._budget.forget(f.size)
+        if f.fd >= 0:
+            os.close(f.fd)
+            f.fd = -1
+        f.open, f.sealed = False, True
+        self._open.pop(f.rel, None)
+        path = self.root / f.rel
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        for d in (path.parent, path.parent.parent):
+            try:
+                os.rmdir(d)
+            except OSError:  # not empty (or gone): the rest stays
+                break
+
+    def _removed(self, f: _File) -> bool:
+        """Whether ``f`` was removed (garbage collection) since it was created. Lock held."""
+        if f.fd >= 0:
+            return os.fstat(f.fd).st_nlink == 0
+        try:
+            st = os.stat(self.root / f.rel)
+        except FileNotFoundError:
+            return True
+        return (st.st_dev, st.st_ino) != f.ino
+
     def _current(self, key: tuple[str, int, str]) -> _File:
-        """The file ``key`` appends to now (a new one if none, or it was removed). Lock held."""
+        """The shared file ``key`` appends to now (a new one if none, or it was removed).
+        Lock held."""
         f = self._files.get(key)
-        if f is None or os.fstat(f.fd).st_nlink == 0:
-            return self._new_file(*key)
+        if f is None or self._removed(f):
+            return self._new_shared(key)
         self._files.move_to_end(key)
         return f
 
@@ -191,8 +241,23 @@ class Store(StoreRemovals):
     def _release_locked(self, files: list[_File]) -> None:
         for f in files:
             f.users -= 1
-            if f.sealed and f.users == 0 and f.fd >= 0:
+            if f.sealed and f.users == 0 and f.open:
                 self._close_file(f)
+
+    def _give_up(self, extents: list[_Extent], files: list[_File], private: bool) -> None:
+        """An append ends without a commit: give its reservation back (`PendingAppend.close`)."""
+        with self._lock:
+            if private:
+                for f in files:
+                    f.users -= 1
+                    if f.users == 0 and f.open:
+                        self._discard(f)
+                return
+            for e in reversed(extents):  # ranges at a file's end are taken back
+                if e.file.size == e.offset + e.nbytes:
+                    e.file.size = e.offset
+                    self._budget.forget(e.nbytes)
+            self._release_locked(files)
 
     def _mkdirs(self, rel_dir: str) -> list[str]:
         """Create ``rel_dir`` and its parents under the root, each with mode 0750; return the
@@ -212,8 +277,11 @@ class Store(StoreRemovals):
             parent = rel
         return grown
 
-    def _new_file(self, run: str, step: int, field: str) -> _File:
-        """Create the next data file of ``(run, step, field)``; caller holds the lock."""
+    def _new_file(
+        self, run: str, step: int, field: str, owner: int = 0, keep_fd: bool = True
+    ) -> _File:
+        """Create the next data file of ``(run, step, field)``, registered as open but as
+        nobody's current file; caller holds the lock."""
         d = f"{self.node}/{run}/{step}"
         grown = [*self._mkdirs(d), d]  # directories with a new entry: parents first
         self._seq += 1
@@ -221,33 +289,55 @@ class Store(StoreRemovals):
         fd = os.open(
             self.root / rel, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE
         )
-        if self.fsync == "always":
-            for g in reversed(grown):  # the file's entry first, up to the root's
-                dfd = os.open(self.root / g, os.O_RDONLY | os.O_DIRECTORY)
-                try:
-                    os.fsync(dfd)
-                finally:
-                    os.close(dfd)
-        elif self._dirty is not None:
-            self._dirty.created(grown)
-        key = (run, step, field)
+        try:
+            if self.fsync == "always":
+                for g in reversed(grown):  # the file's entry first, up to the root's
+                    dfd = os.open(self.root / g, os.O_RDONLY | os.O_DIRECTORY)
+                    try:
+                        os.fsync(dfd)
+                    finally:
+                        os.close(dfd)
+            elif self._dirty is not None:
+                self._dirty.created(grown)
+            st = os.fstat(fd)
+        except BaseException:
+            os.close(fd)
+            os.unlink(self.root / rel)
+            raise
+        if not keep_fd:
+            os.close(fd)
+            fd = -1
+        f = _File(rel, 0, fd, (run, step, field), owner=owner, ino=(st.st_dev, st.st_ino))
+        self._open[rel] = f
+        return f
+
+    def _new_shared(self, key: tuple[str, int, str]) -> _File:
+        """A new shared current file of ``key``; the least recently appended to rest beyond
+        ``append_files``. Lock held."""
+        f = self._new_file(*key)
         old = self._files.pop(key, None)
         if old is not None:
             self._seal(old)
-        f = _File(rel, 0, fd, key)
         self._files[key] = f
-        self._open[rel] = f
-        while len(self._files) > OPEN_FOR_APPEND:  # the least recently appended to rests
+        while len(self._files) > self.append_files:
             self._seal(self._files.popitem(last=False)[1])
         return f
 
     def _place(
-        self, index: int, item: AppendItem, row_nb: int, held: dict[int, _File], out: list[_Extent]
+        self,
+        index: int,
+        item: AppendItem,
+        row_nb: int,
+        held: dict[int, _File],
+        out: list[_Extent],
+        current: Callable[[tuple[str, int, str]], _File],
+        new: Callable[[tuple[str, int, str]], _File],
     ) -> None:
-        """Reserve room for one item's rows, adding its extents to ``out``; lock held."""
+        """Reserve room for one item's rows, adding its extents to ``out``; lock held.
+        ``current(key)`` is the file the key appends to, ``new(key)`` starts the next one."""
         key = (item.run, item.step, item.field)
         rows, pos = item.rows, item.pos
-        f = self._current(key)
+        f = current(key)
         while True:
             nbytes = rows * row_nb
             fits = f.size + nbytes <= self.max_file_bytes
@@ -257,7 +347,7 @@ class Store(StoreRemovals):
                 f.size += nbytes
                 return
             if f.size > 0:
-                f = self._new_file(*key)
+                f = new(key)
                 continue
             # an empty file and more rows than fit: fill it, then go on in the next one
             take = max(1, self.max_file_bytes // row_nb)
@@ -266,13 +356,30 @@ class Store(StoreRemovals):
             f.size = take * row_nb
             rows, pos = rows - take, pos + take
 
-    def begin_append(self, items: Sequence[AppendItem]) -> PendingAppend:
+    def files_needed(self, items: Sequence[AppendItem]) -> int:
+        """At most how many data files an append of ``items`` holds open at once: one per
+        (run, step, field), more for rows beyond the rotation size (for the descriptor
+        budget, `payloadd._budget`)."""
+        keys = {(it.run, it.step, it.field) for it in items}
+        extra = 0
+        for i, it in enumerate(items):
+            nbytes = item_nbytes(it, i)[1]
+            if nbytes > self.max_file_bytes:
+                extra += nbytes // self.max_file_bytes + 1
+        return len(keys) + extra
+
+    def begin_append(self, items: Sequence[AppendItem], private: bool = False) -> PendingAppend:
         """Validate ``items`` and reserve room for their rows.
 
         Parameters
         ----------
         items : sequence of AppendItem
             Headers of the blocks of rows that will follow, in order.
+        private : bool
+            Place the rows in new files of this append's own, sealed once it ends, instead
+            of the shared current files: for an append whose rows take long to arrive (a
+            large HTTP body) or that a client writes itself (a data-plane reservation).
+            Given up without a commit, such an append leaves nothing behind.
 
         Returns
         -------
@@ -289,6 +396,8 @@ class Store(StoreRemovals):
         StorageFullError
             The rows do not fit under ``max_root_bytes`` or above ``min_free_bytes`` (nothing
             is reserved then), or the file system has no room for a new file or directory.
+        BusyError
+            No descriptor is left for a new file (``EMFILE``); nothing is left behind.
         """
         if not items:
             raise InvalidRequestError("an append needs at least one item")
@@ -306,29 +415,81 @@ class Store(StoreRemovals):
             )
         held: dict[int, _File] = {}  # files this append writes to, kept open until it is done
         extents: list[_Extent] = []
+        created: list[_File] = []
+        own: dict[tuple[str, int, str], _File] = {}
+
+        def new(key: tuple[str, int, str]) -> _File:
+            if private:
+                f = self._new_file(*key)
+                f.sealed = True  # nobody else's current file: it closes when this append ends
+                own[key] = f
+            else:
+                f = self._new_shared(key)
+            created.append(f)
+            return f
+
+        def current(key: tuple[str, int, str]) -> _File:
+            if private:
+                return own.get(key) or new(key)
+            f = self._files.get(key)
+            if f is None or self._removed(f):
+                return new(key)
+            self._files.move_to_end(key)
+            return f
+
         with self._lock, os_errors(self.root):
             self._budget.room(total, f"append of {total} bytes")
             try:
                 for i, it in enumerate(items):
-                    self._place(i, it, sizes[i][0], held, extents)
+                    self._place(i, it, sizes[i][0], held, extents, current, new)
             except BaseException:  # e.g. no room for a new file: give back what was placed
-                for e in reversed(extents):
-                    if e.file.size == e.offset + e.nbytes:
-                        e.file.size = e.offset
-                self._release_locked(list(held.values()))
+                self._undo_placement(items, extents, held, created)
                 raise
             now = time.monotonic()
             for it in items:
                 self.last_used[it.run] = now
             self._budget.reserve(total)
-        return PendingAppend(self, items, extents, list(held.values()))
+        return PendingAppend(self, items, extents, list(held.values()), private)
 
-    def lease(self, run: str, step: int, field: str, nbytes: int, size: int) -> Lease:
-        """Reserve a private byte range of the current file of ``(run, step, field)``.
+    def _undo_placement(
+        self,
+        items: Sequence[AppendItem],
+        extents: list[_Extent],
+        held: dict[int, _File],
+        created: list[_File],
+    ) -> None:
+        """Give back a placement that failed half-way (`begin_append`), leaving no debris:
+        the files it created (only its own rows were placed in them) are removed, and so
+        are directories it leaves empty. Lock held."""
+        for e in reversed(extents):
+            if e.file.size == e.offset + e.nbytes:
+                e.file.size = e.offset
+        mine = {id(f) for f in created}
+        for f in held.values():
+            f.users -= 1
+        for f in created:
+            if self._files.get(f.key) is f:
+                del self._files[f.key]
+            if f.open:
+                self._discard(f)
+        for f in held.values():
+            if id(f) not in mine and f.sealed and f.users == 0 and f.open:
+                self._close_file(f)
+        for run, step in {(it.run, it.step) for it in items}:  # made before a file failed
+            for d in (self.root / self.node / run / str(step), self.root / self.node / run):
+                try:
+                    os.rmdir(d)
+                except OSError:
+                    break
+
+    def lease(self, run: str, step: int, field: str, nbytes: int, size: int, owner: int) -> Lease:
+        """Reserve a byte range of the file of ``(run, step, field)`` private to ``owner``.
 
         The range is at least ``nbytes`` and at most ``max(nbytes, size)`` bytes; it never
-        crosses the rotation size. The file stays open (and counts as appended to) until the
-        lease is released.
+        crosses the rotation size. Only ``owner``'s leases are ever placed in that file (a
+        new one when there is none yet, it was removed or is full), so the descriptor its
+        client gets can only reach its own rows. The file stays open (and counts as
+        appended to) until the lease is released; it is sealed by `end_owner`.
 
         Raises
         ------
@@ -349,12 +510,20 @@ class Store(StoreRemovals):
             raise PayloadTooLargeError(
                 f"lease of {nbytes} bytes is above the rotation size {self.max_file_bytes}"
             )
-        key = (run, step, field)
+        key = (run, step, field, owner)
         with self._lock, os_errors(self.root):
             room = self._budget.room(nbytes, f"lease of {nbytes} bytes")
-            f = self._current(key)
-            if f.size + nbytes > self.max_file_bytes and f.size > 0:
-                f = self._new_file(*key)
+            f = self._leased.get(key)
+            if (
+                f is None
+                or self._removed(f)
+                or (f.size + nbytes > self.max_file_bytes and f.size > 0)
+            ):
+                f = self._new_file(run, step, field, owner, keep_fd=False)
+                old = self._leased.pop(key, None)
+                if old is not None:
+                    self._seal(old)
+                self._leased[key] = f
             granted = max(nbytes, min(size, self.max_file_bytes - f.size, room))
             offset = f.size
             f.size += granted
@@ -367,6 +536,13 @@ class Store(StoreRemovals):
             self._counts["leases"] += 1
             self._counts["leased_bytes"] += granted
         return Lease(self, f, offset, granted)
+
+    def end_owner(self, owner: int) -> None:
+        """``owner``'s connection ended: seal its lease files (each closes once its last
+        lease is released, and the unused tail stops counting)."""
+        with self._lock:
+            for key in [k for k in self._leased if k[3] == owner]:
+                self._seal(self._leased.pop(key))
 
     def append(self, items: Sequence[AppendItem], data: Any) -> list[list[PayloadSegment]]:
         """Append ``items`` whose rows are ``data`` (concatenated); return their segments."""
@@ -414,11 +590,10 @@ class Store(StoreRemovals):
     def close(self) -> None:
         """Close every descriptor the store holds (at shutdown)."""
         with self._lock:
-            for f in self._files.values():
-                if f.fd >= 0:
-                    self._close_file(f)
+            for f in list(self._open.values()):
+                self._close_file(f)
             self._files.clear()
-            self._open.clear()
+            self._leased.clear()
         self.reads.close()
 
     # -- state --------------------------------------------------------------------------
@@ -444,7 +619,7 @@ class Store(StoreRemovals):
         with self._lock:
             c = dict(self._counts)
             c |= {"reads": self.reads.reads, "bytes_read": self.reads.bytes_read}
-            open_files = len(self._files)
+            open_files = len(self._files) + len(self._leased)
             b = self._budget
             disk = {"root_bytes": b.used, "max_root_bytes": b.max_root_bytes}
             disk |= {"free_bytes": free, "min_free_bytes": b.min_free_bytes}
@@ -468,10 +643,11 @@ class Store(StoreRemovals):
 
     def open_descriptors(self) -> tuple[int, int, int]:
         """``(data files open for appends, cached read descriptors, leases held)``: the
-        daemon's write descriptors (current files, and sealed ones a pending append or a
-        lease still uses), its read cache, and the data-plane leases not yet ended."""
+        daemon's write descriptors (current shared files, and files a pending append still
+        uses), its read cache, and the data-plane leases not yet ended (their files are
+        written through the clients' own descriptors)."""
         with self._lock:
-            append_fds = len(self._open)
+            append_fds = sum(1 for f in self._open.values() if f.fd >= 0)
             leases = sum(f.leases for f in self._open.values())
         return append_fds, self.reads.cached(), leases
 
@@ -511,7 +687,7 @@ class Store(StoreRemovals):
         sizes = tree_sizes(self.root / self.node)
         with self._lock:
             used = sum(sizes.values())
-            for f in self._files.values():
+            for f in self._open.values():
                 used += max(0, f.size - sizes.get(self.root / f.rel, 0))
             self._budget.used = used
         return used

@@ -233,6 +233,8 @@ def append_steps(
         reply, fds = yield Exchange(FieldsRequest())
         for fd in fds:
             os.close(fd)
+        if isinstance(reply, ErrorReply) and reply.error == "BusyError":
+            raise error_from_wire(0, reply.error, reply.message)
         # a daemon from before the fields table answers with an error: it has no table
         leases.fields = reply.table if isinstance(reply, FieldsReply) else FieldsTable({})
     for i, item in enumerate(items):  # the daemon never sees these rows: check them here

@@ -134,6 +134,22 @@ class _Frame:
         self.fds = []
 
 
+def _answer_before_close(sock: socket.socket) -> tuple[DataReply, list[int]] | None:
+    """The reply a daemon sent before it closed ``sock`` (sending the request failed): a
+    daemon out of descriptors answers `BusyError` at once and closes, before the request
+    arrives. ``None`` when there is no whole frame."""
+    try:
+        msg, anc, _flags, _addr = sock.recvmsg(1 << 16, _ANCILLARY, socket.MSG_DONTWAIT)
+    except OSError:
+        return None
+    frame = _Frame(msg, _fds_of(anc)) if msg else None
+    if frame is None or frame.missing() > 0:
+        if frame is not None:
+            frame.close_fds()
+        return None
+    return frame.reply()
+
+
 class _DataPlane:
     """What both drivers hold: the socket, descriptor caches, leases, scratch buffers."""
 
@@ -246,7 +262,14 @@ class SyncDataPlane(_DataPlane):
             self._refresh()
             sock = self._connect()
             try:
-                sock.sendall(_frame(request))
+                try:
+                    sock.sendall(_frame(request))
+                except (BrokenPipeError, ConnectionResetError):
+                    early = _answer_before_close(sock)
+                    if early is None:
+                        raise
+                    self._drop()
+                    return early
                 if not reply:
                     return None
                 msg, anc, _flags, _addr = sock.recvmsg(1 << 16, _ANCILLARY)
@@ -347,12 +370,19 @@ class AsyncDataPlane(_DataPlane):
             try:
                 data = _frame(request)
                 try:
-                    sent = sock.send(data)  # a frame fits the socket buffer: no task, no wait
-                except BlockingIOError:
-                    sent = 0
-                if sent < len(data):
-                    rest = loop.sock_sendall(sock, memoryview(data)[sent:])
-                    await asyncio.wait_for(rest, self.timeout)
+                    try:
+                        sent = sock.send(data)  # a frame fits the socket buffer: no wait
+                    except BlockingIOError:
+                        sent = 0
+                    if sent < len(data):
+                        rest = loop.sock_sendall(sock, memoryview(data)[sent:])
+                        await asyncio.wait_for(rest, self.timeout)
+                except (BrokenPipeError, ConnectionResetError):
+                    early = _answer_before_close(sock)
+                    if early is None:
+                        raise
+                    self._drop()
+                    return early
                 if not reply:
                     return None
                 msg, fds = await asyncio.wait_for(self._recvmsg(sock), self.timeout)

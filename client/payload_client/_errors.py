@@ -5,13 +5,17 @@
     PayloadError                      base; never raised itself
     ├── InvalidSegmentError           segment metadata breaks DESIGN §2         422
     ├── InvalidRequestError           bad argument, window, name or body        400
-    │   └── PayloadTooLargeError      body or item above a configured limit     413
+    │   ├── PayloadTooLargeError      body or item above a configured limit     413
+    │   └── RequestTimeoutError       a request's body stalled mid-way          408
     ├── UnauthorizedError             admin token missing or wrong              401
     ├── FileMissingError              a segment's file does not exist           404
     ├── FileGoneError                 a segment's file was garbage-collected    410
     ├── SegmentFileError              file not a regular file in the root, or   409
     │                                 shorter than the segment says
     ├── StorageFullError              the payload root is full                  507
+    ├── BusyError                     the daemon is at a limit for now          503
+    │                                 (descriptors, connections, bytes in
+    │                                 flight): nothing was done; retry later
     ├── ServerError                   the daemon failed (a bug)                 500
     └── TransportError                no usable answer from the daemon (client side)
         ├── ConnectError              cannot reach the socket or URL
@@ -34,6 +38,7 @@ import builtins
 __all__ = [
     "STATUS_BY_ERROR",
     "AppendInDoubtError",
+    "BusyError",
     "ConnectError",
     "ConnectionLostError",
     "FileGoneError",
@@ -43,6 +48,7 @@ __all__ = [
     "PayloadError",
     "PayloadTooLargeError",
     "ProtocolError",
+    "RequestTimeoutError",
     "SegmentFileError",
     "ServerError",
     "StorageFullError",
@@ -83,6 +89,11 @@ class PayloadTooLargeError(InvalidRequestError):
     """A request body, item or row count exceeds a configured limit."""
 
 
+class RequestTimeoutError(InvalidRequestError):
+    """A request's body (or a data-plane frame) stopped arriving mid-way for longer than the
+    daemon's ``request_timeout_s``; the daemon dropped it and released what it held."""
+
+
 class UnauthorizedError(PayloadError):
     """The call needs the daemon's admin token and none, or another, was sent.
 
@@ -105,6 +116,15 @@ class SegmentFileError(PayloadError):
 
 class StorageFullError(PayloadError, OSError):
     """The payload root has no room for the append (nothing was written)."""
+
+
+class BusyError(PayloadError):
+    """The daemon is at one of its limits for now: file descriptors (its share of
+    ``RLIMIT_NOFILE``), connections, or bytes of requests in flight.
+
+    Nothing of the request was done; the same request may succeed a moment later. The
+    message names the limit.
+    """
 
 
 class ServerError(PayloadError):
@@ -150,12 +170,14 @@ class AppendInDoubtError(TransportError):
 STATUS_BY_ERROR: dict[type[PayloadError], int] = {
     InvalidRequestError: 400,
     UnauthorizedError: 401,
+    RequestTimeoutError: 408,
     FileMissingError: 404,
     SegmentFileError: 409,
     FileGoneError: 410,
     PayloadTooLargeError: 413,
     InvalidSegmentError: 422,
     ServerError: 500,
+    BusyError: 503,
     StorageFullError: 507,
 }
 """HTTP status of each error class the daemon can answer with."""

@@ -162,11 +162,25 @@ class Stats(msgspec.Struct):
 
 
 class Health(msgspec.Struct):
-    """Answer of ``GET /healthz``."""
+    """Answer of ``GET /healthz``.
+
+    Attributes
+    ----------
+    status : str
+        ``"ok"``, or ``"degraded"`` when a part of the daemon cannot serve now (see
+        ``data_plane``).
+    node, version : str
+        The daemon's node prefix and payloadd version.
+    data_plane : str
+        ``"serving"``, ``"off"`` (the ``data_plane`` setting), or what keeps it from serving
+        (e.g. ``"refusing connections: out of file descriptors (EMFILE) since 12:00:01Z"``);
+        empty from a daemon older than this field.
+    """
 
     status: str
     node: str
     version: str
+    data_plane: str = ""
 
 
 class GcRequest(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):

@@ -12,6 +12,7 @@ import pytest
 from payload_client import (
     STATUS_BY_ERROR,
     AsyncPayloadClient,
+    BusyError,
     ConnectError,
     FileGoneError,
     FileMissingError,
@@ -116,7 +117,8 @@ def test_status_table_and_wire_errors() -> None:
     assert type(error_from_wire(410, None, "gone")) is FileGoneError
     assert type(error_from_wire(418, "NoSuchError", "teapot")) is InvalidRequestError
     assert type(error_from_wire(404, "HTTPError", "Not Found")) is InvalidRequestError  # a route
-    assert type(error_from_wire(503, None, "busy")) is ServerError
+    assert type(error_from_wire(502, None, "bad gateway")) is ServerError
+    assert type(error_from_wire(503, None, "busy")) is BusyError  # the daemon at a limit
     assert STATUS_BY_ERROR[UnauthorizedError] == 401
     assert type(error_from_wire(401, None, "no token")) is UnauthorizedError
     assert type(error_from_wire(401, "UnauthorizedError", "wrong")) is UnauthorizedError

@@ -115,7 +115,7 @@ EXAMPLES: dict[type[msgspec.Struct], msgspec.Struct] = {
         20,
         21,
     ),
-    Health: Health("ok", "n", "1.0"),
+    Health: Health("ok", "n", "1.0", "serving"),
     ErrorBody: ErrorBody("InvalidRequestError", "bad"),
     GcRequest: GcRequest("r", 3, 60.0, True, "node-b"),
     GcCount: GcCount(2, 10),
@@ -211,7 +211,7 @@ LAYOUT: dict[str, list[str]] = {
         "min_free_bytes: int = 0",
         "appends_refused: int = 0",
     ],
-    "Health": ["status: str", "node: str", "version: str"],
+    "Health": ["status: str", "node: str", "version: str", "data_plane: str = ''"],
     "ErrorBody": ["error: str", "message: str"],
     "GcRequest": [
         "run: str | None = None",

@@ -7,6 +7,7 @@ import ctypes
 import itertools
 import os
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -139,11 +140,18 @@ def test_a_client_that_dies_mid_reservation_harms_nobody(daemon: Daemon) -> None
     for _level, _kind, data in anc:
         for fd in np.frombuffer(data[: len(data) - len(data) % 4], np.int32):
             os.close(int(fd))
+    reply = msgspec.msgpack.decode(msg[FRAME_PREFIX.size :])
+    (reserved,) = reply[2]  # ["reserve", txn, files, extents]
+    assert (daemon.root / reserved).is_file()
     raw.close()  # never commits
     with PayloadClient(daemon.socket) as c:
         segs = c.append(R, np.full((4, 2), 9, np.uint8), 0, run="dead", step=0)
         np.testing.assert_array_equal(c.read_field(segs, R, 0, 4, 0), np.full((4, 2), 9))
-        assert segs[0].offset == 8  # after the abandoned range, never over it
+        assert segs[0].file != reserved  # never in the abandoned file
+    deadline = time.monotonic() + 5
+    while (daemon.root / reserved).exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not (daemon.root / reserved).exists()  # nothing of it was acknowledged: no debris
 
 
 def test_garbage_on_the_data_socket_gets_an_error_reply(daemon: Daemon) -> None:
@@ -152,7 +160,9 @@ def test_garbage_on_the_data_socket_gets_an_error_reply(daemon: Daemon) -> None:
     raw.sendall(FRAME_PREFIX.pack(3) + b"\xc1\xc1\xc1")
     reply = raw.recv(4096)
     assert b"InvalidRequestError" in reply
-    raw.sendall(FRAME_PREFIX.pack(2**31))  # an absurd frame: the connection is dropped
+    raw.sendall(FRAME_PREFIX.pack(2**31))  # an absurd frame: told why, then dropped
+    reply = raw.recv(4096)
+    assert b"PayloadTooLargeError" in reply and b"max_control_bytes" in reply
     assert raw.recv(4096) == b""
     raw.close()
     raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -277,9 +287,11 @@ def test_what_a_client_does_to_its_descriptor_never_reaches_the_daemon(daemon: D
         (lease,) = fast._dp.leases.items.values()
         fcntl.fcntl(lease.fd, fcntl.F_SETFL, fcntl.fcntl(lease.fd, fcntl.F_GETFL) | os.O_APPEND)
         rows = np.full((3, 2), 5, np.uint8)
-        seg = http.append(R, rows, 0, run="flags", step=0)  # the daemon's own pwrite, same file
-        assert seg[0].file == lease.file
-        np.testing.assert_array_equal(http.read_field(seg, R, 0, 3, 0), rows)
+        seg = http.append(R, rows, 0, run="flags", step=0)  # the daemon's own pwrite
+        assert seg[0].file != lease.file  # a client's file is its own
+        more = http.append(R, rows + 1, 3, run="flags", step=0)
+        assert more[0].file == seg[0].file and more[0].offset == seg[0].offset + rows.nbytes
+        np.testing.assert_array_equal(http.read_field(seg + more, R, 0, 6, 0), np.r_[rows, rows + 1])
 
 
 def test_reads_into_outputs_at_any_page_offset_are_exact(daemon: Daemon) -> None:
@@ -333,8 +345,8 @@ def test_a_lease_whose_file_gc_removes_at_once_is_placed_again(
     lease = store.lease
     raced: list[GcReport] = []
 
-    def lease_then_gc(run: str, step: int, field: str, nbytes: int, size: int) -> Lease:
-        got = lease(run, step, field, nbytes, size)
+    def lease_then_gc(run: str, step: int, field: str, nbytes: int, size: int, owner: int) -> Lease:
+        got = lease(run, step, field, nbytes, size, owner)
         if not raced:  # a watermark lands between the lease and the client's descriptor
             raced.append(collector.collect(GcRequest(run="r", before_step=0)))
         return got

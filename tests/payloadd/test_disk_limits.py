@@ -40,10 +40,10 @@ def test_the_cap_refuses_before_reserving_and_counts_reservations(tmp_path: Path
     assert sorted(p.name for p in tmp_path.rglob("*.bin")) == files  # nothing reserved
     assert store.root_bytes == 3840 == node_bytes(tmp_path, "n")
     with pytest.raises(StorageFullError, match="lease of 384 bytes"):
-        store.lease("r", 1, R, 384, 1 << 20)
+        store.lease("r", 1, R, 384, 1 << 20, owner=1)
     assert not (tmp_path / "n" / "r" / "1").exists()  # not even a directory
     store.forget_bytes(3840)  # what garbage collection calls after removing files
-    lease = store.lease("r", 1, R, 384, 1 << 20)
+    lease = store.lease("r", 1, R, 384, 1 << 20, owner=1)
     assert lease.nbytes == 4000  # near the cap a lease shrinks to what fits
     assert store.stats().appends_refused == 2
     store.close()
@@ -51,7 +51,7 @@ def test_the_cap_refuses_before_reserving_and_counts_reservations(tmp_path: Path
 
 def test_a_lease_tail_stops_counting_when_its_file_closes(tmp_path: Path) -> None:
     store = Store(tmp_path, "n", max_root_bytes=1 << 20)
-    lease = store.lease("r", 0, R, 384, 10_000)
+    lease = store.lease("r", 0, R, 384, 10_000, owner=1)
     assert store.root_bytes == 10_000  # the whole range counts from the grant
     with open(tmp_path / lease.file, "r+b") as f:  # the client writes 2 rows of it
         f.write(bytes(768))
@@ -64,7 +64,7 @@ def test_a_lease_tail_stops_counting_when_its_file_closes(tmp_path: Path) -> Non
 def test_recount_and_a_restart_count_the_files_on_disk(tmp_path: Path) -> None:
     store = Store(tmp_path, "n")
     store.append([item(3)], bytes(3 * 384))
-    lease = store.lease("r", 1, R, 384, 5000)
+    lease = store.lease("r", 1, R, 384, 5000, owner=1)
     other = tmp_path / "other-node" / "x.bin"  # another node's files never count
     other.parent.mkdir()
     other.write_bytes(bytes(999))
@@ -98,7 +98,7 @@ def test_the_floor_refuses_with_the_free_space_in_the_message(tmp_path: Path) ->
     assert free > 0 and store.stats().min_free_bytes == 1 << 62
     store.close()
     near = Store(tmp_path, "n", min_free_bytes=max(1, free - (1 << 30)))  # ~1 GiB above it
-    assert near.lease("r", 0, R, 384, 1 << 40).nbytes <= 1 << 30  # a lease shrinks to fit
+    assert near.lease("r", 0, R, 384, 1 << 40, owner=1).nbytes <= 1 << 30  # a lease shrinks to fit
     near.close()
 
 

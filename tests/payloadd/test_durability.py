@@ -41,7 +41,7 @@ def test_interval_flush_covers_appends_leases_and_sealed_files(tmp_path: Path) -
     assert store.stats().files_dirty == 2
     assert store.flush() == sorted([a.file, b.file])  # the closed file too, by path
     assert store.flush() == []  # nothing written since
-    lease = store.lease("r", 1, R, 384, 384)
+    lease = store.lease("r", 1, R, 384, 384, owner=1)
     assert store.flush() == [lease.file]  # the client writes it unseen: every flush
     assert store.flush() == [lease.file]
     lease.release()
@@ -68,7 +68,7 @@ def test_interval_flush_skips_a_file_removed_since(tmp_path: Path) -> None:
 def test_other_policies_have_nothing_to_flush(tmp_path: Path, policy: str) -> None:
     store = Store(tmp_path, "n", fsync=policy)  # type: ignore[arg-type]
     store.append([item(1)], bytes(384))
-    store.lease("r", 0, R, 384, 384).release()
+    store.lease("r", 0, R, 384, 384, owner=1).release()
     assert store.flush() == []
     assert (store.stats().fsync, store.stats().files_dirty) == (policy, 0)
     store.close()

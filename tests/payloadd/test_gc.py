@@ -132,7 +132,7 @@ def test_later_appends_to_a_collected_step_go_to_a_new_file(tmp_path: Path) -> N
 
 def test_a_leased_file_is_collected(tmp_path: Path) -> None:
     store = Store(tmp_path, "n")
-    lease = store.lease("r", 0, "f", 100, 1000)
+    lease = store.lease("r", 0, "f", 100, 1000, owner=1)
     report = Collector(store).collect(GcRequest(run="r", before_step=0))
     assert (report.files, report.in_use) == (1, 0)  # the client re-checks after writing
     assert not (tmp_path / lease.file).exists()
@@ -174,7 +174,7 @@ def test_orphans_of_a_crashed_daemon_and_empty_directories_go(tmp_path: Path) ->
     (tmp_path / "n" / "r" / "0" / "notes.txt").write_text("not a data file")
     # the daemon died: a new one starts on the same root
     store = Store(tmp_path, "n")
-    own = store.lease("r", 2, "f", 10, 10)  # this daemon's empty file is not an orphan
+    own = store.lease("r", 2, "f", 10, 10, owner=1)  # this daemon's empty file is not an orphan
     report = Collector(store, ttl_s=0).collect(GcRequest())
     assert report.by_reason["orphan"].files == 1 and report.steps == []
     assert sorted(os.listdir(tmp_path / "n" / "r")) == ["0", "2"]  # step 1 and 7 went
@@ -219,7 +219,7 @@ def test_collected_bytes_no_longer_count_against_the_cap(tmp_path: Path) -> None
     append(store, "r", 0, n=20)  # 80 bytes
     with pytest.raises(StorageFullError, match="max_root_bytes"):
         append(store, "r", 1, n=10)
-    lease = store.lease("r", 2, "f", 8, 8)  # 88 with a lease
+    lease = store.lease("r", 2, "f", 8, 8, owner=1)  # 88 with a lease
     report = Collector(store).collect(GcRequest(run="r", before_step=2))
     assert report.files == 2 and store.root_bytes == 0
     assert read(store, append(store, "r", 3, n=20)) == rows(20, 3)  # room again

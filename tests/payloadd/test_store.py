@@ -156,7 +156,10 @@ def test_read_checks(tmp_path: Path) -> None:
         store.read_extents([Extent("n/nope.bin", 0, 1, 1)])
     with pytest.raises(SegmentFileError, match="768 bytes but a segment ends at byte 1152"):
         store.read_extents([Extent(s.file, 0, 384, 1152)])  # the range exists, the segment doesn't
+    (root / "n" / "r" / "0" / "dir").mkdir(parents=True)
     with pytest.raises(SegmentFileError, match="not a regular file"):
+        store.read_extents([Extent("n/r/0/dir", 0, 0, 0)])
+    with pytest.raises(FileMissingError, match="no data file"):  # not where data files lie
         store.read_extents([Extent("n", 0, 0, 0)])
     (tmp_path / "outside.bin").write_bytes(bytes(10))
     os.symlink(tmp_path / "outside.bin", root / "n" / "escape.bin")
@@ -164,6 +167,9 @@ def test_read_checks(tmp_path: Path) -> None:
         store.read_extents([Extent("n/escape.bin", 0, 1, 1)])
     os.symlink(root / s.file, root / "n" / "inside.bin")  # a symlink inside the root is fine
     assert len(store.read_extents([Extent("n/inside.bin", 0, 384, 768)])) == 384
+    os.symlink("../..", root / "n" / "r" / "0" / "up")  # to a data file, never another one
+    with pytest.raises(FileMissingError, match="no data file"):
+        store.read_extents([Extent("n/r/0/up/n/r/0/dir", 0, 0, 0)])
     with pytest.raises(InvalidSegmentError, match="file"):
         store.read_extents([Extent("../outside.bin", 0, 1, 1)])
     with pytest.raises(InvalidRequestError, match="past end"):
@@ -199,9 +205,10 @@ def test_zero_row_items_never_open_a_new_file(tmp_path: Path) -> None:
 
 def test_a_fifo_in_the_root_is_refused_without_blocking(tmp_path: Path) -> None:
     store = Store(tmp_path, "n")
-    os.mkfifo(tmp_path / "n.fifo")
+    (tmp_path / "n" / "r" / "0").mkdir(parents=True)
+    os.mkfifo(tmp_path / "n" / "r" / "0" / "x.fifo")
     with pytest.raises(SegmentFileError, match="not a regular file"):
-        store.read_extents([Extent("n.fifo", 0, 1, 1)])
+        store.read_extents([Extent("n/r/0/x.fifo", 0, 1, 1)])
 
 
 def test_directories_are_0750_whatever_the_umask(tmp_path: Path) -> None:
@@ -240,7 +247,7 @@ def test_files_are_closed_when_sealed_and_unused(tmp_path: Path) -> None:
     store = Store(tmp_path, "n", max_file_bytes=384)
     before = len(os.listdir("/proc/self/fd"))
     pending = store.begin_append([item(1)])
-    first = pending.files[0][1]
+    first = store._open[pending.files[0]].fd
     for _ in range(5):  # each append rotates: the earlier files are sealed
         store.append([item(1)], bytes(384))
     os.fstat(first)  # still open: a pending append writes to it

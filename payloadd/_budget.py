@@ -1,0 +1,276 @@
+"""What the daemon may hold at once: its share of file descriptors and of memory in flight.
+
+A daemon that runs for weeks must never learn its limits from a failing system call: an
+``EMFILE`` in the middle of an append leaves debris, and one at ``accept()`` used to stop the
+data plane for good. So the daemon counts.
+
+**Descriptors** (`Descriptors`). At start ``serve`` raises the soft ``RLIMIT_NOFILE`` to the
+hard one (`raise_nofile_limit`); the lifespan then counts the descriptors already open and
+splits what is left, less a slack for what is never counted (directory walks, the ledger,
+logging)::
+
+    limit = base (open at start) + slack + HTTP connections + data-plane connections
+            + files open for appends + cached read descriptors + per-request descriptors
+
+Each share is the configured maximum or an eighth of what is left, whichever is smaller
+(the per-request share takes the rest, at least half), so that a low limit gives a small
+daemon that still serves, not one that fails later. Connections beyond their share are refused at once (HTTP: 503; the data plane closes
+the connection, and clients fall back to HTTP). The two caches simply hold fewer
+descriptors. A request takes the descriptors it will hold from the per-request share for as
+long as it runs (`Descriptors.held`): short of them it is refused with `BusyError` (503),
+above the whole share with `PayloadTooLargeError` (413); nothing of it is done either way.
+
+**Memory in flight** (`InFlight`): the bytes of request frames and control bodies being
+received at once, on both planes. Row bytes are not counted: they stream to and from files
+a chunk at a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import resource
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from payload_client import BusyError, PayloadTooLargeError
+
+__all__ = ["SLACK", "Descriptors", "InFlight", "open_descriptors", "raise_nofile_limit"]
+
+log = logging.getLogger("payloadd")
+
+SLACK = 32
+"""Descriptors left out of every share (fewer under a limit below 1024): directory walks,
+the GC ledger, log files, the event loop's own; none holds more than a few, and never for
+long."""
+
+APPEND_FILES = 256
+"""Most data files kept open for appends (one per run, step and field) when the limit is high."""
+READ_CACHE = 256
+"""Most read-only descriptors the daemon keeps for later reads when the limit is high."""
+
+
+def raise_nofile_limit() -> tuple[int, int]:
+    """Raise the soft ``RLIMIT_NOFILE`` to the hard limit where allowed.
+
+    Returns
+    -------
+    tuple of int
+        ``(soft before, soft now)``. An infinite hard limit is taken as the kernel's
+        ``fs.nr_open``; a refused raise keeps the soft limit (and is logged).
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard
+    if hard == resource.RLIM_INFINITY:
+        try:
+            with open("/proc/sys/fs/nr_open") as f:
+                target = int(f.read())
+        except (OSError, ValueError):
+            target = 1 << 20
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (OSError, ValueError) as exc:
+            log.warning("RLIMIT_NOFILE: could not raise the soft limit %d to %d: %s",
+                        soft, target, exc)  # fmt: skip
+            return soft, soft
+        return soft, target
+    return soft, soft
+
+
+def open_descriptors() -> int:
+    """Descriptors this process has open now (``/proc/self/fd``; 0 where there is none)."""
+    try:
+        return len(os.listdir("/proc/self/fd")) - 1  # the listing's own
+    except OSError:
+        return 0
+
+
+@dataclass(frozen=True)
+class Shares:
+    """How `Descriptors` split the limit (see the module's notes); all in descriptors."""
+
+    limit: int
+    base: int
+    http_connections: int
+    data_connections: int
+    append_files: int
+    read_cache: int
+    per_request: int
+
+
+class Descriptors:
+    """This daemon's shares of ``RLIMIT_NOFILE``, and the per-request share's count.
+
+    Thread-safe.
+
+    Parameters
+    ----------
+    limit : int
+        The soft ``RLIMIT_NOFILE``.
+    base : int
+        Descriptors open before the daemon serves (sockets, logs, the interpreter's own).
+    max_connections, max_data_connections : int
+        The configured most HTTP and data-plane connections (0: no data plane).
+
+    Attributes
+    ----------
+    shares : Shares
+        The split.
+    """
+
+    def __init__(
+        self, limit: int, base: int, *, max_connections: int, max_data_connections: int
+    ) -> None:
+        free = max(0, limit - base - min(SLACK, max(8, limit // 32)))
+        http = max(1, min(max_connections, free // 8))
+        data = max(1, min(max_data_connections, free // 8)) if max_data_connections else 0
+        append = max(1, min(APPEND_FILES, free // 8))
+        cache = max(1, min(READ_CACHE, free // 8))
+        per_request = max(1, free - http - data - append - cache)
+        self.shares = Shares(limit, base, http, data, append, cache, per_request)
+        self._lock = threading.Lock()
+        self._taken = 0
+        self.refused = 0
+        if free < 64:
+            log.warning("RLIMIT_NOFILE %d with %d descriptors open leaves %d for serving: "
+                        "connections, caches and requests get small shares (%s)",
+                        limit, base, free, self.describe())  # fmt: skip
+
+    @classmethod
+    def of_process(cls, *, max_connections: int, max_data_connections: int) -> Descriptors:
+        """Shares of this process's soft limit, with what it has open now as the base."""
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        limit = soft if soft != resource.RLIM_INFINITY else 1 << 20
+        return cls(
+            limit,
+            open_descriptors(),
+            max_connections=max_connections,
+            max_data_connections=max_data_connections,
+        )
+
+    def describe(self) -> str:
+        """The shares in words, for the start-up log line."""
+        s = self.shares
+        return (
+            f"limit {s.limit}, {s.base} open at start; HTTP connections {s.http_connections}, "
+            f"data-plane connections {s.data_connections}, files open for appends "
+            f"{s.append_files}, read cache {s.read_cache}, per request {s.per_request}"
+        )
+
+    @property
+    def taken(self) -> int:
+        """Per-request descriptors held now."""
+        with self._lock:
+            return self._taken
+
+    def take(self, n: int, what: str) -> None:
+        """Take ``n`` descriptors of the per-request share for ``what``.
+
+        Raises
+        ------
+        PayloadTooLargeError
+            ``n`` is above the whole per-request share: this request can never be served
+            under this limit (split it, or raise ``RLIMIT_NOFILE``).
+        BusyError
+            Fewer than ``n`` are free now; nothing was taken.
+        """
+        if n <= 0:
+            return
+        cap = self.shares.per_request
+        if n > cap:
+            with self._lock:
+                self.refused += 1
+            raise PayloadTooLargeError(
+                f"{what} needs {n} file descriptors, above the {cap} this daemon gives one "
+                f"request (RLIMIT_NOFILE {self.shares.limit}); split it, or raise the limit"
+            )
+        with self._lock:
+            if self._taken + n > cap:
+                self.refused += 1
+                raise BusyError(
+                    f"daemon out of file descriptors for now: {what} needs {n}, "
+                    f"{cap - self._taken} of {cap} are free (RLIMIT_NOFILE "
+                    f"{self.shares.limit}); try again"
+                )
+            self._taken += n
+
+    def give(self, n: int) -> None:
+        """Give back ``n`` descriptors taken by `take`."""
+        if n > 0:
+            with self._lock:
+                self._taken = max(0, self._taken - n)
+
+    @contextlib.contextmanager
+    def held(self, n: int, what: str) -> Iterator[None]:
+        """`take` ``n`` for the block, `give` them back after it."""
+        self.take(n, what)
+        try:
+            yield
+        finally:
+            self.give(n)
+
+
+class InFlight:
+    """Bytes of request frames and control bodies being received at once, under a cap.
+
+    Thread-safe. The data plane's connection threads wait for room (`acquire` with a
+    timeout); the HTTP event loop never waits (`try_acquire`).
+
+    Parameters
+    ----------
+    cap : int
+        Bytes in flight at most.
+    """
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.used = 0
+        self.peak = 0
+        self.refused = 0
+        self._cond = threading.Condition()
+
+    def _refuse(self, n: int) -> BusyError:
+        self.refused += 1
+        return BusyError(
+            f"daemon busy: {n} bytes of request would go above max_inflight_bytes "
+            f"({self.used} of {self.cap} in flight); try again"
+        )
+
+    def try_acquire(self, n: int) -> None:
+        """Count ``n`` bytes now, or raise `BusyError` (nothing counted)."""
+        with self._cond:
+            if self.used + n > self.cap and self.used > 0:
+                raise self._refuse(n)
+            self.used += n
+            self.peak = max(self.peak, self.used)
+
+    def acquire(self, n: int, timeout: float) -> None:
+        """Count ``n`` bytes once there is room, waiting at most ``timeout`` seconds.
+
+        One request larger than the cap is let through alone (nothing else in flight), so
+        that the cap never refuses what the size limits allow.
+
+        Raises
+        ------
+        BusyError
+            No room within ``timeout``; nothing counted.
+        """
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self.used + n > self.cap and self.used > 0:
+                left = deadline - time.monotonic()
+                waited = left > 0 and self._cond.wait(left)
+                if not waited and self.used + n > self.cap and self.used > 0:
+                    raise self._refuse(n)
+            self.used += n
+            self.peak = max(self.peak, self.used)
+
+    def release(self, n: int) -> None:
+        """Stop counting ``n`` bytes."""
+        with self._cond:
+            self.used = max(0, self.used - n)
+            self._cond.notify_all()

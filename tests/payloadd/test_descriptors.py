@@ -1,0 +1,324 @@
+"""Descriptors under real load: trainer ranks racing onto new files, a low ``RLIMIT_NOFILE``,
+running out at ``accept()``, appends of many new files, and what reads may open.
+
+Every test runs a real daemon and looks at its descriptors in /proc.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import msgspec
+import numpy as np
+import pytest
+
+from payload_client import (
+    BusyError,
+    FileMissingError,
+    PayloadClient,
+    PayloadSegment,
+)
+from payload_client._wire import APPEND_CONTENT_TYPE, FRAME_PREFIX, AppendItem, AppendRequest
+from payloadd._process import start_daemon
+from tests.payloadd import procfs
+
+R = "routed_experts"
+
+
+def _wait_for(check: Callable[[], bool], seconds: float = 10.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not check():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.02)
+
+
+def _nofile(limit: int) -> Callable[[], None]:
+    """A ``preexec_fn`` that starts the daemon under ``RLIMIT_NOFILE`` ``limit``."""
+
+    def set_limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
+
+    return set_limit
+
+
+@pytest.mark.parametrize("transport", ["data-plane", "http"])
+def test_ranks_released_onto_new_files_at_once_leak_no_descriptor(
+    tmp_path: Path, transport: str
+) -> None:
+    sock = tmp_path / "s.sock"
+    with start_daemon(tmp_path / "root", sock, "--node", "n") as proc:
+        rows = np.arange(4 * 384, dtype=np.uint8).reshape(4, 48, 8)
+        with PayloadClient(sock, data_plane=False) as w:  # 200 steps: 200 new files
+            segs = [w.append(R, rows, 0, run="r", step=k) for k in range(200)]
+        ranks = 8
+        barrier = threading.Barrier(ranks)
+        failures: list[BaseException] = []
+
+        def rank() -> None:
+            try:
+                with PayloadClient(sock, data_plane=transport == "data-plane") as c:
+                    for s in segs:
+                        barrier.wait(timeout=30)  # every rank opens the same new file at once
+                        np.testing.assert_array_equal(c.read_field(s, R, 0, 4, 0), rows)
+            except BaseException as exc:
+                failures.append(exc)
+                barrier.abort()
+
+        threads = [threading.Thread(target=rank) for _ in range(ranks)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not failures, failures
+        with PayloadClient(sock) as c:
+            assert c.gc(run="r", before_step=199).files == 200
+        assert (
+            procfs.deleted_fds(proc.pid, tmp_path / "root") == []
+        )  # every removed file's space is freed
+        assert len(procfs.fds(proc.pid)) < 40  # the cache keeps one descriptor a file
+
+
+def test_a_low_limit_gives_a_small_daemon_that_serves_and_sheds_idle_connections(
+    tmp_path: Path,
+) -> None:
+    sock = tmp_path / "s.sock"
+    extra = ("--node", "n", "--request-timeout-s", "2")
+    with start_daemon(tmp_path / "root", sock, *extra, preexec_fn=_nofile(64)) as proc:
+        rows = np.full((3, 48, 8), 7, np.uint8)
+        with PayloadClient(sock) as c:
+            (seg,) = c.append(R, rows, 0, run="r", step=0)
+        idle = []  # 70 idle connections to each socket: beyond any share of 64 descriptors
+        for path in (sock, f"{sock}.data"):
+            for _ in range(70):
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                s.connect(str(path))
+                idle.append(s)
+        time.sleep(0.5)
+        assert len(procfs.fds(proc.pid)) <= 64
+        try:  # meanwhile: served, or refused in words; never a hang until the timeout
+            with PayloadClient(sock, timeout=10) as c:
+                start = time.monotonic()
+                try:
+                    np.testing.assert_array_equal(c.read_field([seg], R, 0, 3, 0), rows)
+                except BusyError as exc:
+                    assert "try again" in str(exc)
+                assert time.monotonic() - start < 5
+        finally:
+            for s in idle:
+                s.close()
+        time.sleep(1)
+        with PayloadClient(sock) as c:  # served again, on the data plane
+            before = c.stats()
+            (more,) = c.append(R, rows + 1, 3, run="r", step=0)
+            np.testing.assert_array_equal(
+                c.read_field([seg, more], R, 0, 6, 0), np.r_[rows, rows + 1]
+            )
+            after = c.stats()
+            assert after.leases == before.leases + 1
+            assert c.health().data_plane == "serving"
+
+
+def test_the_http_side_closes_idle_connections_and_refuses_beyond_its_share(
+    tmp_path: Path,
+) -> None:
+    sock = tmp_path / "s.sock"
+    extra = ("--max-connections", "3", "--request-timeout-s", "1")
+    with start_daemon(tmp_path / "root", sock, *extra):
+        idle = []
+        for _ in range(3):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(str(sock))
+            idle.append(s)
+        time.sleep(0.3)
+        with (
+            pytest.raises(BusyError, match="3 HTTP connections"),
+            PayloadClient(sock, data_plane=False) as c,
+        ):
+            c.health()
+        for s in idle:  # no request head within request_timeout_s: closed
+            s.settimeout(5)
+            assert s.recv(1) == b""
+            s.close()
+        half = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # a head that never ends
+        half.connect(str(sock))
+        half.sendall(b"GET /healthz HTTP/1.1\r\nhost: x\r\n")
+        half.settimeout(5)
+        assert half.recv(1) == b""
+        half.close()
+        with PayloadClient(sock, data_plane=False) as c:
+            assert c.health().status == "ok"
+
+
+@pytest.fixture
+def lowered(tmp_path: Path) -> Iterator[tuple[Path, int]]:
+    """A daemon (socket, pid) whose soft RLIMIT_NOFILE the test may lower while it runs."""
+    sock = tmp_path / "s.sock"
+    with start_daemon(tmp_path / "root", sock, "--node", "n", log_level="error") as proc:
+        yield sock, proc.pid
+
+
+def test_the_data_plane_serves_again_after_running_out_of_descriptors(
+    lowered: tuple[Path, int],
+) -> None:
+    sock, pid = lowered
+    rows = np.full((2, 48, 8), 3, np.uint8)
+    with PayloadClient(sock) as c:
+        c.append(R, rows, 0, run="r", step=0)
+    old = procfs.set_nofile(pid, len(procfs.fds(pid)) + 3)
+    hogs = []
+    try:
+        for _ in range(8):  # the daemon runs out of descriptors at accept()
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(f"{sock}.data")
+            hogs.append(s)
+        time.sleep(0.3)
+        start = time.monotonic()
+        with (
+            pytest.raises(BusyError, match="out of file descriptors"),  # in words, at once
+            PayloadClient(sock, timeout=10) as c,
+        ):
+            c.append(R, rows, 2, run="r", step=0)
+        assert time.monotonic() - start < 5
+    finally:
+        procfs.set_nofile(pid, old)
+        for s in hogs:
+            s.close()
+    with PayloadClient(sock) as c:  # the accept loop lives on, and serves at once
+        _wait_for(lambda: c.health().data_plane == "serving")
+        before = c.stats().leases
+        (seg,) = c.append(R, rows, 2, run="r", step=0)
+        np.testing.assert_array_equal(c.read_field([seg], R, 2, 4, 0), rows)
+        assert c.stats().leases == before + 1  # on the data plane
+        assert c.health().status == "ok"
+
+
+def test_health_says_the_data_plane_is_refusing_while_out_of_descriptors(
+    lowered: tuple[Path, int],
+) -> None:
+    sock, pid = lowered
+    with _http(sock) as http:
+        assert http.get("/healthz").json()["data_plane"] == "serving"
+        old = procfs.set_nofile(pid, len(procfs.fds(pid)) + 1)
+        hogs = []
+        try:
+            for _ in range(3):
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                s.connect(f"{sock}.data")
+                hogs.append(s)
+            time.sleep(0.3)
+            answer = http.get("/healthz").json()  # on the connection it already has
+            assert answer["status"] == "degraded"
+            assert answer["data_plane"].startswith("refusing connections: out of file")
+        finally:
+            procfs.set_nofile(pid, old)
+            for s in hogs:
+                s.close()
+
+
+def test_an_append_out_of_descriptors_is_refused_and_leaves_no_debris(
+    lowered: tuple[Path, int], tmp_path: Path
+) -> None:
+    sock, pid = lowered
+    rows = np.ones((1, 2), np.uint8)
+    with PayloadClient(sock, data_plane=False) as c:
+        c.health()  # the connection is open before the limit drops
+        old = procfs.set_nofile(pid, len(procfs.fds(pid)) + 4)
+        try:
+            items = [(R, rows, 0)] * 1
+            with pytest.raises(BusyError, match="descriptors"):
+                for step in range(40):  # each append to a new step: a new file, until none
+                    c.append_many(items, run="many", step=step)
+        finally:
+            procfs.set_nofile(pid, old)
+        node = tmp_path / "root" / "n" / "many"
+        kept = {p.name for p in node.iterdir()} if node.exists() else set()
+        for step in kept:  # only steps whose append was acknowledged remain, never empty
+            assert list((node / step).iterdir())
+        (seg,) = c.append(R, rows, 0, run="many", step=99)
+        np.testing.assert_array_equal(c.read_field([seg], R, 0, 1, 0), rows)
+
+
+def test_an_append_of_more_new_files_than_a_request_may_hold_is_refused_first(
+    tmp_path: Path,
+) -> None:
+    sock = tmp_path / "s.sock"
+    with start_daemon(tmp_path / "root", sock, "--node", "n", preexec_fn=_nofile(256)):
+        rows = np.ones((1, 2), np.uint8)
+        with PayloadClient(sock, data_plane=False) as c:
+            items = [(R, rows, k) for k in range(3000)]
+            segs = c.append_many(items, run="one", step=0)  # 3000 items, one file
+            assert len({s.file for group in segs for s in group}) == 1
+        with _http(sock) as http:
+            body = _many_steps_body(30000)
+            r = http.post(  # 30,000 items, each to a step of its own
+                "/v1/append", content=body, headers={"content-type": APPEND_CONTENT_TYPE}
+            )
+            assert r.status_code == 413, r.text
+            assert "file descriptors" in r.json()["message"]
+        runs = [p.name for p in (tmp_path / "root" / "n").iterdir() if p.name[0] != "@"]
+        assert runs == ["one"]  # nothing of the refused append
+
+
+def _http(sock: Path) -> httpx.Client:
+    return httpx.Client(transport=httpx.HTTPTransport(uds=str(sock)), base_url="http://payloadd")
+
+
+def _many_steps_body(n: int) -> bytes:
+    items = [AppendItem(R, "uint8", [2], 1, 0, "many", step) for step in range(n)]
+    header = msgspec.msgpack.encode(AppendRequest(items))
+    return FRAME_PREFIX.pack(len(header)) + header + bytes(2 * n)
+
+
+@pytest.mark.parametrize("transport", ["data-plane", "http"])
+def test_nothing_but_data_files_is_readable(tmp_path: Path, transport: str) -> None:
+    sock = tmp_path / "s.sock"
+    with (
+        start_daemon(tmp_path / "root", sock, "--node", "n"),
+        PayloadClient(sock, data_plane=transport == "data-plane") as c,
+    ):
+        c.append(R, np.ones((1, 2), np.uint8), 0, run="r", step=0)
+        c.gc(run="r", before_step=0)  # writes the GC ledger: run names, files, sizes
+        size = (tmp_path / "root" / "n" / "@gc-ledger.jsonl").stat().st_size
+        assert size > 0
+        leak = PayloadSegment(R, "n/@gc-ledger.jsonl", 0, 0, 1, "uint8", [size])
+        with pytest.raises(FileMissingError, match="no data file") as info:
+            c.read_field([leak], R, 0, 1, 0)
+        assert "watermark" not in str(info.value)  # nothing of its content
+        place = tmp_path / "root" / "n" / "r2" / "0"  # where a data file would lie
+        place.mkdir(parents=True)
+        os.symlink("../../@gc-ledger.jsonl", place / "x.bin")
+        leak = PayloadSegment(R, "n/r2/0/x.bin", 0, 0, 1, "uint8", [size])
+        with pytest.raises(FileMissingError, match="no data file"):
+            c.read_field([leak], R, 0, 1, 0)
+        with _http(sock) as http:  # the raw route, without a token
+            r = http.post("/v1/read", json={"extents": [["n/@gc-ledger.jsonl", 0, size, size]]})
+            assert r.status_code == 404 and "watermark" not in r.text
+
+
+def test_the_limits_are_logged_and_raised_at_start(tmp_path: Path) -> None:
+    sock = tmp_path / "s.sock"
+    log = tmp_path / "log"
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+
+    def lower() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (128, hard))
+
+    with (
+        log.open("wb") as err,
+        start_daemon(
+            tmp_path / "root", sock, log_level="info", stderr=err, preexec_fn=lower
+        ) as proc,
+    ):
+        limit = resource.prlimit(proc.pid, resource.RLIMIT_NOFILE)[0]
+    text = log.read_text()
+    if hard != 128:
+        assert limit == hard and f"raised from 128 to {hard}" in text
+    assert "file descriptors: limit" in text and "per request" in text
+    del soft
