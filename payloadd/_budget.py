@@ -22,12 +22,14 @@ above the whole share with `PayloadTooLargeError` (413); nothing of it is done e
 
 **Memory in flight** (`InFlight`): the bytes of request frames and control bodies being
 received at once, on both planes. Row bytes are not counted: they stream to and from files
-a chunk at a time.
+a chunk at a time. So that memory freed is memory given back, ``serve`` fixes glibc's mmap
+threshold (`return_large_buffers`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
 import resource
@@ -38,7 +40,14 @@ from dataclasses import dataclass
 
 from payload_client import BusyError, PayloadTooLargeError
 
-__all__ = ["SLACK", "Descriptors", "InFlight", "open_descriptors", "raise_nofile_limit"]
+__all__ = [
+    "SLACK",
+    "Descriptors",
+    "InFlight",
+    "open_descriptors",
+    "raise_nofile_limit",
+    "return_large_buffers",
+]
 
 log = logging.getLogger("payloadd")
 
@@ -79,6 +88,33 @@ def raise_nofile_limit() -> tuple[int, int]:
             return soft, soft
         return soft, target
     return soft, soft
+
+
+MMAP_THRESHOLD = 2 << 20
+"""Allocations from this size on are mapped on their own and go back to the system when
+freed (`return_large_buffers`)."""
+
+
+def return_large_buffers(threshold: int = MMAP_THRESHOLD) -> bool:
+    """Make glibc map large allocations on their own, so that freeing gives them back.
+
+    By default glibc raises its mmap threshold each time a mapped block is freed; large
+    request buffers then come from per-thread arenas, which keep them after use: 20
+    connections each sending a 7 MiB frame once left the daemon 112 MiB larger, though the
+    frames were in flight two at a time. A fixed threshold turns that off (14 MiB then).
+
+    Returns
+    -------
+    bool
+        Whether it was set (``False`` off glibc).
+    """
+    try:
+        libc = ctypes.CDLL(None)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    return bool(mallopt(-3, threshold))  # M_MMAP_THRESHOLD
 
 
 def open_descriptors() -> int:

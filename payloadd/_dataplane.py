@@ -336,6 +336,7 @@ class DataPlaneServer:
                 finally:
                     if len(body) > SMALL_FRAME:
                         self.inflight.release(len(body))
+                    del body  # not kept while the connection idles
         except _StalledError:
             log.warning("data plane: a frame stalled for %.0f s mid-way; connection dropped",
                         self.request_timeout)  # fmt: skip

@@ -19,7 +19,7 @@ from payload_client._wire import DATA_SOCKET_SUFFIX
 from ._activation import match_sockets, passed_sockets
 from ._app import create_app
 from ._auth import load_admin_token
-from ._budget import Descriptors, raise_nofile_limit
+from ._budget import Descriptors, raise_nofile_limit, return_large_buffers
 from ._logs import configure_logging
 from ._metrics import HTTP
 from ._protocol import limited_protocol
@@ -82,6 +82,7 @@ def serve(settings: Settings) -> None:
     before, now = raise_nofile_limit()
     if now != before:
         log.info("RLIMIT_NOFILE: soft limit raised from %d to %d", before, now)
+    return_large_buffers()
     disable_created_metrics()  # type: ignore[no-untyped-call]  # no *_created series
     Store.check_root(
         settings.root, settings.node

@@ -194,7 +194,8 @@ class Store(StoreRemovals):
     def _discard(self, f: _File) -> None:
         """Remove ``f``, a private file none of whose rows were acknowledged, with its step
         and run directories if they are left empty; its bytes stop counting. Lock held."""
-        self._budget.forget(f.size)
+        if f.open:  # a closed file counts what it holds: nothing, when it is discarded
+            self._budget.forget(f.size)
         if f.fd >= 0:
             os.close(f.fd)
             f.fd = -1
@@ -539,10 +540,18 @@ class Store(StoreRemovals):
 
     def end_owner(self, owner: int) -> None:
         """``owner``'s connection ended: seal its lease files (each closes once its last
-        lease is released, and the unused tail stops counting)."""
+        lease is released, and the unused tail stops counting). One it never wrote a byte
+        into is removed: no row of it was acknowledged (a client that writes after all
+        finds the file removed, and places its rows again, as after garbage collection)."""
         with self._lock:
             for key in [k for k in self._leased if k[3] == owner]:
-                self._seal(self._leased.pop(key))
+                f = self._leased.pop(key)
+                self._seal(f)
+                if f.users == 0 and not f.open:
+                    with contextlib.suppress(OSError):
+                        st = os.stat(self.root / f.rel)
+                        if st.st_size == 0 and (st.st_dev, st.st_ino) == f.ino:
+                            self._discard(f)
 
     def append(self, items: Sequence[AppendItem], data: Any) -> list[list[PayloadSegment]]:
         """Append ``items`` whose rows are ``data`` (concatenated); return their segments."""

@@ -291,7 +291,9 @@ def test_what_a_client_does_to_its_descriptor_never_reaches_the_daemon(daemon: D
         assert seg[0].file != lease.file  # a client's file is its own
         more = http.append(R, rows + 1, 3, run="flags", step=0)
         assert more[0].file == seg[0].file and more[0].offset == seg[0].offset + rows.nbytes
-        np.testing.assert_array_equal(http.read_field(seg + more, R, 0, 6, 0), np.r_[rows, rows + 1])
+        np.testing.assert_array_equal(
+            http.read_field(seg + more, R, 0, 6, 0), np.r_[rows, rows + 1]
+        )
 
 
 def test_reads_into_outputs_at_any_page_offset_are_exact(daemon: Daemon) -> None:
