@@ -907,7 +907,12 @@ def run_soak(args: argparse.Namespace) -> int:
             else:
                 note += " (no plot: install matplotlib, e.g. the 'bench' extra)"
         print(note)
-        return 0 if doc["verdict"]["passed"] else 1
+        if doc["verdict"]["passed"]:
+            return 0
+        tail = log_path.read_text(errors="replace").splitlines()[-20:]
+        if tail:
+            print("the daemon's log, last lines:\n  " + "\n  ".join(tail))
+        return 1
     finally:
         if args.keep:
             print(f"kept {tmp} (root, socket, daemon.log)")

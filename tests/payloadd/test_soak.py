@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import time
@@ -244,3 +245,25 @@ def test_a_removed_file_held_across_samples_counts_as_leaked() -> None:
     assert held_deleted(samples, 10.0) == {}
     text = dump_document({"verdict": {"passed": True}, "samples": samples[:2]})
     assert json.loads(text)["samples"] == samples[:2] and len(text.splitlines()) == 9
+
+
+def test_operations_lists_every_soak_flag_with_its_default() -> None:
+    text = (Path(__file__).parents[2] / "docs" / "operations.md").read_text()
+    section = text.split("\n## Soak and race harness\n", 1)[1].split("\n## ", 1)[0]
+    parser = argparse.ArgumentParser()
+    add_soak_flags(parser)
+    flags = {a.option_strings[0]: a for a in parser._actions if a.option_strings[0] != "-h"}
+    listed: dict[str, str] = {}
+    for row in section.splitlines():
+        if row.startswith("| `--"):
+            cells = [c.strip() for c in row.strip("|").split("|")]
+            names = re.findall(r"`(--[a-z-]+)", cells[0])
+            defaults = [d.strip().strip("`") for d in cells[1].split(",")]
+            if len(defaults) != len(names):
+                defaults = defaults * len(names)
+            listed.update(zip(names, defaults, strict=True))
+    assert sorted(listed) == sorted(flags)
+    for name, default in listed.items():
+        want = flags[name].default
+        if isinstance(want, (int, float)) and not isinstance(want, bool):
+            assert float(default) == want, name
