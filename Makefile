@@ -1,10 +1,11 @@
 # Two commands do all set-up: `make demo` and `make test`. Each creates .venv from this checkout.
+# `make soak` (not part of `make test`): the 30-minute soak, into docs/benchmarks/soak.{json,png}.
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck pytest clean
+.PHONY: demo test lint typecheck pytest soak clean
 
 $(STAMP): pyproject.toml client/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +27,11 @@ typecheck: $(STAMP)
 
 pytest: $(STAMP)
 	$(BIN)/pytest
+
+SOAK_ARGS ?=
+soak: $(STAMP)
+	$(BIN)/payloadd soak --duration 1800 --kill-every 600 \
+	    --json docs/benchmarks/soak.json --plot docs/benchmarks/soak.png $(SOAK_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

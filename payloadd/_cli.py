@@ -1,5 +1,5 @@
-"""The ``payloadd`` command: ``serve``, ``demo``, ``bench``, ``gc``, ``stat``, ``inspect`` and
-``health``.
+"""The ``payloadd`` command: ``serve``, ``demo``, ``bench``, ``soak``, ``gc``, ``stat``,
+``inspect`` and ``health``.
 
 ``serve``'s flags are generated from `Settings`, one per field, so a flag, an environment
 variable and a settings field never drift apart. ``health`` (run by probes every few seconds)
@@ -98,6 +98,21 @@ def _parser() -> argparse.ArgumentParser:
     from ._bench import add_bench_flags
 
     add_bench_flags(bench)
+    soak = sub.add_parser(
+        "soak",
+        help="run a daemon under load for a while; fail on wrong data or growing resources",
+        description="Start a daemon on a temporary root and run a busy node for --duration "
+        "seconds: writers (threads and processes, sync and async, data plane and HTTP) append "
+        "multi-turn samples step by step, trainer ranks released by one barrier read their CP "
+        "windows of each new micro batch and compare them bit for bit, GC collects the steps "
+        "read and collected segments must answer 410; optionally SIGKILL and restart the "
+        "daemon under load (--kill-every). Samples the daemon's RSS, threads and descriptors, "
+        "writes soak.json and soak.png, prints a verdict. Exit status 0 when every check "
+        "passed, 1 when one failed, 2 for bad flags.",
+    )
+    from ._soak import add_soak_flags
+
+    add_soak_flags(soak)
     gc = sub.add_parser(
         "gc",
         help="garbage-collect on a running daemon",
@@ -203,6 +218,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from ._bench import run_bench
 
         return run_bench(args)
+    if args.command == "soak":
+        from ._soak import run_soak
+
+        return run_soak(args)
     from ._demo import run_demo
 
     return run_demo(args)
