@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import socket
+import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
@@ -79,30 +81,38 @@ SMALL_APPEND = 1 << 20
 reservation waits on a client); a larger one streams into files of its own."""
 
 
-async def _stream(
-    reader: ExtentReader, extents: list[Extent], metrics: Metrics, release: Callable[[], None]
+async def _chunks(
+    reader: ExtentReader, extents: list[Extent], metrics: Metrics
 ) -> AsyncIterator[memoryview]:
-    """The read's bytes, a chunk at a time, each read in the thread pool; closes the reader
-    and calls ``release`` at the end. The read counts in ``metrics`` once its last chunk is
-    handed over."""
+    """The read's bytes, a chunk at a time, each read in the thread pool. The read counts in
+    ``metrics`` once its last chunk is handed over."""
     chunks = reader.chunks(READ_CHUNK)
-    try:
-        while (chunk := await run_in_threadpool(next, chunks, None)) is not None:
-            yield memoryview(chunk)
-        metrics.read(extents)
-    finally:
-        reader.close()
-        release()
+    while (chunk := await run_in_threadpool(next, chunks, None)) is not None:
+        yield memoryview(chunk)
+    metrics.read(extents)
 
 
-class _TimedStream(StreamingResponse):
-    """A streamed answer whose client must take each chunk within ``timeout`` seconds; one
-    that stops reading is cut off (its connection closed), and what the answer holds (open
-    files) is let go."""
+class _ReadStream(StreamingResponse):
+    """A large read's answer, streamed chunk by chunk from ``reader``, whose client must take
+    each chunk within ``timeout`` seconds: one that stops reading is cut off (its connection
+    closed). However it ends, even unstarted, the reader is closed and ``release`` called
+    once (its per-request descriptors)."""
 
-    def __init__(self, content: AsyncIterator[memoryview], timeout: float, **kw: Any) -> None:
-        super().__init__(content, **kw)
+    def __init__(
+        self,
+        reader: ExtentReader,
+        extents: list[Extent],
+        metrics: Metrics,
+        release: Callable[[], None],
+        timeout: float,
+    ) -> None:
+        super().__init__(
+            _chunks(reader, extents, metrics),
+            media_type="application/octet-stream",
+            headers={"Content-Length": str(reader.total)},
+        )
         self.timeout = timeout
+        self._done = weakref.finalize(self, _finish, reader, release)
 
     async def stream_response(self, send: Send) -> None:
         async def timed(message: Message) -> None:
@@ -115,6 +125,12 @@ class _TimedStream(StreamingResponse):
                         "its connection is closed", self.timeout)  # fmt: skip
         finally:
             await self.body_iterator.aclose()  # type: ignore[attr-defined]
+            self._done()
+
+
+def _finish(reader: ExtentReader, release: Callable[[], None]) -> None:
+    reader.close()
+    release()
 
 
 async def _next(chunks: AsyncIterator[bytes], timeout: float, what: str) -> bytes | None:
@@ -510,12 +526,7 @@ def create_app(
         except BaseException:
             fds.give(files)
             raise
-        return _TimedStream(
-            _stream(reader, extents, metrics, lambda: fds.give(files)),
-            timeout,
-            media_type="application/octet-stream",
-            headers={"Content-Length": str(reader.total)},
-        )
+        return _ReadStream(reader, extents, metrics, functools.partial(fds.give, files), timeout)
 
     @app.post(
         "/v1/admin/gc",

@@ -239,8 +239,8 @@ def test_an_append_out_of_descriptors_is_refused_and_leaves_no_debris(
             procfs.set_nofile(pid, old)
         node = tmp_path / "root" / "n" / "many"
         kept = {p.name for p in node.iterdir()} if node.exists() else set()
-        for step in kept:  # only steps whose append was acknowledged remain, never empty
-            assert list((node / step).iterdir())
+        for name in kept:  # only steps whose append was acknowledged remain, never empty
+            assert list((node / name).iterdir())
         (seg,) = c.append(R, rows, 0, run="many", step=99)
         np.testing.assert_array_equal(c.read_field([seg], R, 0, 1, 0), rows)
 

@@ -83,7 +83,7 @@ def test_a_hostile_writer_reaches_nobody_elses_rows(tmp_path: Path) -> None:
                 _vandalise(fd)
                 os.close(fd)
             others = sorted({s.file for _, segs in honest for s in segs})
-            reply, fds = _ask(raw, OpenRequest([[f, 1] for f in others]))  # read descriptors
+            reply, fds = _ask(raw, OpenRequest([(f, 1) for f in others]))  # read descriptors
             assert reply[0] == "opened" and len(fds) == len(others)
             for fd in fds:
                 with pytest.raises(OSError) as info:

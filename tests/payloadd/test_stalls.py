@@ -159,6 +159,9 @@ def test_a_client_that_stops_reading_an_answer_lets_go_of_its_files(
     _wait_for(lambda: held() == 2)  # the read's descriptor, and the one the cache keeps
     _wait_for(lambda: held() == 1, seconds=15)  # cut off after request_timeout_s
     s.close()
+    with PayloadClient(d.socket, data_plane=False) as c:  # its descriptors are given back
+        metrics = c._http.get("/metrics").text
+    assert "\npayloadd_request_descriptors 0.0\n" in metrics
     with PayloadClient(d.socket) as c:
         c.gc(run="slow", before_step=0)
     assert procfs.deleted_fds(pid, d.root) == []
