@@ -162,7 +162,11 @@ def check_health(socket_path: str, timeout: float = DEFAULT_TIMEOUT_S) -> dict[s
         raise HealthError(f"{socket_path} answered GET /healthz with something not JSON") from None
     if not isinstance(answer, dict) or answer.get("status") != "ok":
         status = answer.get("status") if isinstance(answer, dict) else None
-        raise HealthError(f"{socket_path} answered GET /healthz with status {status!r}, not 'ok'")
+        why = answer.get("data_plane") if isinstance(answer, dict) else None
+        detail = f" (data plane: {why})" if isinstance(why, str) and why else ""
+        raise HealthError(
+            f"{socket_path} answered GET /healthz with status {status!r}, not 'ok'{detail}"
+        )
     return answer
 
 

@@ -156,6 +156,35 @@ def test_the_http_side_closes_idle_connections_and_refuses_beyond_its_share(
             assert c.health().status == "ok"
 
 
+def test_beyond_the_data_plane_share_clients_fall_back_to_http(tmp_path: Path) -> None:
+    sock = tmp_path / "s.sock"
+    with start_daemon(tmp_path / "root", sock, "--max-data-connections", "2"):
+        held = []
+        for _ in range(2):  # the whole share, idle
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(f"{sock}.data")
+            held.append(s)
+        time.sleep(0.2)
+        rows = np.full((4, 48, 8), 2, np.uint8)
+        with PayloadClient(sock) as c:
+            before = c.stats()
+            (seg,) = c.append(R, rows, 0, run="r", step=0)  # over HTTP: a daemon-written file
+            np.testing.assert_array_equal(c.read_field([seg], R, 0, 4, 0), rows)
+            after = c.stats()
+            assert after.leases == before.leases and after.appends == before.appends + 1
+            metrics = c._http.get("/metrics").text
+            assert 'payloadd_refused_total{reason="connections",transport="data_plane"} 0' not in (
+                metrics
+            )
+        for s in held:
+            s.close()
+        time.sleep(0.2)
+        with PayloadClient(sock) as c:  # room again: on the data plane
+            before = c.stats().leases
+            c.append(R, rows, 4, run="r", step=0)
+            assert c.stats().leases == before + 1
+
+
 @pytest.fixture
 def lowered(tmp_path: Path) -> Iterator[tuple[Path, int]]:
     """A daemon (socket, pid) whose soft RLIMIT_NOFILE the test may lower while it runs."""

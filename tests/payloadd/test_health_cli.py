@@ -162,8 +162,16 @@ def hang_up(conn: socket.socket) -> None:
             http_answer(b"HTTP/1.1 200 OK", b'{"status": "starting"}'),
             "with status 'starting', not 'ok'",
         ),
+        (
+            http_answer(
+                b"HTTP/1.1 200 OK",
+                b'{"status": "degraded", "data_plane": "refusing connections: out of file '
+                b'descriptors (EMFILE) now"}',
+            ),
+            "status 'degraded', not 'ok' (data plane: refusing connections: out of file",
+        ),
     ],
-    ids=["not-http", "hangs-up", "http-404", "not-json", "not-an-object", "not-ok"],
+    ids=["not-http", "hangs-up", "http-404", "not-json", "not-an-object", "not-ok", "degraded"],
 )
 def test_socket_that_is_not_a_healthy_daemon(
     tmp_path: Path,
