@@ -25,7 +25,13 @@ from payload_client import (
     PayloadClient,
     PayloadSegment,
 )
-from payload_client._wire import APPEND_CONTENT_TYPE, FRAME_PREFIX, AppendItem, AppendRequest
+from payload_client._wire import (
+    APPEND_CONTENT_TYPE,
+    FRAME_PREFIX,
+    AppendItem,
+    AppendRequest,
+    OpenRequest,
+)
 from payloadd._process import start_daemon
 from tests.payloadd import procfs
 
@@ -293,6 +299,24 @@ def test_an_append_of_more_new_files_than_a_request_may_hold_is_refused_first(
             assert "file descriptors" in r.json()["message"]
         runs = [p.name for p in (tmp_path / "root" / "n").iterdir() if p.name[0] != "@"]
         assert runs == ["one"]  # nothing of the refused append
+
+
+def test_an_open_naming_a_file_30000_times_is_refused_in_words(tmp_path: Path) -> None:
+    sock = tmp_path / "s.sock"
+    with start_daemon(tmp_path / "root", sock, "--node", "n") as proc:
+        with PayloadClient(sock) as c:
+            (seg,) = c.append(R, np.ones((1, 2), np.uint8), 0, run="r", step=0)
+        before = len(procfs.fds(proc.pid))
+        raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        raw.connect(f"{sock}.data")
+        body = msgspec.msgpack.encode(OpenRequest([(seg.file, 2)] * 30_000))
+        raw.sendall(FRAME_PREFIX.pack(len(body)) + body)
+        msg, anc, _, _ = raw.recvmsg(1 << 16, socket.CMSG_SPACE(4))
+        assert not anc
+        error = msgspec.msgpack.decode(msg[FRAME_PREFIX.size :])
+        assert error[:2] == ["error", "PayloadTooLargeError"] and "250" in error[2]
+        raw.close()
+        assert len(procfs.fds(proc.pid)) <= before + 1
 
 
 def _http(sock: Path) -> httpx.Client:
