@@ -110,7 +110,7 @@ def _parser() -> argparse.ArgumentParser:
         "writes soak.json and soak.png, prints a verdict. Exit status 0 when every check "
         "passed, 1 when one failed, 2 for bad flags.",
     )
-    from ._soak import add_soak_flags
+    from ._soak_cli import add_soak_flags
 
     add_soak_flags(soak)
     gc = sub.add_parser(
@@ -219,7 +219,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return run_bench(args)
     if args.command == "soak":
-        from ._soak import run_soak
+        from ._soak_cli import run_soak
 
         return run_soak(args)
     from ._demo import run_demo

@@ -186,9 +186,9 @@ def test_beyond_the_data_plane_share_clients_fall_back_to_http(tmp_path: Path) -
             s.close()
         time.sleep(0.2)
         with PayloadClient(sock) as c:  # room again: on the data plane
-            before = c.stats().leases
+            leases = c.stats().leases
             c.append(R, rows, 4, run="r", step=0)
-            assert c.stats().leases == before + 1
+            assert c.stats().leases == leases + 1
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ import pytest
 
 from payload_client import PayloadClient, PayloadSegment, Window
 from payloadd._process import start_daemon
-from payloadd._soak import Kill, Soak, add_soak_flags
+from payloadd._soak import Kill, Soak
 from payloadd._soak_check import (
     MASK,
     ROUTED,
@@ -31,6 +31,7 @@ from payloadd._soak_check import (
     pack,
     tail_batch,
 )
+from payloadd._soak_cli import add_soak_flags
 from payloadd._soak_report import dump_document, growth_checks, held_deleted
 from payloadd._soak_workers import Tally, check_windows, write_sample
 
