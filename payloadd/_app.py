@@ -12,7 +12,7 @@ import functools
 import logging
 import socket
 import weakref
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
@@ -55,7 +55,7 @@ from . import __version__
 from ._appends import item_nbytes
 from ._auth import TokenGuard, load_admin_token
 from ._budget import Descriptors, InFlight
-from ._dataplane import SMALL_FRAME, DataPlaneServer
+from ._dataplane import DataPlaneServer
 from ._durability import Flusher
 from ._gc import Collector
 from ._metrics import HTTP, Metrics, StoreCollector
@@ -133,46 +133,60 @@ def _finish(reader: ExtentReader, release: Callable[[], None]) -> None:
     release()
 
 
-async def _next(chunks: AsyncIterator[bytes], timeout: float, what: str) -> bytes | None:
+async def _next(
+    chunks: AsyncIterator[bytes], timeout: float, what: str, deadline: float | None = None
+) -> bytes | None:
     """The next chunk of a request body, ``None`` at its end.
 
     Raises
     ------
     RequestTimeoutError
-        No byte of it came for ``timeout`` seconds.
+        No byte of it came for ``timeout`` seconds, or (with ``deadline``, a time of the
+        event loop's clock) it did not come whole by then.
     """
+    wait = timeout
+    if deadline is not None:
+        wait = min(timeout, deadline - asyncio.get_running_loop().time())
     try:
-        return await asyncio.wait_for(chunks.__anext__(), timeout)
+        if wait <= 0:
+            raise TimeoutError
+        return await asyncio.wait_for(chunks.__anext__(), wait)
     except StopAsyncIteration:
         return None
     except TimeoutError:
         raise RequestTimeoutError(
-            f"{what} stalled: no byte for {timeout:g} s (request_timeout_s); dropped"
+            f"{what} stalled: not received within {timeout:g} s (request_timeout_s); dropped"
         ) from None
 
 
 async def _body(request: Request, length: int, timeout: float, what: str) -> bytes:
-    """The whole body (``length`` bytes, as announced), each chunk within ``timeout``."""
+    """The whole body (``length`` bytes, as announced), within ``timeout`` seconds."""
+    deadline = asyncio.get_running_loop().time() + timeout
     chunks = request.stream().__aiter__()
     parts = bytearray()
-    while (chunk := await _next(chunks, timeout, what)) is not None:
+    while (chunk := await _next(chunks, timeout, what, deadline)) is not None:
         parts += chunk
     if len(parts) != length:
         raise InvalidRequestError(f"{what} is {len(parts)} bytes, not the {length} announced")
     return bytes(parts)
 
 
-@contextlib.contextmanager
-def _counted(inflight: InFlight, n: int) -> Iterator[None]:
-    """Count ``n`` bytes of a control body as in flight for the block (above `SMALL_FRAME`)."""
-    big = n > SMALL_FRAME
-    if big:
-        inflight.try_acquire(n)
-    try:
-        yield
-    finally:
-        if big:
-            inflight.release(n)
+class _Buffered:
+    """Bytes of a request held in memory, counted against ``max_inflight_bytes`` (`InFlight`)
+    until `release`."""
+
+    def __init__(self, inflight: InFlight) -> None:
+        self.inflight, self.nbytes = inflight, 0
+
+    def add(self, n: int) -> None:
+        """Count ``n`` more bytes, or raise `BusyError` (nothing more counted)."""
+        self.inflight.try_acquire(n)
+        self.nbytes += n
+
+    def release(self) -> None:
+        """Stop counting them (again: nothing)."""
+        self.inflight.release(self.nbytes)
+        self.nbytes = 0
 
 
 _msgpack = msgspec.msgpack.Encoder()
@@ -439,10 +453,12 @@ def create_app(
         chunks = request.stream().__aiter__()
         head = bytearray()
         need = FRAME_PREFIX.size
-        with contextlib.ExitStack() as counted:  # what is buffered counts as in flight
-            counted.enter_context(_counted(inflight, min(length, SMALL_APPEND)))
+        deadline = asyncio.get_running_loop().time() + timeout  # for what is buffered
+        buffered = _Buffered(inflight)  # counted in flight until written
+        try:
+            buffered.add(min(length, SMALL_APPEND))
             while len(head) < min(length, SMALL_APPEND) or len(head) < need:
-                chunk = await _next(chunks, timeout, "append body")
+                chunk = await _next(chunks, timeout, "append body", deadline)
                 if chunk is None:
                     if len(head) < need:
                         raise InvalidRequestError("append body ends inside its header")
@@ -457,7 +473,7 @@ def create_app(
                         )
                     need += hlen
                     if need > SMALL_APPEND:
-                        counted.enter_context(_counted(inflight, need - SMALL_APPEND))
+                        buffered.add(need - SMALL_APPEND)
             try:
                 header = _append_header.decode(memoryview(head)[FRAME_PREFIX.size : need])
             except msgspec.DecodeError as exc:
@@ -478,11 +494,14 @@ def create_app(
                 try:
                     pending.write(memoryview(head)[need:])
                     del head
+                    buffered.release()  # the rest streams to the files a chunk at a time
                     while (chunk := await _next(chunks, timeout, "append body")) is not None:
                         pending.write(chunk)
                     segments = pending.commit()
                 finally:
                     pending.close()
+        finally:
+            buffered.release()
         metrics.appended(items, HTTP)
         return _answer(request, AppendResponse(segments))
 
@@ -500,7 +519,9 @@ def create_app(
         store: Store = request.state.store
         fds: Descriptors = request.state.fds
         length = _content_length(request, settings.max_control_bytes)
-        with _counted(inflight, length):
+        buffered = _Buffered(inflight)
+        try:
+            buffered.add(length)
             body = await _body(request, length, timeout, "read request")
             try:
                 if _media_type(request) == "application/json":
@@ -510,6 +531,8 @@ def create_app(
             except msgspec.DecodeError as exc:
                 raise InvalidRequestError(f"bad read request: {exc}") from None
             del body
+        finally:
+            buffered.release()
         extents = req.extents
         files = len({e.file for e in extents})
         big = len(extents) > THREAD_PARTS or sum(e.nbytes for e in extents) > THREAD_BYTES
@@ -542,8 +565,12 @@ def create_app(
         body = b""
         if "content-length" in request.headers or "transfer-encoding" in request.headers:
             length = _content_length(request, settings.max_control_bytes)
-            with _counted(inflight, length):
+            buffered = _Buffered(inflight)
+            try:
+                buffered.add(length)
                 body = await _body(request, length, timeout, "gc request")
+            finally:
+                buffered.release()
         try:
             if not body:
                 req = GcRequest()

@@ -19,7 +19,6 @@ import numpy as np
 
 from payload_client import (
     SUPPORTED_DTYPES,
-    BusyError,
     InvalidRequestError,
     PayloadError,
     PayloadSegment,
@@ -28,6 +27,8 @@ from payload_client import (
 )
 from payload_client._segment import INT64_MAX, check_name
 from payload_client._wire import AppendItem
+
+from ._budget import out_of_descriptors
 
 if TYPE_CHECKING:
     from ._store import Store
@@ -75,10 +76,9 @@ def os_errors(root: Path) -> Iterator[None]:
     except OSError as exc:
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
             raise StorageFullError(f"payload root {root} is full: {exc.strerror}") from exc
-        if exc.errno in (errno.EMFILE, errno.ENFILE):
-            raise BusyError(
-                f"daemon out of file descriptors for now ({exc.strerror}); try again"
-            ) from exc
+        busy = out_of_descriptors(exc)
+        if busy is not None:
+            raise busy from exc
         raise ServerError(f"I/O error under the payload root {root}: {exc}") from exc
 
 

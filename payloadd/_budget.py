@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import logging
 import os
 import resource
@@ -45,6 +46,7 @@ __all__ = [
     "Descriptors",
     "InFlight",
     "open_descriptors",
+    "out_of_descriptors",
     "raise_nofile_limit",
     "return_large_buffers",
 ]
@@ -115,6 +117,14 @@ def return_large_buffers(threshold: int = MMAP_THRESHOLD) -> bool:
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     return bool(mallopt(-3, threshold))  # M_MMAP_THRESHOLD
+
+
+def out_of_descriptors(exc: OSError) -> BusyError | None:
+    """The `BusyError` for ``exc`` when it says the process has no descriptor left
+    (``EMFILE``, ``ENFILE``), else ``None``: the one message for it, wherever it meets one."""
+    if exc.errno not in (errno.EMFILE, errno.ENFILE):
+        return None
+    return BusyError(f"daemon out of file descriptors for now ({exc.strerror}); try again")
 
 
 def open_descriptors() -> int:

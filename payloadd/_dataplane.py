@@ -32,13 +32,18 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
+import itertools
 import logging
 import os
+import secrets
+import select
 import selectors
 import socket
 import struct
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
@@ -74,7 +79,7 @@ from payload_client._wire import (
 )
 
 from ._appends import Lease, PendingAppend
-from ._budget import Descriptors, InFlight
+from ._budget import Descriptors, InFlight, out_of_descriptors
 from ._metrics import DATA_PLANE, Metrics
 from ._sockets import bind_unix_socket
 from ._store import Store
@@ -108,7 +113,6 @@ class _Conn:
         # txn -> (append, deadline, per-request descriptors it holds)
         self.pending: dict[int, tuple[PendingAppend, float, int]] = {}
         self.leases: dict[tuple[str, int, str], Lease] = {}
-        self.txns = 0
 
 
 class DataPlaneServer:
@@ -167,6 +171,9 @@ class DataPlaneServer:
         self.request_timeout = request_timeout
         self.reservation_timeout = reservation_timeout
         self.refused = {"connections": 0, "descriptors": 0}
+        # reservation ids, unique across connections (a client shared by threads may send a
+        # commit on a new connection) and, from a random start, across restarts
+        self._txns = itertools.count(secrets.randbits(62))
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._listener: socket.socket | None = None
@@ -248,7 +255,8 @@ class DataPlaneServer:
                     continue
                 except OSError as exc:
                     spare = self._ran_out(exc, spare)
-                    if self._woken in [k.fileobj for k, _ in selector.select(RETRY_ACCEPT_S)]:
+                    woken, _, _ = select.select([self._woken], [], [], RETRY_ACCEPT_S)
+                    if woken:  # stop; else accept again (the queue waits meanwhile)
                         break
                     continue
                 if self._exhausted_since is not None:
@@ -282,8 +290,8 @@ class DataPlaneServer:
             assert self._listener is not None
             shed, _ = self._listener.accept()
             with shed:
-                message = f"daemon out of file descriptors for now ({exc.strerror}); try again"
-                frame = _encoder.encode(ErrorReply("BusyError", message))
+                busy = out_of_descriptors(exc) or BusyError(f"daemon busy ({exc}); try again")
+                frame = _encoder.encode(ErrorReply("BusyError", str(busy)))
                 shed.setblocking(False)
                 shed.send(FRAME_PREFIX.pack(len(frame)) + frame)  # the answer to its request
                 with contextlib.suppress(OSError):
@@ -345,28 +353,42 @@ class DataPlaneServer:
         except OSError:
             return
         finally:
-            for txn in list(c.pending):
-                self._end_reservation(c, txn).close()
-            for lease in c.leases.values():
-                lease.release()
-            self.store.end_owner(c.owner)
-            with self._lock:
-                self._conns.discard(sock)
-            sock.close()
+            self._teardown(c)
+
+    def _teardown(self, c: _Conn) -> None:
+        """End everything ``c`` held; one failing step (an I/O error removing a file) is
+        logged and the rest still ends."""
+        ends: list[Callable[[], object]] = [
+            *(functools.partial(self._give_back, c, txn) for txn in list(c.pending)),
+            *(lease.release for lease in c.leases.values()),
+            functools.partial(self.store.end_owner, c.owner),
+        ]
+        for end in ends:
+            try:
+                end()
+            except Exception:
+                log.exception("data plane: ending what a closed connection held")
+        with self._lock:
+            self._conns.discard(c.sock)
+        c.sock.close()
 
     def _next_frame(self, c: _Conn) -> bytearray | None:
         """The next request frame's body; ``None`` when the client is gone, or after a frame
         above the limit or beyond the memory in flight (the client is told why, and
-        dropped). Expired reservations are given back while the connection idles.
+        dropped). Expired reservations are given back while the connection idles, and
+        before each frame.
 
         Raises
         ------
         _StalledError
-            A frame stopped arriving mid-way.
+            A frame did not arrive whole within ``request_timeout`` of its first byte.
         """
-        head = self._recv(c, FRAME_PREFIX.size, idle=True)
-        if head is None:
+        got = self._recv(c, FRAME_PREFIX.size, None)
+        if got is None:
             return None
+        head, deadline = got
+        if c.pending:
+            self._expire(c)
         (n,) = FRAME_PREFIX.unpack(head)
         if n > self.max_frame:
             message = f"data plane frame of {n} bytes is above the limit of {self.max_frame}"
@@ -374,27 +396,30 @@ class DataPlaneServer:
             return None
         if n > SMALL_FRAME:
             try:
-                self.inflight.acquire(n, self.request_timeout)
+                self.inflight.acquire(n, max(0.0, deadline - time.monotonic()))
             except BusyError as exc:
                 if self.metrics is not None:
                     self.metrics.refused_one(DATA_PLANE, "inflight")
                 self._send(c, ErrorReply("BusyError", str(exc)))
                 return None
         try:
-            body = self._recv(c, n, idle=False)
+            got = self._recv(c, n, deadline)
         except BaseException:
             if n > SMALL_FRAME:
                 self.inflight.release(n)
             raise
-        if body is None and n > SMALL_FRAME:
-            self.inflight.release(n)
-        return body
+        if got is None:
+            if n > SMALL_FRAME:
+                self.inflight.release(n)
+            return None
+        return got[0]
 
-    def _recv(self, c: _Conn, n: int, idle: bool) -> bytearray | None:
-        """``n`` bytes from the connection, or ``None`` if it ended first. Waiting for the
-        first byte of a frame (``idle``) has no time limit, but wakes up every
-        ``request_timeout`` to give back expired reservations; once a frame has started,
-        each wait is bounded by it."""
+    def _recv(self, c: _Conn, n: int, deadline: float | None) -> tuple[bytearray, float] | None:
+        """``n`` bytes from the connection and the frame's deadline, or ``None`` if it ended
+        first. Without a ``deadline`` (the first bytes of a frame) the wait has no limit,
+        but wakes up every ``request_timeout`` to give back expired reservations; the first
+        byte sets the deadline, ``request_timeout`` later, by which the whole frame must
+        have come."""
         buf = bytearray(n)
         view = memoryview(buf)
         got = 0
@@ -402,14 +427,19 @@ class DataPlaneServer:
             try:
                 k = c.sock.recv_into(view[got:])
             except BlockingIOError:  # SO_RCVTIMEO elapsed
-                if idle and not got:
+                if deadline is None:
                     self._expire(c)
                     continue
                 raise _StalledError from None
             if not k:
                 return None
             got += k
-        return buf
+            if deadline is None:
+                deadline = time.monotonic() + self.request_timeout
+            elif got < n and time.monotonic() > deadline:
+                raise _StalledError
+        assert deadline is not None
+        return buf, deadline
 
     def _end_reservation(self, c: _Conn, txn: int) -> PendingAppend:
         """Take reservation ``txn`` off the connection, giving back its descriptors.
@@ -423,10 +453,14 @@ class DataPlaneServer:
         self.fds.give(held)
         return p
 
+    def _give_back(self, c: _Conn, txn: int) -> None:
+        """Give reservation ``txn`` of ``c`` back, uncommitted (its files go)."""
+        self._end_reservation(c, txn).close()
+
     def _expire(self, c: _Conn) -> None:
         now = time.monotonic()
         for txn in [t for t, (_, deadline, _) in c.pending.items() if deadline <= now]:
-            self._end_reservation(c, txn).close()
+            self._give_back(c, txn)
             log.warning("data plane: reservation %d not committed within %.0f s; given back",
                         txn, self.reservation_timeout)  # fmt: skip
 
@@ -469,8 +503,22 @@ class DataPlaneServer:
 
     def _writer(self, rel: str) -> int:
         """A write-only descriptor of its own for a client: not a dup of the store's, so
-        nothing a client does to its file status flags (O_APPEND...) reaches the store."""
-        return os.open(self.store.root / rel, os.O_WRONLY | os.O_CLOEXEC)
+        nothing a client does to its file status flags (O_APPEND...) reaches the store.
+
+        Raises
+        ------
+        FileNotFoundError
+            The file was removed (garbage collection).
+        BusyError
+            No descriptor is left (``EMFILE``).
+        """
+        try:
+            return os.open(self.store.root / rel, os.O_WRONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            busy = out_of_descriptors(exc)
+            if busy is not None:
+                raise busy from exc
+            raise
 
     def _lease(self, c: _Conn, key: tuple[str, int, str], nbytes: int) -> tuple[Lease, int]:
         """A lease of ``key`` in a file of this connection's, and the client's descriptor.
@@ -531,7 +579,9 @@ class DataPlaneServer:
                     old.release()
                 c.leases[key] = lease
                 while len(c.leases) > LEASES:  # as many as a client keeps: the oldest is done
-                    c.leases.pop(next(iter(c.leases))).release()
+                    done = next(iter(c.leases))
+                    c.leases.pop(done).release()
+                    self.store.seal_lease(c.owner, done)  # its unused tail stops counting
                 if m is not None:
                     m.leased(req.field, lease.nbytes)
                     m.handed_out("write", [lease.file])
@@ -564,27 +614,34 @@ class DataPlaneServer:
                 p = self.store.begin_append(req.items, private=True)
                 try:
                     files = p.files
-                    fds = [self._writer(rel) for rel in files]
+                    if len(files) > MAX_FDS:
+                        raise PayloadTooLargeError(
+                            f"reservation spans {len(files)} files, above the {MAX_FDS} one "
+                            "reply can pass; split it"
+                        )
+                    for rel in files:  # one by one: the except closes what was opened
+                        fds.append(self._writer(rel))
                 except BaseException:
                     p.close()
                     raise
-                c.txns += 1
+                txn = next(self._txns)
                 deadline = time.monotonic() + self.reservation_timeout
-                c.pending[c.txns] = (p, deadline, need)  # the store's are given back with it
+                c.pending[txn] = (p, deadline, need)  # the store's are given back with it
                 taken = need  # the client's: given back once sent
                 index = {rel: i for i, rel in enumerate(files)}
                 extents = [ReservedExtent(index[rel], off, n) for rel, off, n in p.extents]
                 if m is not None:
                     m.handed_out("write", files)
-                return kind, ReserveReply(c.txns, files, extents), fds, taken
+                return kind, ReserveReply(txn, files, extents), fds, taken
             if isinstance(req, CommitRequest | AbortRequest):
                 kind = "abort" if isinstance(req, AbortRequest) else "commit"
                 try:
                     p = self._end_reservation(c, req.txn)
                 except KeyError:
                     raise InvalidRequestError(
-                        f"no open reservation {req.txn}: never made, committed already, or "
-                        f"given back after {self.reservation_timeout:.0f} s uncommitted"
+                        f"no open reservation {req.txn} on this connection: never made, "
+                        "committed already, made on a connection that ended, or given back "
+                        f"after {self.reservation_timeout:.0f} s uncommitted"
                     ) from None
                 if isinstance(req, AbortRequest):
                     p.close()

@@ -7,8 +7,9 @@ the daemon runs out. `limited_protocol` gives a protocol class that
 - answers a connection beyond the daemon's share with a 503 (`BusyError`) at once, without
   reading its request, and closes it a moment later;
 - closes a connection that sends no complete request head within ``request_timeout``
-  seconds of being opened, or of the first byte of a later head (between requests, an idle
-  connection is closed by uvicorn's keep-alive timer, ``keep_alive_s``).
+  seconds of being opened, or of the first byte of a later request (between requests, an
+  idle connection is closed by uvicorn's keep-alive timer, ``keep_alive_s``; the rest of a
+  body after an early answer is not a head).
 
 The rest is uvicorn's (keep-alive, pipelining, flow control). A request body that stalls is
 the routes' business (they answer 408, `payloadd._app`).
@@ -68,19 +69,37 @@ def limited_protocol(
 
     class LimitedHttpToolsProtocol(HttpToolsProtocol):
         _head_deadline: asyncio.TimerHandle | None = None
+        lingering = 0  # refused connections waiting to close, of this server
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
             if len(self.connections) > max_connections:
-                self.connections.discard(self)  # not served: it does not count
-                transport.pause_reading()
-                transport.write(busy)  # its client reads this answer to its request
-                transport.write_eof()
-                self.loop.call_later(REFUSED_CLOSE_S, transport.close)
-                if on_refused is not None:
-                    on_refused("connections")
+                self._refuse(transport)
                 return
-            self._expect_head()
+            self._expect_head()  # a connection that sends nothing is closed too
+
+        def _refuse(self, transport: asyncio.Transport) -> None:
+            """Answer 503 without reading the request. The connection is closed a moment
+            later, so that its client reads the answer rather than a reset; at once when
+            as many refused connections linger as are served (a storm must not take every
+            descriptor)."""
+            cls = type(self)
+            self.connections.discard(self)  # not served: it does not count
+            transport.pause_reading()
+            transport.write(busy)
+            if on_refused is not None:
+                on_refused("connections")
+            if cls.lingering >= max_connections:
+                transport.close()
+                return
+            transport.write_eof()
+            cls.lingering += 1
+
+            def close() -> None:
+                cls.lingering -= 1
+                transport.close()
+
+            self.loop.call_later(REFUSED_CLOSE_S, close)
 
         def _expect_head(self) -> None:
             """Close the connection unless a request head is complete within the timeout."""
@@ -94,17 +113,15 @@ def limited_protocol(
 
         def _head_timed_out(self) -> None:
             self._head_deadline = None
-            busy_cycle = self.cycle is not None and not self.cycle.response_complete
-            if not busy_cycle and not self.transport.is_closing():
+            if not self.transport.is_closing():
                 if on_refused is not None:
                     on_refused("stalled")
                 self.transport.close()
 
-        def data_received(self, data: bytes) -> None:
-            super().data_received(data)
-            between = self.cycle is None or self.cycle.response_complete
-            if between and self._head_deadline is None and not self.transport.is_closing():
-                self._expect_head()  # part of a head came: the rest within the timeout
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            if self._head_deadline is None:  # a later request's head: within the timeout
+                self._expect_head()
 
         def on_headers_complete(self) -> None:
             self._cancel_head()

@@ -31,7 +31,7 @@ from payload_client._segment import check_relative_path
 from payload_client._wire import Extent
 
 from ._appends import os_errors
-from ._budget import READ_CACHE
+from ._budget import READ_CACHE, out_of_descriptors
 from ._ledger import LEDGER_NAME, Ledger
 
 __all__ = ["ExtentReader", "Readers"]
@@ -126,7 +126,7 @@ class Readers:
             hit = self._readers.get(rel)
             if hit is not None:
                 self._readers.move_to_end(rel)
-                fd = os.dup(hit[0])
+                fd = _dup(hit[0])
         if hit is not None:
             try:
                 st = os.stat(self.root / rel)
@@ -144,8 +144,11 @@ class Readers:
             os.close(fd)
             self.drop(rel)
         fd = self._open_checked(rel, end)
-        st = os.fstat(fd)
-        kept = os.dup(fd)
+        try:
+            st = os.fstat(fd)
+            kept = os.dup(fd)
+        except OSError:  # no descriptor for the cache (EMFILE): this read goes on uncached
+            return fd
         closing: list[int] = []
         with self._lock:
             old = self._readers.get(rel)
@@ -221,6 +224,9 @@ class Readers:
             self._raise_if_collected(rel)
             raise FileMissingError(f"payload file {rel!r} does not exist") from None
         except OSError as exc:
+            busy = out_of_descriptors(exc)
+            if busy is not None:
+                raise busy from None
             raise SegmentFileError(f"payload file {rel!r} cannot be opened: {exc}") from None
         try:
             st = os.fstat(fd)
@@ -417,6 +423,17 @@ class ExtentReader:
     def close(self) -> None:
         """Close the read's descriptors (again: nothing)."""
         self._closer()
+
+
+def _dup(fd: int) -> int:
+    """``os.dup``, out of descriptors a `BusyError`."""
+    try:
+        return os.dup(fd)
+    except OSError as exc:
+        busy = out_of_descriptors(exc)
+        if busy is not None:
+            raise busy from None
+        raise
 
 
 def _close_all(fds: list[int]) -> None:

@@ -358,16 +358,31 @@ class Store(StoreRemovals):
             rows, pos = rows - take, pos + take
 
     def files_needed(self, items: Sequence[AppendItem]) -> int:
-        """At most how many data files an append of ``items`` holds open at once: one per
-        (run, step, field), more for rows beyond the rotation size (for the descriptor
-        budget, `payloadd._budget`)."""
-        keys = {(it.run, it.step, it.field) for it in items}
-        extra = 0
+        """At most how many data files an append of ``items`` holds open at once (for the
+        descriptor budget, `payloadd._budget`): the files `_place` would fill for each
+        (run, step, field), from an empty one, plus one (a current file partly full).
+
+        Raises
+        ------
+        InvalidRequestError
+            An item is invalid (`item_nbytes`).
+        """
+        state: dict[tuple[str, int, str], list[int]] = {}  # key -> [files, bytes in the last]
+        cap = self.max_file_bytes
         for i, it in enumerate(items):
-            nbytes = item_nbytes(it, i)[1]
-            if nbytes > self.max_file_bytes:
-                extra += nbytes // self.max_file_bytes + 1
-        return len(keys) + extra
+            row_nb = item_nbytes(it, i)[0]
+            f = state.setdefault((it.run, it.step, it.field), [1, 0])
+            rows = it.rows
+            while True:  # as `_place` does
+                if f[1] + rows * row_nb <= cap or rows == 0 or (f[1] == 0 and rows == 1):
+                    f[1] += rows * row_nb
+                    break
+                if f[1] > 0:
+                    f[0], f[1] = f[0] + 1, 0
+                    continue
+                take = max(1, cap // row_nb)
+                f[1], rows = take * row_nb, rows - take
+        return sum(files + 1 for files, _ in state.values())
 
     def begin_append(self, items: Sequence[AppendItem], private: bool = False) -> PendingAppend:
         """Validate ``items`` and reserve room for their rows.
@@ -537,6 +552,14 @@ class Store(StoreRemovals):
             self._counts["leases"] += 1
             self._counts["leased_bytes"] += granted
         return Lease(self, f, offset, granted)
+
+    def seal_lease(self, owner: int, key: tuple[str, int, str]) -> None:
+        """``owner``'s connection is done with ``key`` (its oldest lease ended): seal its
+        lease file of that key, which closes once no lease uses it."""
+        with self._lock:
+            f = self._leased.pop((*key, owner), None)
+            if f is not None:
+                self._seal(f)
 
     def end_owner(self, owner: int) -> None:
         """``owner``'s connection ended: seal its lease files (each closes once its last

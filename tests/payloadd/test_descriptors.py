@@ -375,3 +375,72 @@ def test_the_limits_are_logged_and_raised_at_start(tmp_path: Path) -> None:
         assert limit == hard and f"raised from 128 to {hard}" in text
     assert "file descriptors: limit" in text and "per request" in text
     del soft
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_out_of_descriptors_the_accept_loop_waits_instead_of_spinning(
+    lowered: tuple[Path, int],
+) -> None:
+    sock, pid = lowered
+    old = procfs.set_nofile(pid, 3)  # nothing can be opened, not even the spare
+    queued = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        queued.connect(f"{sock}.data")  # waits in the queue
+        time.sleep(0.3)
+        before = _cpu_seconds(pid)
+        time.sleep(2)
+        assert _cpu_seconds(pid) - before < 0.5  # retries every 0.1 s, no busy loop
+    finally:
+        procfs.set_nofile(pid, old)
+        queued.close()
+    with PayloadClient(sock) as c:
+        _wait_for(lambda: c.health().data_plane == "serving")
+
+
+def test_a_read_that_gets_no_descriptor_for_the_cache_leaks_none(
+    lowered: tuple[Path, int], tmp_path: Path
+) -> None:
+    sock, pid = lowered
+    rows = np.full((2, 3), 7, np.uint8)
+    with PayloadClient(sock, data_plane=False) as c:
+        (a,) = c.append("f", rows, 0, run="r", step=0)
+        (b,) = c.append("g", rows, 0, run="r", step=1)
+        c.read_field([b], "g", 0, 2, 0)  # the connection is open
+        taken = {int(name) for name in os.listdir(f"/proc/{pid}/fd")}
+        free = min(set(range(max(taken) + 2)) - taken)
+        old = procfs.set_nofile(pid, free + 1)  # room to open the file, not to cache it
+        try:
+            np.testing.assert_array_equal(c.read_field([a], "f", 0, 2, 0), rows)
+        except BusyError:
+            pass  # refused in words is fine too
+        finally:
+            procfs.set_nofile(pid, old)
+        c.gc(run="r", before_step=1)
+    time.sleep(0.2)
+    assert procfs.deleted_fds(pid, tmp_path / "root") == []
+
+
+def test_connections_refused_over_http_linger_in_bounds(tmp_path: Path) -> None:
+    sock = tmp_path / "s.sock"
+    with start_daemon(tmp_path / "root", sock, "--max-connections", "2") as proc:
+        base = len(procfs.fds(proc.pid))
+        served = []
+        for _ in range(2):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(str(sock))
+            served.append(s)
+        refused = []
+        for _ in range(100):  # a storm of clients beyond the share
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(str(sock))
+            refused.append(s)
+        time.sleep(0.3)
+        assert len(procfs.fds(proc.pid)) <= base + 2 + 2 + 1  # served, lingering, slack
+        refused[0].settimeout(5)
+        assert refused[0].recv(64).startswith(b"HTTP/1.1 503")
+        for s in refused + served:
+            s.close()

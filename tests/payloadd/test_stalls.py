@@ -6,6 +6,7 @@ part of a request and stop, or stop reading an answer.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import threading
@@ -250,3 +251,73 @@ def test_data_plane_frames_are_bounded_in_size_and_in_memory(tmp_path: Path) -> 
         assert (peak - base) * 1024 < cap + (24 << 20), (base, peak)  # not 20 x 7 MiB
         with PayloadClient(sock) as c:
             assert c.health().status == "ok"
+
+
+def _dp_ask(s: socket.socket, request: object) -> list[object]:
+    """Send one data-plane request on ``s``; its reply (descriptors closed)."""
+    body = msgspec.msgpack.encode(request)
+    s.sendall(FRAME_PREFIX.pack(len(body)) + body)
+    msg, anc, _, _ = s.recvmsg(1 << 16, socket.CMSG_SPACE(16 * 4))
+    for _level, _kind, data in anc:
+        for fd in np.frombuffer(data[: len(data) - len(data) % 4], np.int32):
+            os.close(int(fd))
+    reply: list[object] = msgspec.msgpack.decode(msg[FRAME_PREFIX.size :])
+    return reply
+
+
+def test_a_reservation_is_committed_only_on_its_own_connection(
+    strict: tuple[Daemon, int],
+) -> None:
+    d, _ = strict
+    a, b = _raw(f"{d.socket}.data"), _raw(f"{d.socket}.data")
+    item = AppendItem(R, "uint8", [48, 8], 2, 0, "own", 0)
+    ra, rb = _dp_ask(a, ReserveRequest([item])), _dp_ask(b, ReserveRequest([item]))
+    assert ra[0] == rb[0] == "reserved" and ra[1] != rb[1]  # ids unique across connections
+    wrong = _dp_ask(b, ["commit", ra[1]])  # a commit sent on another connection
+    assert wrong[0] == "error" and "no open reservation" in str(wrong[2])
+    assert _dp_ask(b, ["commit", rb[1]])[0] == "committed"
+    assert _dp_ask(a, ["commit", ra[1]])[0] == "committed"
+    a.close()
+    b.close()
+
+
+def test_a_busy_connection_s_reservation_expires_too(strict: tuple[Daemon, int]) -> None:
+    d, _ = strict
+    dp = _raw(f"{d.socket}.data")
+    reply = _dp_ask(dp, ReserveRequest([AppendItem(R, "uint8", [48, 8], 2, 0, "busy", 0)]))
+    for _ in range(8):  # 4 s of other requests, past the 2 s reservation timeout
+        assert _dp_ask(dp, ["fields"])[0] == "fieldtable"
+        time.sleep(0.5)
+    late = _dp_ask(dp, ["commit", reply[1]])
+    assert late[0] == "error" and "no open reservation" in str(late[2])
+    dp.close()
+    assert _files(d, "busy") == []
+
+
+def test_a_frame_trickled_past_the_timeout_is_cut_off(strict: tuple[Daemon, int]) -> None:
+    d, _ = strict
+    s = _raw(f"{d.socket}.data")
+    frame = FRAME_PREFIX.pack(8) + b"\x91\x00" + bytes(6)
+    start = time.monotonic()
+    with contextlib.suppress(OSError):  # each byte within the timeout, the frame not
+        for byte in frame:
+            s.sendall(bytes([byte]))
+            time.sleep(0.4)
+    assert s.recv(1) == b""
+    assert time.monotonic() - start < 4
+    s.close()
+
+
+def test_a_large_append_holds_no_memory_in_flight_while_it_streams(
+    strict: tuple[Daemon, int],
+) -> None:
+    d, _ = strict
+    head, _ = _append_head([AppendItem(R, "uint8", [48, 8], 40_000, 0, "flow", 0)])  # 15 MiB
+    s = _raw(d.socket)
+    s.sendall(head + bytes(4 << 20))  # its first MiB is buffered, the rest streams
+    with PayloadClient(d.socket, data_plane=False) as c:
+        _wait_for(lambda: len(_files(d, "flow")) == 1)
+        time.sleep(0.2)
+        metrics = c._http.get("/metrics").text
+    assert "\npayloadd_inflight_bytes 0.0\n" in metrics
+    s.close()

@@ -343,3 +343,22 @@ def test_symlinked_directories_out_of_the_root_are_refused_even_after_a_cached_r
     os.symlink(outside, step)  # the step directory now leads out of the root
     with pytest.raises(SegmentFileError, match="outside the payload root"):
         store.read_extents([Extent(s.file, 0, 4, 384)])
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [[600] * 40, [1] * 100, [3000, 1, 3000], [0, 5000, 0], [1024, 1024, 1], [4096] * 3],
+)
+@pytest.mark.parametrize("private", [False, True])
+def test_files_needed_bounds_the_files_an_append_holds(
+    tmp_path: Path, sizes: list[int], private: bool
+) -> None:
+    store = Store(tmp_path, "n", max_file_bytes=1024)
+    store.append([AppendItem("f", "uint8", [1], 700, 0, "r", 0)], bytes(700))  # a current file
+    for key in ("f", "g"):
+        items = [AppendItem(key, "uint8", [1], n, 0, "r", 0) for n in sizes]
+        pending = store.begin_append(items, private=private)
+        try:
+            assert len(pending.files) <= store.files_needed(items)
+        finally:
+            pending.close()
