@@ -12,7 +12,15 @@ A file is listed only when the collection removes it (a file that never existed 
 even in a collected step). The file is ``<root>/<node>/@gc-ledger.jsonl``: ``@`` is outside
 the run-name alphabet, so no run directory can ever have its name. A torn last line (a crash
 while writing it) is skipped when the ledger is loaded. Each collected file costs one path
-(about 60 bytes) on disk and in memory.
+(about 60 bytes) on disk.
+
+In memory the daemon keeps no path: it indexes where each line lies, by the (run, step)
+its files are in, and reads the lines of a step back from the file when a read of a missing
+file of that step asks (then a line is decoded; a read of an existing file never looks). It
+reads the file incrementally: only what was appended since it last looked (another node's
+daemon appends to its own ledger on a shared root). So the daemon's memory grows by about
+100 bytes a collected step and 16 a collection, not by the paths of every file it ever
+removed, and a collection costs the same after a million as after the first.
 
 Beside it, ``@gc-reserve`` holds `RESERVE_BYTES` of spare space: when the file system is
 full (another program filled it), a collection removes it to write its line, so GC still
@@ -27,6 +35,7 @@ import logging
 import os
 import threading
 import time
+from array import array
 from pathlib import Path
 
 import msgspec
@@ -84,38 +93,74 @@ class Ledger:
         self.path = path
         self.reserve = path.with_name(RESERVE_NAME)
         self._lock = threading.Lock()
-        self._gone: dict[str, Collected] = {}  # file -> its collection
-        self._entries: list[Collected] = []  # every collection, in file order
-        self._stamp: tuple[int, int] | None = None  # (size, mtime_ns) last loaded
+        self._reset(None)
+
+    def _reset(self, ident: tuple[int, int] | None) -> None:
+        """Forget the index (the file is new, was replaced, or is gone)."""
+        self._ident = ident  # (st_dev, st_ino) of the file indexed
+        self._loaded = 0  # bytes of it indexed: whole lines only
+        self._steps: dict[tuple[str, str], list[int]] = {}  # (run, step) -> its lines
+        self._starts = array("q")  # byte offset of each line (collection), in file order
+        self._ends = array("q")
 
     def _load(self) -> None:
-        """Reload when the file changed (another node's daemon may append to its own).
+        """Index what was appended since the last look (another node's daemon may append
+        to its own ledger); start over when the file was replaced or cut.
 
         The file is opened, not only looked at: on NFS an open revalidates the file's
         attributes and cached pages with the server (close-to-open consistency), where a
         ``stat`` may answer from the client's attribute cache. A node prefix that does not
-        exist, or is not a directory, has no ledger.
+        exist, or is not a directory, has no ledger. A last line without its newline (torn,
+        or being written) is read again next time: the next line written ends it.
         """
         try:
             fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
         except (FileNotFoundError, NotADirectoryError):
-            self._gone, self._entries, self._stamp = {}, [], None
+            self._reset(None)
             return
         with open(fd, "rb") as f:
             st = os.fstat(fd)
-            stamp = (st.st_size, st.st_mtime_ns)
-            if stamp == self._stamp:
+            ident = (st.st_dev, st.st_ino)
+            if ident != self._ident or st.st_size < self._loaded:
+                self._reset(ident)
+            if st.st_size == self._loaded:
                 return
-            gone: dict[str, Collected] = {}
-            entries: list[Collected] = []
+            f.seek(self._loaded)
+            at = self._loaded
             for line in f:
-                try:
-                    c = _decoder.decode(line)
-                except msgspec.DecodeError:
-                    continue  # a torn last line
-                gone.update(dict.fromkeys(c.files, c))
-                entries.append(c)
-        self._gone, self._entries, self._stamp = gone, entries, stamp
+                if not line.endswith(b"\n"):
+                    break
+                self._index(line, at)
+                at += len(line)
+            self._loaded = at
+
+    def _index(self, line: bytes, at: int) -> None:
+        try:
+            c = _decoder.decode(line)
+        except msgspec.DecodeError:
+            return  # a torn line
+        n = len(self._starts)
+        self._starts.append(at)
+        self._ends.append(at + len(line))
+        for key in {tuple(f.split("/")[1:3]) for f in c.files}:
+            if len(key) == 2:
+                self._steps.setdefault((key[0], key[1]), []).append(n)
+
+    def _read(self, lines: list[int]) -> list[Collected]:
+        """Decode lines ``lines`` (their numbers) from the file; lock held."""
+        out: list[Collected] = []
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return out
+        try:
+            for n in lines:
+                raw = os.pread(fd, self._ends[n] - self._starts[n], self._starts[n])
+                with contextlib.suppress(msgspec.DecodeError):
+                    out.append(_decoder.decode(raw))
+        finally:
+            os.close(fd)
+        return out
 
     def record(
         self, run: str, reason: str, files: list[str], nbytes: int | None = None
@@ -206,10 +251,18 @@ class Ledger:
         """The last ``n`` collections, oldest first, and the number of collections in all."""
         with self._lock:
             self._load()
-            return (self._entries[-n:] if n > 0 else []), len(self._entries)
+            total = len(self._starts)
+            return self._read(list(range(max(0, total - n), total))), total
 
     def find(self, rel: str) -> Collected | None:
         """The collection that removed file ``rel``, or ``None``."""
+        key = tuple(rel.split("/")[1:3])
         with self._lock:
             self._load()
-            return self._gone.get(rel)
+            lines = self._steps.get((key[0], key[1])) if len(key) == 2 else None
+            if not lines:
+                return None
+            for c in reversed(self._read(lines)):  # the latest collection of it
+                if rel in c.files:
+                    return c
+        return None

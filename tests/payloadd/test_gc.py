@@ -370,3 +370,44 @@ def test_another_nodes_prefix_only_when_told_and_never_against_the_cap(tmp_path:
         collect.delete_run("r", node="..")
     with pytest.raises(FileGoneError):
         read(a, mine)
+
+
+def test_the_ledger_keeps_no_path_in_memory_and_reads_only_what_was_appended(
+    tmp_path: Path,
+) -> None:
+    import tracemalloc
+
+    import msgspec
+
+    from payloadd._ledger import Collected, Ledger
+
+    path = tmp_path / "n" / LEDGER_NAME
+    path.parent.mkdir()
+    steps, per_step = 1000, 50  # 50,000 collected files
+    with open(path, "wb") as f:
+        for step in range(steps):
+            files = [
+                f"n/r/{step}/f-00000000-{step * per_step + k:06d}.bin" for k in range(per_step)
+            ]
+            f.write(msgspec.json.encode(Collected("r", "watermark", 1.0, files, 1)) + b"\n")
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        ledger = Ledger(path)
+        hit = ledger.find("n/r/500/f-00000000-025007.bin")
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert hit is not None and hit.run == "r"
+    assert held < 1 << 20, held  # not 50,000 paths (several MB): an index of lines by step
+    assert ledger.find("n/r/500/f-00000000-999999.bin") is None  # in a collected step, never listed
+    assert ledger.find("n/r/5000/f-00000000-000001.bin") is None  # a step never collected
+    with open(path, "ab") as f:  # a torn line, then another daemon's next collection
+        f.write(b'{"run": "r", "reas')
+    assert ledger.find("n/r/7000/f-00000000-000001.bin") is None
+    ledger.record("r", "watermark", ["n/r/7000/f-00000000-000001.bin"], 1)
+    assert ledger.find("n/r/7000/f-00000000-000001.bin") is not None
+    entries, total = ledger.recent(2)
+    assert total == steps + 1 and [e.files[0].split("/")[2] for e in entries] == ["999", "7000"]
+    path.write_bytes(b"")  # replaced: the index starts over
+    assert ledger.find("n/r/500/f-00000000-025007.bin") is None
