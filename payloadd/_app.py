@@ -76,9 +76,11 @@ THREAD_PARTS = 64
 """So do reads of more extents and appends of more items than this."""
 READ_CHUNK = 1 << 20
 """Bytes of a large read the daemon reads (in the thread pool) and sends at a time."""
-SMALL_APPEND = 1 << 20
-"""An append body up to this size is received whole before anything is reserved (so no
-reservation waits on a client); a larger one streams into files of its own."""
+SMALL_APPEND = 4 << 20
+"""Rows of an append up to this size (4 MiB) go to the shared files, written as they arrive;
+larger ones to files of the append's own, so that a reservation a client may keep waiting
+long is never inside a shared file (given up, its files go; a small one given up leaves at
+most this many unreferenced bytes, which count until its step is collected)."""
 
 
 async def _chunks(
@@ -116,7 +118,8 @@ class _ReadStream(StreamingResponse):
 
     async def stream_response(self, send: Send) -> None:
         async def timed(message: Message) -> None:
-            await asyncio.wait_for(send(message), self.timeout)
+            async with asyncio.timeout(self.timeout):  # no task a chunk, as wait_for makes
+                await send(message)
 
         try:
             await super().stream_response(timed)
@@ -144,13 +147,12 @@ async def _next(
         No byte of it came for ``timeout`` seconds, or (with ``deadline``, a time of the
         event loop's clock) it did not come whole by then.
     """
-    wait = timeout
+    at = asyncio.get_running_loop().time() + timeout
     if deadline is not None:
-        wait = min(timeout, deadline - asyncio.get_running_loop().time())
+        at = min(at, deadline)
     try:
-        if wait <= 0:
-            raise TimeoutError
-        return await asyncio.wait_for(chunks.__anext__(), wait)
+        async with asyncio.timeout_at(at):  # no task a chunk, as wait_for makes
+            return await chunks.__anext__()
     except StopAsyncIteration:
         return None
     except TimeoutError:
@@ -453,12 +455,11 @@ def create_app(
         chunks = request.stream().__aiter__()
         head = bytearray()
         need = FRAME_PREFIX.size
-        deadline = asyncio.get_running_loop().time() + timeout  # for what is buffered
-        buffered = _Buffered(inflight)  # counted in flight until written
+        deadline = asyncio.get_running_loop().time() + timeout  # for the header
+        buffered = _Buffered(inflight)  # the header, counted in flight until decoded
         try:
-            buffered.add(min(length, SMALL_APPEND))
-            while len(head) < min(length, SMALL_APPEND) or len(head) < need:
-                chunk = await _next(chunks, timeout, "append body", deadline)
+            while len(head) < need:
+                chunk = await _next(chunks, timeout, "append header", deadline)
                 if chunk is None:
                     if len(head) < need:
                         raise InvalidRequestError("append body ends inside its header")
@@ -472,8 +473,7 @@ def create_app(
                             f"{settings.max_control_bytes}"
                         )
                     need += hlen
-                    if need > SMALL_APPEND:
-                        buffered.add(need - SMALL_APPEND)
+                    buffered.add(need)
             try:
                 header = _append_header.decode(memoryview(head)[FRAME_PREFIX.size : need])
             except msgspec.DecodeError as exc:
@@ -484,17 +484,17 @@ def create_app(
                 raise InvalidRequestError(
                     f"body is {length} bytes but its header announces {announced}"
                 )
-            whole = len(head) == length  # received whole: no reservation waits on the client
+            buffered.release()
+            private = length - need > SMALL_APPEND  # its reservation may wait long on the client
             files = store.files_needed(items)
             with request.state.fds.held(files, f"an append of {len(items)} items"):
                 if len(items) > THREAD_PARTS:
-                    pending = await run_in_threadpool(store.begin_append, items, not whole)
+                    pending = await run_in_threadpool(store.begin_append, items, private)
                 else:
-                    pending = store.begin_append(items, private=not whole)
+                    pending = store.begin_append(items, private=private)
                 try:
                     pending.write(memoryview(head)[need:])
                     del head
-                    buffered.release()  # the rest streams to the files a chunk at a time
                     while (chunk := await _next(chunks, timeout, "append body")) is not None:
                         pending.write(chunk)
                     segments = pending.commit()
