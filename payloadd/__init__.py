@@ -15,18 +15,18 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
-    from ._app import create_app
-    from ._appends import PendingAppend
-    from ._settings import Settings
-    from ._store import Store
+    from payloadd.server._app import create_app
+    from payloadd.settings._settings import Settings
+    from payloadd.store._appends import PendingAppend
+    from payloadd.store._store import Store
 
 __all__ = ["PendingAppend", "Settings", "Store", "__version__", "create_app"]
 
 _LAZY = {
-    "create_app": "._app",
-    "PendingAppend": "._appends",
-    "Settings": "._settings",
-    "Store": "._store",
+    "create_app": "payloadd.server._app",
+    "PendingAppend": "payloadd.store._appends",
+    "Settings": "payloadd.settings._settings",
+    "Store": "payloadd.store._store",
 }
 
 

@@ -1,5 +1,5 @@
 """``python -m payloadd``: the command line."""
 
-from ._cli import main
+from payloadd.cli._main import main
 
 raise SystemExit(main())

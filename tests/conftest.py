@@ -11,7 +11,7 @@ import pytest
 import pytest_asyncio
 
 from payload_client import AsyncPayloadClient, PayloadClient
-from payloadd._process import start_daemon
+from payloadd.bench._daemon_process import start_daemon
 
 
 def free_port() -> int:

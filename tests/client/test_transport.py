@@ -41,7 +41,7 @@ from payload_client import (
 from payload_client._descriptors import NOTE_EVERY
 from payload_client._transport import translate
 from payload_client._wire import CommitRequest, NoteRequest
-from payloadd._process import start_daemon
+from payloadd.bench._daemon_process import start_daemon
 from tests.conftest import Daemon
 
 R = "routed_experts"

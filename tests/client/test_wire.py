@@ -66,8 +66,8 @@ from payload_client._wire import (
     StepUsage,
     Usage,
 )
-from payloadd import _app as daemon_app
-from payloadd import _dataplane as daemon_dataplane
+from payloadd.server import _app as daemon_app
+from payloadd.server import _dataplane_server as daemon_dataplane
 from tests.conftest import Daemon
 
 EXTRA = "extra_wire_field"

@@ -23,11 +23,11 @@ import yaml
 from dockerfile_parse import DockerfileParser
 
 from payloadd import __version__
-from payloadd._auth import load_admin_token
-from payloadd._cli import _parser
-from payloadd._health_cli import add_health_flags
-from payloadd._settings import Settings
-from payloadd._sockets import StartError
+from payloadd.cli._health import add_health_flags
+from payloadd.cli._main import _parser
+from payloadd.server._auth import load_admin_token
+from payloadd.server._sockets import StartError
+from payloadd.settings._settings import Settings
 
 REPO = Path(__file__).resolve().parents[2]
 KUBERNETES = REPO / "deploy" / "kubernetes"

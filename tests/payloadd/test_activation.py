@@ -24,8 +24,8 @@ import pytest
 
 from payload_client import PayloadClient, PayloadError, PayloadSegment
 from payload_client._wire import FRAME_PREFIX, DataReply, FieldsReply, FieldsRequest
-from payloadd._activation import passed_sockets
-from payloadd._sockets import StartError
+from payloadd.server._activation import passed_sockets
+from payloadd.server._sockets import StartError
 
 LISTEN_EXEC = Path(__file__).with_name("listen_exec.py")
 PAYLOADD = [sys.executable, "-m", "payloadd"]
@@ -244,7 +244,7 @@ def test_listen_variables_are_always_unset_and_only_this_pid_takes_them() -> Non
 def test_listen_variables_of_another_process_leave_the_daemon_binding_its_own(
     tmp_path: Path,
 ) -> None:
-    from payloadd._process import start_daemon
+    from payloadd.bench._daemon_process import start_daemon
 
     env = {**os.environ, "LISTEN_PID": "1", "LISTEN_FDS": "2", "LISTEN_FDNAMES": "http:data"}
     sock = tmp_path / "s.sock"

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from payload_client import AsyncPayloadClient, PayloadClient, UnauthorizedError
-from payloadd._process import start_daemon
-from payloadd._settings import Settings
+from payloadd.bench._daemon_process import start_daemon
+from payloadd.settings._settings import Settings
 from tests.conftest import free_port
 
 PAYLOADD = [sys.executable, "-m", "payloadd"]

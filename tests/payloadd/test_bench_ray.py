@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from payloadd._bench_ray import PAYLOADD, RAY, bench_ray, ray_available
-from payloadd._rl import RLBatch
+from payloadd.bench._ray import PAYLOADD, RAY, bench_ray, ray_available
+from payloadd.bench._rl_batch import RLBatch
 from tests.conftest import Daemon
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from payload_client import PayloadClient, Window
-from payloadd._bench_rl import (
+from payloadd.bench._rl import (
     HandleMicroBatch,
     InlineMicroBatch,
     _handle_sample,
@@ -19,7 +19,7 @@ from payloadd._bench_rl import (
     _pack_inline,
     write_batch,
 )
-from payloadd._rl import MASK, MASK_FILL, ROUTED, ROUTED_FILL, RLBatch
+from payloadd.bench._rl_batch import MASK, MASK_FILL, ROUTED, ROUTED_FILL, RLBatch
 from tests.conftest import Daemon
 
 

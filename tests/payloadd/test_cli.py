@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from payload_client import PayloadClient
-from payloadd._process import start_daemon
-from payloadd._settings import Settings
+from payloadd.bench._daemon_process import start_daemon
+from payloadd.settings._settings import Settings
 
 PAYLOADD = [sys.executable, "-m", "payloadd"]
 
@@ -32,7 +32,7 @@ def test_demo_small_run_checks_parity_for_every_cp_degree() -> None:
 
 
 def test_demo_parity_check_can_fail() -> None:
-    from payloadd._demo import MASK_FILL, ROUTED_FILL, _same
+    from payloadd.bench._demo import MASK_FILL, ROUTED_FILL, _same
 
     a = np.zeros((4, 2, 3), np.int32)
     b = a.copy()

@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 
 from payload_client import PayloadClient
-from payloadd import _config
-from payloadd._config import NOT_IN_FILE, ConfigFileError
-from payloadd._process import start_daemon
-from payloadd._settings import Settings
+from payloadd.bench._daemon_process import start_daemon
+from payloadd.settings import _config_file as _config
+from payloadd.settings._config_file import NOT_IN_FILE, ConfigFileError
+from payloadd.settings._settings import Settings
 
 PAYLOADD = [sys.executable, "-m", "payloadd"]
 REPO = Path(__file__).resolve().parents[2]

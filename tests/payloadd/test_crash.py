@@ -35,7 +35,7 @@ from payload_client import (
     Window,
     row_nbytes,
 )
-from payloadd._process import start_daemon
+from payloadd.bench._daemon_process import start_daemon
 from tests.payloadd.crash_writer import MAX_FILE_BYTES, Ack, Stop, plan, record_decoder
 
 WRITERS = 4

@@ -24,7 +24,7 @@ from payload_client import (
     _descriptors,
 )
 from payload_client._wire import FRAME_PREFIX, AppendItem, ReserveRequest
-from payloadd._process import start_daemon
+from payloadd.bench._daemon_process import start_daemon
 from tests.conftest import Daemon
 
 R = "routed_experts"
@@ -338,9 +338,9 @@ def test_a_lease_whose_file_gc_removes_at_once_is_placed_again(
     from payload_client._drivers import SyncDataPlane
     from payload_client._wire import Extent, GcReport, GcRequest
     from payloadd import Store
-    from payloadd._appends import Lease
-    from payloadd._dataplane import DataPlaneServer
-    from payloadd._gc import Collector
+    from payloadd.server._dataplane_server import DataPlaneServer
+    from payloadd.store._appends import Lease
+    from payloadd.store._gc import Collector
 
     store = Store(tmp_path / "root", "n")
     collector = Collector(store)

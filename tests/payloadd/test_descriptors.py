@@ -32,7 +32,7 @@ from payload_client._wire import (
     AppendRequest,
     OpenRequest,
 )
-from payloadd._process import start_daemon
+from payloadd.bench._daemon_process import start_daemon
 from tests.payloadd import procfs
 
 R = "routed_experts"

@@ -19,7 +19,7 @@ from payload_client import (
 )
 from payload_client._wire import AppendItem
 from payloadd import Store
-from payloadd._process import start_daemon
+from payloadd.bench._daemon_process import start_daemon
 
 
 @pytest.fixture

@@ -11,8 +11,8 @@ import pytest
 from payload_client import PayloadClient, PayloadSegment, StorageFullError
 from payload_client._wire import AppendItem, GcRequest
 from payloadd import Store
-from payloadd._gc import Collector
-from payloadd._process import start_daemon
+from payloadd.bench._daemon_process import start_daemon
+from payloadd.store._gc import Collector
 
 R = "routed_experts"
 KiB = 1 << 10

@@ -15,8 +15,8 @@ import pytest
 from payload_client import PayloadClient
 from payload_client._wire import AppendItem, Stats
 from payloadd import Store
-from payloadd._durability import Flusher
-from payloadd._process import start_daemon
+from payloadd.bench._daemon_process import start_daemon
+from payloadd.store._durability import Flusher
 
 R = "routed_experts"
 

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from payload_client import AsyncPayloadClient, FieldsTable, InvalidRequestError, PayloadClient
-from payloadd._process import start_daemon
-from payloadd._settings import Settings
+from payloadd.bench._daemon_process import start_daemon
+from payloadd.settings._settings import Settings
 
 from ..conftest import TRANSPORTS
 

@@ -28,7 +28,7 @@ from schemathesis.specs.openapi.checks import (
 )
 
 from payload_client._wire import APPEND_CONTENT_TYPE, FRAME_PREFIX, MSGPACK_CONTENT_TYPE
-from payloadd._process import start_daemon
+from payloadd.bench._daemon_process import start_daemon
 
 CHECKS = [
     not_a_server_error,

@@ -20,8 +20,8 @@ from payload_client import (
 )
 from payload_client._wire import AppendItem, Extent, GcRequest
 from payloadd import Store
-from payloadd._gc import Collector
-from payloadd._ledger import LEDGER_NAME
+from payloadd.store._gc import Collector
+from payloadd.store._ledger import LEDGER_NAME
 
 
 def item(rows: int, run: str = "r", step: int = 0, field: str = "f") -> AppendItem:
@@ -379,7 +379,7 @@ def test_the_ledger_keeps_no_path_in_memory_and_reads_only_what_was_appended(
 
     import msgspec
 
-    from payloadd._ledger import Collected, Ledger
+    from payloadd.store._ledger import Collected, Ledger
 
     path = tmp_path / "n" / LEDGER_NAME
     path.parent.mkdir()

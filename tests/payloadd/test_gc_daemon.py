@@ -26,7 +26,7 @@ from payload_client import (
     PayloadSegment,
     _descriptors,
 )
-from payloadd._process import start_daemon
+from payloadd.bench._daemon_process import start_daemon
 from tests.conftest import Daemon
 
 PAYLOADD = [sys.executable, "-m", "payloadd"]

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 
 from payload_client import DEFAULT_SOCKET
-from payloadd._cli import main
-from payloadd._health_cli import DEFAULT_SOCKET as HEALTH_DEFAULT_SOCKET
-from payloadd._process import start_daemon
-from payloadd._settings import Settings
+from payloadd.bench._daemon_process import start_daemon
+from payloadd.cli._health import DEFAULT_SOCKET as HEALTH_DEFAULT_SOCKET
+from payloadd.cli._main import main
+from payloadd.settings._settings import Settings
 from tests.conftest import Daemon
 
 PAYLOADD = [sys.executable, "-m", "payloadd"]
@@ -242,7 +242,7 @@ def test_health_imports_none_of_the_heavy_modules(tmp_path: Path) -> None:
     # probes run it every few seconds with a timeout of seconds: keep its start small
     code = (
         "import sys\n"
-        "from payloadd._cli import main\n"
+        "from payloadd.cli._main import main\n"
         f"assert main(['health', '--socket', {str(tmp_path / 'no.sock')!r}]) == 1\n"
         "print(json.dumps(sorted({m.split('.')[0] for m in sys.modules})))\n"
     )

@@ -19,7 +19,7 @@ import pytest
 
 from payload_client import PayloadClient, PayloadSegment
 from payload_client._wire import FRAME_PREFIX, AppendItem, OpenRequest, ReserveRequest
-from payloadd._process import start_daemon
+from payloadd.bench._daemon_process import start_daemon
 
 R = "routed_experts"
 FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 0x01, 0x02

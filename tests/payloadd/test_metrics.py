@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from payload_client import FileMissingError, PayloadClient, PayloadSegment
 from payload_client._wire import DATA_SOCKET_SUFFIX, FRAME_PREFIX, NoteRequest
-from payloadd._process import start_daemon
+from payloadd.bench._daemon_process import start_daemon
 from tests.conftest import free_port
 
 TOKEN = "m3trics-" + "0123abcd" * 4

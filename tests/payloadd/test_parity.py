@@ -1,7 +1,7 @@
 """By-handle reads through a real daemon equal the inline path bit for bit (seed 000, DESIGN §4).
 
 24 random samples carry router-replay ids and ragged sampling masks inline, and the same rows
-by handle. An orchestrator emulated here (independently of ``payloadd._demo``) truncates them
+by handle. An orchestrator emulated here (independently of ``payloadd.bench._demo``) truncates them
 at ``SEQ_LEN``, packs them into micro batches, pads each to the CP degree and deals the micro
 batches to ``DP`` ranks. Every (DP rank, CP rank, micro batch) window read by handle must equal
 the shard of the dense inline tensors: ``routing[lo:hi]`` and ``shift_left(mask)[lo:hi]``.

@@ -32,8 +32,8 @@ from payload_client import (
     PayloadClient,
     PayloadSegment,
 )
-from payloadd._process import start_daemon
-from payloadd._settings import Settings
+from payloadd.bench._daemon_process import start_daemon
+from payloadd.settings._settings import Settings
 
 PAYLOADD = [sys.executable, "-m", "payloadd"]
 

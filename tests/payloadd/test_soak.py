@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 
 from payload_client import PayloadClient, PayloadSegment, Window
-from payloadd._process import start_daemon
-from payloadd._soak import Kill, Soak
-from payloadd._soak_check import (
+from payloadd.bench._daemon_process import start_daemon
+from payloadd.cli._soak import add_soak_flags
+from payloadd.soak._check import (
     MASK,
     ROUTED,
     MicroBatch,
@@ -31,9 +31,9 @@ from payloadd._soak_check import (
     pack,
     tail_batch,
 )
-from payloadd._soak_cli import add_soak_flags
-from payloadd._soak_report import dump_document, growth_checks, held_deleted
-from payloadd._soak_workers import Tally, check_windows, write_sample
+from payloadd.soak._report import dump_document, growth_checks, held_deleted
+from payloadd.soak._run import Kill, Soak
+from payloadd.soak._workers import Tally, check_windows, write_sample
 
 PAYLOADD = [sys.executable, "-m", "payloadd"]
 SHAPE = SoakShape(seed=3, max_tokens=300, max_turns=4, seq_len=256, cp=3)

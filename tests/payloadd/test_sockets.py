@@ -24,8 +24,8 @@ from payload_client._wire import (
     AppendRequest,
     AppendResponse,
 )
-from payloadd._process import start_daemon
-from payloadd._sockets import SocketLock, resolve_group
+from payloadd.bench._daemon_process import start_daemon
+from payloadd.server._sockets import SocketLock, resolve_group
 
 PAYLOADD = [sys.executable, "-m", "payloadd"]
 

@@ -27,7 +27,7 @@ from payload_client._wire import (
     LeaseRequest,
     ReserveRequest,
 )
-from payloadd._process import start_daemon
+from payloadd.bench._daemon_process import start_daemon
 from tests.conftest import Daemon
 from tests.payloadd import procfs
 

@@ -24,9 +24,9 @@ from payload_client import (
     PayloadSegment,
     UnauthorizedError,
 )
-from payloadd._cli import main
-from payloadd._process import start_daemon
-from payloadd._stat_cli import rates
+from payloadd.bench._daemon_process import start_daemon
+from payloadd.cli._main import main
+from payloadd.cli._stat import rates
 from tests.conftest import Daemon
 
 PAYLOADD = [sys.executable, "-m", "payloadd"]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from payloadd._settings import Settings
+from payloadd.settings._settings import Settings
 
 UNITS = Path(__file__).resolve().parents[2] / "deploy" / "systemd"
 INSTALLED = "/usr/local/bin/payloadd"

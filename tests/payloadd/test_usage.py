@@ -12,9 +12,9 @@ import pytest
 
 from payload_client._wire import AppendItem, GcRequest
 from payloadd import Store
-from payloadd._gc import Collector
-from payloadd._ledger import LEDGER_NAME
-from payloadd._usage import node_usage, step_usage
+from payloadd.store._gc import Collector
+from payloadd.store._ledger import LEDGER_NAME
+from payloadd.store._usage import node_usage, step_usage
 
 
 def append(store: Store, run: str, step: int, n: int, field: str = "f", width: int = 4) -> None:

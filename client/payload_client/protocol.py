@@ -1,0 +1,122 @@
+"""The wire protocol of payloadd, public: what a daemon (or another implementation of one)
+needs to speak to these clients.
+
+The daemon imports its wire types, error table, limits and name rules from here and from
+`payload_client` only, never from the private ``_*`` modules, so that the client package can
+rearrange its insides without breaking the daemon. Wire types are msgspec Structs; they evolve
+by appending fields with defaults.
+
+- **HTTP control plane** (Unix socket, optional TCP): `AppendRequest` / `AppendItem` /
+  `AppendResponse` (msgpack, or `APPEND_CONTENT_TYPE` framed with `FRAME_PREFIX`),
+  `ReadRequest`, `Stats`, `Health`, `GcRequest` / `GcReport`, `Usage`, `FieldsTable`,
+  errors as `ErrorBody` with the status of `STATUS_BY_ERROR` (`status_of`).
+- **Data plane** (``<socket>`` + `DATA_SOCKET_SUFFIX`): frames of `FRAME_PREFIX` + msgpack,
+  requests `DataRequest`, replies `DataReply` (errors as `ErrorReply`), up to `MAX_FDS`
+  descriptors a reply, `LEASES` leases a client keeps.
+- **Rules both sides check**: `check_name` (run, step, field names), `check_relative_path`
+  (segment paths), `check_field` / `check_item` against `DEFAULT_FIELDS` or a table,
+  `INT64_MAX`, reads in pages of `PAGE` bytes (`page_matched`).
+"""
+
+from __future__ import annotations
+
+from ._base import DEFAULT_SOCKET
+from ._dataplane import MAX_FDS
+from ._descriptors import LEASES
+from ._errors import STATUS_BY_ERROR, UnauthorizedError, status_of
+from ._fields import DEFAULT_FIELDS, check_field, check_item
+from ._read import PAGE, page_matched
+from ._segment import INT64_MAX, check_name, check_relative_path
+from ._wire import (
+    APPEND_CONTENT_TYPE,
+    DATA_SOCKET_SUFFIX,
+    FRAME_PREFIX,
+    MSGPACK_CONTENT_TYPE,
+    AbortRequest,
+    AppendItem,
+    AppendRequest,
+    AppendResponse,
+    CommitReply,
+    CommitRequest,
+    DataReply,
+    DataRequest,
+    ErrorBody,
+    ErrorReply,
+    Extent,
+    FieldSpec,
+    FieldsReply,
+    FieldsRequest,
+    FieldsTable,
+    GcCount,
+    GcEntry,
+    GcReport,
+    GcRequest,
+    Health,
+    LeaseReply,
+    LeaseRequest,
+    NoteRequest,
+    OpenReply,
+    OpenRequest,
+    ReadRequest,
+    ReservedExtent,
+    ReserveReply,
+    ReserveRequest,
+    RunUsage,
+    Stats,
+    StepUsage,
+    Usage,
+)
+
+__all__ = [
+    "APPEND_CONTENT_TYPE",
+    "DATA_SOCKET_SUFFIX",
+    "DEFAULT_FIELDS",
+    "DEFAULT_SOCKET",
+    "FRAME_PREFIX",
+    "INT64_MAX",
+    "LEASES",
+    "MAX_FDS",
+    "MSGPACK_CONTENT_TYPE",
+    "PAGE",
+    "STATUS_BY_ERROR",
+    "AbortRequest",
+    "AppendItem",
+    "AppendRequest",
+    "AppendResponse",
+    "CommitReply",
+    "CommitRequest",
+    "DataReply",
+    "DataRequest",
+    "ErrorBody",
+    "ErrorReply",
+    "Extent",
+    "FieldSpec",
+    "FieldsReply",
+    "FieldsRequest",
+    "FieldsTable",
+    "GcCount",
+    "GcEntry",
+    "GcReport",
+    "GcRequest",
+    "Health",
+    "LeaseReply",
+    "LeaseRequest",
+    "NoteRequest",
+    "OpenReply",
+    "OpenRequest",
+    "ReadRequest",
+    "ReserveReply",
+    "ReserveRequest",
+    "ReservedExtent",
+    "RunUsage",
+    "Stats",
+    "StepUsage",
+    "UnauthorizedError",
+    "Usage",
+    "check_field",
+    "check_item",
+    "check_name",
+    "check_relative_path",
+    "page_matched",
+    "status_of",
+]

@@ -1,0 +1,75 @@
+"""``payloadd gc``: garbage-collect on a running daemon, from a shell or a cron job."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import msgspec
+
+from payload_client import InvalidRequestError, PayloadError
+from payloadd.cli._common import add_connection_flags, open_client
+
+__all__ = ["add_gc_flags", "run_gc"]
+
+
+def add_gc_flags(parser: argparse.ArgumentParser) -> None:
+    """Add the flags of ``payloadd gc`` to ``parser``."""
+    add_connection_flags(parser)
+    parser.add_argument("--run", help="with --before-step: the run whose steps go")
+    parser.add_argument(
+        "--before-step", type=int, metavar="STEP", help="remove the run's steps <= STEP"
+    )
+    parser.add_argument(
+        "--ttl-s",
+        type=float,
+        metavar="SECONDS",
+        help="also remove steps older than this, of runs idle as long [default: the daemon's]",
+    )
+    parser.add_argument(
+        "--delete-run", metavar="RUN", help="remove every step of RUN (instead of the rules)"
+    )
+    parser.add_argument(
+        "--node",
+        help="collect this node's prefix of a shared payload root instead of the daemon's own "
+        "(e.g. a node that is gone): with --run and --before-step, --ttl-s or --delete-run; "
+        "the daemon does not see that node's appends in flight [default: the daemon's node]",
+    )
+    parser.add_argument("--dry-run", action="store_true", help="report only, remove nothing")
+
+
+def run_gc(args: argparse.Namespace) -> int:
+    """Run ``payloadd gc``: print the report as JSON; exit status 1 on an error, 2 on flags
+    that do not go together, an invalid value or a token file that cannot be read."""
+    if (args.run is None) != (args.before_step is None):
+        print("payloadd gc: --run and --before-step go together", file=sys.stderr)
+        return 2
+    if args.delete_run is not None and (args.run is not None or args.ttl_s is not None):
+        print("payloadd gc: --delete-run goes alone (not with --run, --ttl-s)", file=sys.stderr)
+        return 2
+    if args.node is not None and args.run is None and args.ttl_s is None and not args.delete_run:
+        print(
+            "payloadd gc: --node needs --run and --before-step, --ttl-s, or --delete-run",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        with open_client(args, data_plane=True) as c:
+            if args.delete_run is not None:
+                report = c.delete_run(args.delete_run, dry_run=args.dry_run, node=args.node)
+            else:
+                report = c.gc(
+                    args.run,
+                    args.before_step,
+                    ttl_s=args.ttl_s,
+                    dry_run=args.dry_run,
+                    node=args.node,
+                )
+    except InvalidRequestError as exc:  # a bad name or number, or an unreadable token file
+        print(f"payloadd gc: {exc}", file=sys.stderr)
+        return 2
+    except (PayloadError, OSError) as exc:
+        print(f"payloadd gc: {exc}", file=sys.stderr)
+        return 1
+    print(msgspec.json.format(msgspec.json.encode(report)).decode())
+    return 0

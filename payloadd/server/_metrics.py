@@ -1,0 +1,425 @@
+"""Prometheus metrics of one daemon (``GET /metrics``), in a registry of its own.
+
+`Metrics` holds the counters and histograms that the request paths move (HTTP routes, the
+data plane, garbage collection); `StoreCollector` computes the gauges at scrape time from the
+store (disk usage and free space, open files, durability counters). Names start with
+``payloadd_`` and use base units (bytes, seconds). Labels have bounded values only: a field
+is labelled by its name when it is in the fields table and as `OTHER` otherwise (field names
+come from clients); routes by their template; errors by class name. docs/metrics.md lists
+every metric.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+    ProcessCollector,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from payload_client import STATUS_BY_ERROR
+from payload_client.protocol import AppendItem, Extent, GcReport, NoteRequest
+
+if TYPE_CHECKING:
+    from payloadd.store._budget import Descriptors, InFlight
+    from payloadd.store._store import Store
+
+__all__ = [
+    "DATA_PLANE",
+    "HTTP",
+    "LATENCY_BUCKETS",
+    "OTHER",
+    "REFUSALS",
+    "Metrics",
+    "StoreCollector",
+    "field_of_file",
+]
+
+HTTP = "http"
+DATA_PLANE = "data_plane"
+OTHER = "@other"
+"""Label of every field that is not in the fields table (no field name can contain ``@``)."""
+LATENCY_BUCKETS = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+    2.5, 5.0, 10.0, 30.0,
+)  # fmt: skip
+"""Upper bounds (seconds) of the latency histograms: a one-row append takes about 0.1 ms to
+1 ms, a large read seconds."""
+REFUSALS = tuple(
+    (transport, reason)
+    for transport in (HTTP, DATA_PLANE)
+    for reason in ("connections", "descriptors", "inflight", "stalled")
+)
+"""The ``(transport, reason)`` label pairs of ``payloadd_refused_total``."""
+ERRORS = frozenset({c.__name__ for c in STATUS_BY_ERROR} | {"HTTPError", "ServerError"})
+"""Error classes counted by name; any other is counted as ``PayloadError``."""
+
+_itemsize = {name: np.dtype(name).itemsize for name in ("uint8", "int8", "uint16", "int16",
+             "int32", "float16", "float32")}  # fmt: skip
+
+
+def _row_nbytes(item: AppendItem) -> int:
+    n = _itemsize.get(item.dtype) or np.dtype(item.dtype).itemsize
+    for d in item.shape:
+        n *= d
+    return n
+
+
+def field_of_file(rel: str) -> str:
+    """The field a data file holds, from its name ``<field>-<instance>-<seq>.bin``."""
+    return rel.rpartition("/")[2].rsplit("-", 2)[0]
+
+
+class Metrics:
+    """The counters and histograms of one daemon, in `registry` (never the global one).
+
+    Parameters
+    ----------
+    fields : iterable of str
+        The fields table's names: the values the ``field`` label takes besides `OTHER`.
+    node, version : str
+        For ``payloadd_build_info``.
+
+    Attributes
+    ----------
+    registry : prometheus_client.CollectorRegistry
+        What ``GET /metrics`` exposes (`render`); also ``process_*`` metrics of this process.
+    """
+
+    def __init__(self, fields: Iterable[str], node: str, version: str) -> None:
+        self.registry = r = CollectorRegistry()
+        self._fields = frozenset(fields)
+        fh = ["field", "transport"]
+        self.appends = Counter(
+            "payloadd_appends", "Appends acknowledged (calls; one may carry many items).",
+            ["transport"], registry=r,
+        )  # fmt: skip
+        self.appended_rows = Counter("payloadd_appended_rows", "Rows appended.", fh, registry=r)
+        self.appended_bytes = Counter(
+            "payloadd_appended_bytes", "Row bytes appended.", fh, registry=r
+        )
+        self.read_bytes = Counter(
+            "payloadd_read_bytes", "Bytes read (answers of HTTP reads).", fh, registry=r
+        )
+        self.read_extents = Counter(
+            "payloadd_read_extents", "Byte ranges read (HTTP reads).", fh, registry=r
+        )
+        self.http_seconds = Histogram(
+            "payloadd_http_request_duration_seconds",
+            "HTTP requests: seconds from the request's start to its answer's last byte.",
+            ["route", "status_class"], buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.errors = Counter(
+            "payloadd_errors", "Requests answered with an error, by error class.",
+            ["error", "transport"], registry=r,
+        )  # fmt: skip
+        self.dp_requests = Histogram(
+            "payloadd_dataplane_request_duration_seconds",
+            "Data-plane requests: seconds the daemon spent on each (its reply included).",
+            ["kind"], buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.dp_fds = Counter(
+            "payloadd_dataplane_fds", "File descriptors handed out on the data plane.",
+            ["mode", "field"], registry=r,
+        )  # fmt: skip
+        self.leases = Counter("payloadd_dataplane_leases", "Leases granted.", ["field"], registry=r)
+        self.leased_bytes = Counter(
+            "payloadd_dataplane_leased_bytes", "Bytes of the leases granted.", ["field"],
+            registry=r,
+        )  # fmt: skip
+        self.gc_runs = Counter(
+            "payloadd_gc_runs", "Garbage collections run (dry runs aside).", ["trigger"],
+            registry=r,
+        )  # fmt: skip
+        self.gc_failures = Counter(
+            "payloadd_gc_failures", "Garbage collections that failed.", ["trigger"], registry=r
+        )
+        self.gc_last = Gauge(
+            "payloadd_gc_last_run_timestamp_seconds",
+            "Unix time at which the last garbage collection ended.", ["trigger"], registry=r,
+        )  # fmt: skip
+        self.gc_files = Counter(
+            "payloadd_gc_removed_files", "Data files removed by GC.", ["rule"], registry=r
+        )
+        self.gc_bytes = Counter(
+            "payloadd_gc_removed_bytes", "Bytes (file sizes) removed by GC.", ["rule"], registry=r
+        )
+        self.gc_dirs = Counter(
+            "payloadd_gc_removed_dirs", "Step and run directories removed by GC.", registry=r
+        )
+        self.refused = Counter(
+            "payloadd_refused",
+            "Connections and requests refused at a limit of the daemon (not of the disk): "
+            "reason connections (beyond the share of descriptors), descriptors (EMFILE at "
+            "accept, or a request short of per-request descriptors), inflight "
+            "(max_inflight_bytes), stalled (a body or frame timed out, request_timeout_s).",
+            ["transport", "reason"], registry=r,
+        )  # fmt: skip
+        for transport, reason in REFUSALS:
+            self.refused.labels(transport, reason)
+        Info("payloadd_build", "Version and node of this daemon.", registry=r).info(
+            {"version": version, "node": node}
+        )
+        ProcessCollector(registry=r)
+        self._append_children: dict[tuple[str, str], tuple[Counter, Counter]] = {}
+        self._read_children: dict[str, tuple[Counter, Counter]] = {}
+        self._http_children: dict[tuple[str, int], Histogram] = {}
+        self._dp_children: dict[str, Histogram] = {}
+        self._appends = {t: self.appends.labels(t) for t in (HTTP, DATA_PLANE)}
+        for transport in (HTTP, DATA_PLANE):  # known series start at 0, so rates work at once
+            for label in (*sorted(self._fields), OTHER):
+                self._appended(label, transport)
+        for label in (*sorted(self._fields), OTHER):
+            self._reads(label)
+        for trigger in ("sweep", "call"):
+            self.gc_runs.labels(trigger)
+            self.gc_failures.labels(trigger)
+
+    def field(self, name: str) -> str:
+        """The ``field`` label of field ``name``: itself if in the fields table, else `OTHER`."""
+        return name if name in self._fields else OTHER
+
+    # -- appends and reads -------------------------------------------------------------------
+
+    def _appended(self, label: str, transport: str) -> tuple[Counter, Counter]:
+        key = (label, transport)
+        c = self._append_children.get(key)
+        if c is None:
+            c = (self.appended_rows.labels(*key), self.appended_bytes.labels(*key))
+            self._append_children[key] = c
+        return c
+
+    def appended(self, items: Sequence[AppendItem], transport: str) -> None:
+        """Count one acknowledged append of ``items`` (an HTTP append or a committed
+        data-plane reservation)."""
+        self._appends[transport].inc()
+        for it in items:
+            rows, nbytes = self._appended(self.field(it.field), transport)
+            rows.inc(it.rows)
+            nbytes.inc(it.rows * _row_nbytes(it))
+
+    def noted(self, note: NoteRequest) -> None:
+        """Count the lease appends a data-plane client reports in ``note``; rows and bytes
+        it does not attribute to a field (an older client) count as `OTHER`."""
+        if not note.appends:
+            return
+        self._appends[DATA_PLANE].inc(note.appends)
+        rows_left, bytes_left = note.rows, note.nbytes
+        for name, rows, nbytes in note.fields:
+            r, b = self._appended(self.field(name), DATA_PLANE)
+            r.inc(rows)
+            b.inc(nbytes)
+            rows_left, bytes_left = rows_left - rows, bytes_left - nbytes
+        if rows_left > 0 or bytes_left > 0:
+            r, b = self._appended(OTHER, DATA_PLANE)
+            r.inc(max(0, rows_left))
+            b.inc(max(0, bytes_left))
+
+    def read(self, extents: Sequence[Extent]) -> None:
+        """Count one HTTP read answered in full."""
+        by_file: dict[str, list[int]] = {}
+        for e in extents:
+            n = by_file.setdefault(e.file, [0, 0])
+            n[0] += 1
+            n[1] += e.nbytes
+        for rel, (count, nbytes) in by_file.items():
+            ranges, read = self._reads(self.field(field_of_file(rel)))
+            ranges.inc(count)
+            read.inc(nbytes)
+
+    def _reads(self, label: str) -> tuple[Counter, Counter]:
+        c = self._read_children.get(label)
+        if c is None:
+            c = (self.read_extents.labels(label, HTTP), self.read_bytes.labels(label, HTTP))
+            self._read_children[label] = c
+        return c
+
+    # -- requests and errors -----------------------------------------------------------------
+
+    def http_request(self, route: str, status: int, seconds: float) -> None:
+        """Observe one HTTP request of route template ``route``, answered ``status``."""
+        key = (route, status // 100)
+        h = self._http_children.get(key)
+        if h is None:
+            h = self.http_seconds.labels(route, f"{status // 100}xx")
+            self._http_children[key] = h
+        h.observe(seconds)
+
+    def dataplane_request(self, kind: str, seconds: float) -> None:
+        """Observe one data-plane request of ``kind`` (``lease``, ``open``, ...)."""
+        h = self._dp_children.get(kind)
+        if h is None:
+            h = self._dp_children[kind] = self.dp_requests.labels(kind)
+        h.observe(seconds)
+
+    def error(self, name: str, transport: str) -> None:
+        """Count an error answer of class ``name``."""
+        self.errors.labels(name if name in ERRORS else "PayloadError", transport).inc()
+
+    def refused_one(self, transport: str, reason: str) -> None:
+        """Count one connection or request refused at a limit (see `REFUSALS`)."""
+        self.refused.labels(transport, reason).inc()
+
+    def handed_out(self, mode: str, files: Iterable[str]) -> None:
+        """Count descriptors of ``files`` handed to a data-plane client (``read``/``write``)."""
+        for rel in files:
+            self.dp_fds.labels(mode, self.field(field_of_file(rel))).inc()
+
+    def leased(self, field: str, nbytes: int) -> None:
+        """Count one lease of ``nbytes`` bytes granted for ``field``."""
+        label = self.field(field)
+        self.leases.labels(label).inc()
+        self.leased_bytes.labels(label).inc(nbytes)
+
+    # -- garbage collection ------------------------------------------------------------------
+
+    def collected(self, report: GcReport, trigger: str) -> None:
+        """Count one garbage collection (``trigger``: ``sweep`` or ``call``); a dry run
+        removes nothing and is not counted."""
+        if report.dry_run:
+            return
+        self.gc_runs.labels(trigger).inc()
+        self.gc_last.labels(trigger).set(time.time())
+        for rule, count in report.by_reason.items():
+            self.gc_files.labels(rule).inc(count.files)
+            self.gc_bytes.labels(rule).inc(count.bytes)
+        self.gc_dirs.inc(report.dirs)
+
+    def gc_failed(self, trigger: str) -> None:
+        """Count a garbage collection that raised."""
+        self.gc_failures.labels(trigger).inc()
+
+    def render(self) -> bytes:
+        """The registry in the Prometheus text exposition format (computes the gauges)."""
+        return generate_latest(self.registry)
+
+
+class StoreCollector(Collector):
+    """Gauges and counters read from the store (and data plane) at scrape time.
+
+    Parameters
+    ----------
+    store : Store
+        Its disk budget, open descriptors, durability counters and uptime.
+    connections : callable, optional
+        Returns the data plane's open connections (absent without a data plane).
+    fds : Descriptors, optional
+        The daemon's descriptor shares (`payloadd.store._budget`).
+    inflight : InFlight, optional
+        The bytes of requests in flight.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        connections: Callable[[], int] | None = None,
+        fds: Descriptors | None = None,
+        inflight: InFlight | None = None,
+    ) -> None:
+        self.store = store
+        self.connections = connections
+        self.fds = fds
+        self.inflight = inflight
+
+    def collect(self) -> Iterator[Metric]:
+        """One sample of every metric (a ``statvfs`` of the root included)."""
+        s = self.store.stats()
+        append_fds, read_fds, leases = self.store.open_descriptors()
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            return GaugeMetricFamily(name, doc, value=value)
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            return CounterMetricFamily(name, doc, value=value)
+
+        yield gauge("payloadd_uptime_seconds", "Seconds since this daemon started.", s.uptime_s)
+        yield gauge(
+            "payloadd_root_bytes",
+            "Bytes of this node's files under the root, as counted against max_root_bytes.",
+            s.root_bytes,
+        )
+        yield gauge(
+            "payloadd_max_root_bytes", "The cap max_root_bytes (0: none).", s.max_root_bytes
+        )
+        yield gauge(
+            "payloadd_free_bytes",
+            "Free bytes of the root's file system for an unprivileged writer (statvfs).",
+            s.free_bytes,
+        )
+        yield gauge(
+            "payloadd_min_free_bytes", "The floor min_free_bytes (0: none).", s.min_free_bytes
+        )
+        yield counter(
+            "payloadd_appends_refused",
+            "Appends, reservations and leases refused by a disk limit (507).",
+            s.appends_refused,
+        )
+        files = GaugeMetricFamily(
+            "payloadd_open_files",
+            "Descriptors of data files the daemon holds.",
+            labels=["use"],
+        )
+        files.add_metric(["append"], append_fds)
+        files.add_metric(["read_cache"], read_fds)
+        yield files
+        yield gauge(
+            "payloadd_files_open_for_append",
+            "Files taking appends: shared (run, step, field) files (beyond the append_files "
+            "share the least recent is sealed) and data-plane connections' lease files.",
+            s.files_open_for_append,
+        )
+        yield gauge(
+            "payloadd_dataplane_leases_active", "Leases held by data-plane clients.", leases
+        )
+        if self.connections is not None:
+            yield gauge(
+                "payloadd_dataplane_connections",
+                "Open data-plane connections.",
+                self.connections(),
+            )
+        if self.fds is not None:
+            shares = GaugeMetricFamily(
+                "payloadd_descriptor_share",
+                "The daemon's shares of RLIMIT_NOFILE (process_max_fds), by use.",
+                labels=["use"],
+            )
+            for use, n in dataclasses.asdict(self.fds.shares).items():
+                if use != "limit":
+                    shares.add_metric([use], n)
+            yield shares
+            yield gauge(
+                "payloadd_request_descriptors",
+                "Descriptors held by requests now (of the per_request share).",
+                self.fds.taken,
+            )
+        if self.inflight is not None:
+            yield gauge(
+                "payloadd_inflight_bytes",
+                "Bytes of request frames and control bodies being received now.",
+                self.inflight.used,
+            )
+            yield gauge(
+                "payloadd_max_inflight_bytes", "The cap max_inflight_bytes.", self.inflight.cap
+            )
+        yield counter(
+            "payloadd_fsync_flushes", "Flushes that fsync'd something (fsync interval).", s.flushes
+        )
+        yield counter(
+            "payloadd_fsync_files_flushed", "Data files fsync'd by flushes.", s.files_flushed
+        )
+        yield counter("payloadd_fsync_errors", "fsyncs of flushes that failed.", s.flush_errors)
+        yield gauge(
+            "payloadd_fsync_files_dirty", "Data files the next flush will fsync.", s.files_dirty
+        )

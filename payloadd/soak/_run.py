@@ -1,0 +1,766 @@
+"""``payloadd soak``: run payloadd as a busy node does, for a while; fail on wrong data or on a
+resource that grows.
+
+1. A daemon starts on a temporary root and socket (a real ``payloadd serve``, node ``soak``),
+   with the extra flags of ``--daemon-arg``.
+2. Writers (threads and processes; sync and async clients; data plane and HTTP) write
+   multi-turn samples step by step: per turn a ``routed_experts`` segment ``uint8 [t, 48, 8]``
+   and a ``sampling_mask`` segment ``int32 [c, w]``. Rows are regenerated from the seed for
+   the checks (`payloadd.soak._check`). A step is finished when every writer wrote its part.
+3. The orchestrator packs each finished step into micro batches (`clip_segments`,
+   `shift_segments`) and hands each to every trainer rank (threads and processes). The ranks
+   wait on one barrier and read their CP windows of the same micro batch at the same moment:
+   files nobody read before. Every window is compared bit for bit; truncated tails too.
+4. A GC thread collects the steps read, a few steps behind (``gc(run=, before_step=)``), then
+   reads a sample of the collected segments: each must raise `FileGoneError` (410).
+5. With ``--kill-every``, the daemon is SIGKILLed under load and started again on the same
+   root and socket; transport errors around a restart are expected, nothing else is.
+6. Every ``--sample-every`` seconds: the daemon's RSS, threads, descriptors and descriptors of
+   removed files (/proc), and its counters (``stats()``). The samples go to ``--json`` and
+   are drawn in ``--plot``.
+7. The verdict (`payloadd.soak._report`): counts, errors by class, and the checks. Exit
+   status 0 when every check passed, 1 otherwise, 2 for bad flags.
+
+The load ends at ``--duration``; then the writers finish their step, the ranks read every
+finished step, every worker closes its client, the final GC collects every step, and the
+daemon settles ``--settle`` seconds before the last sample. All of it must end within
+``--drain`` seconds after the load, or the soak stops and fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import multiprocessing as mp
+import os
+import platform
+import queue
+import random
+import signal
+import subprocess
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import msgspec
+
+from payload_client import FileGoneError, PayloadClient, PayloadError, TransportError, Window
+from payloadd import __version__
+from payloadd.bench._daemon_process import start_daemon
+from payloadd.soak._check import (
+    MASK,
+    MASK_FILL,
+    ROUTED,
+    ROUTED_FILL,
+    SoakShape,
+    Written,
+    compare,
+    expected_region,
+    expected_window,
+    pack,
+    tail_batch,
+)
+from payloadd.soak._report import (
+    STATS_KEPT,
+    Check,
+    growth_checks,
+    held_deleted,
+    proc_sample,
+)
+from payloadd.soak._workers import (
+    CLIENT_TIMEOUT,
+    RUN,
+    GaveUpError,
+    Tally,
+    rank_main,
+    retry,
+    writer_main,
+)
+
+__all__ = ["Kill", "Soak"]
+
+NODE = "soak"
+GRACE = 5.0
+"""Transport errors from 0.5 s before a kill to this long after the restart are expected."""
+AHEAD = 2
+"""Steps the writers may be ahead of the trainer."""
+GONE_PER_STEP = 4
+"""Collected segments read back per collected step (each must answer 410)."""
+MAX_KEPT = 20
+"""Unexpected errors kept for the report."""
+
+
+def _subclass_names(cls: type[Exception]) -> Iterator[str]:
+    yield cls.__name__
+    sub: type[Exception]
+    for sub in cls.__subclasses__():
+        yield from _subclass_names(sub)
+
+
+TRANSPORT_ERRORS = frozenset(_subclass_names(TransportError))
+"""Error classes expected around a kill: the client's transport errors."""
+
+
+# -- the daemon ------------------------------------------------------------------------------
+
+
+@dataclass
+class Kill:
+    """One SIGKILL and restart (``time.monotonic``; ``ready`` once the new daemon answers)."""
+
+    at: float
+    ready: float | None = None
+    old_pid: int = 0
+    new_pid: int = 0
+
+
+class _Daemon:
+    """The soak's daemon: started, SIGKILLed and started again on the same root and socket."""
+
+    def __init__(self, root: Path, socket: Path, extra: list[str], log: IO[bytes]) -> None:
+        self.root, self.socket, self.extra, self.log = root, socket, extra, log
+        self._cm: contextlib.AbstractContextManager[subprocess.Popen[bytes]] | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.starts: list[float] = []  # when each start answered (time.monotonic)
+        self.restarting = False  # down on purpose: killed, not started again yet
+
+    def start(self) -> None:
+        cm = start_daemon(self.root, self.socket, "--node", NODE, *self.extra, stderr=self.log)
+        self.proc = cm.__enter__()
+        self._cm = cm
+        self.starts.append(time.monotonic())
+
+    def kill(self) -> int:
+        """SIGKILL the daemon; return its pid."""
+        assert self.proc is not None and self._cm is not None
+        pid = self.proc.pid
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+        self.stop()  # nothing left to terminate: just the context
+        return pid
+
+    @property
+    def pid(self) -> int | None:
+        proc = self.proc
+        return proc.pid if proc is not None and proc.returncode is None else None
+
+    def stop(self) -> None:
+        """SIGTERM (as `start_daemon` ends) and wait."""
+        if self._cm is not None:
+            cm, self._cm = self._cm, None
+            cm.__exit__(None, None, None)
+
+
+# -- the soak --------------------------------------------------------------------------------
+
+
+@dataclass
+class _State:
+    """What the parent's threads share (under `Soak.cond`)."""
+
+    read_done: int = -1  # the last step every rank read
+    last_finished: int = -1
+    records: dict[int, list[Written]] = field(default_factory=dict)  # until collected
+    issued: dict[int, float] = field(default_factory=dict)  # when each step began
+    read: dict[int, float] = field(default_factory=dict)  # when every rank had read it
+    kills: list[Kill] = field(default_factory=list)
+    samples: list[dict[str, Any]] = field(default_factory=list)
+    final_gc: float | None = None
+    load_end: float = 0.0
+    aborted: str | None = None
+
+
+class Soak:
+    """One soak run (see the module docstring): start ``daemon``, then `run`, `verdict` and
+    `document`.
+
+    Parameters
+    ----------
+    args : argparse.Namespace
+        The flags of ``payloadd soak``.
+    tmp : Path
+        Folder of the root (``root``) and the socket.
+    log : file
+        Where the daemon's stderr goes.
+    """
+
+    def __init__(self, args: argparse.Namespace, tmp: Path, log: IO[bytes]) -> None:
+        self.args = args
+        self.shape = SoakShape(args.seed, args.max_tokens, args.max_turns, args.seq_len, args.ranks)
+        self.socket = tmp / "payloadd.sock"
+        self.daemon = _Daemon(tmp / "root", self.socket, list(args.daemon_arg), log)
+        self.tally = Tally()
+        self.state = _State()
+        self.cond = threading.Condition()
+        self.abort = threading.Event()
+        self.t0 = time.monotonic()
+        self.until = self.t0
+        self.ctx = mp.get_context("spawn")
+        self.barrier: Any = None
+
+    def _t(self, at: float) -> float:
+        """Seconds since the load started."""
+        return round(at - self.t0, 3)
+
+    def _abort(self, why: str) -> None:
+        with self.cond:
+            if self.state.aborted is None:
+                self.state.aborted = why
+            self.abort.set()
+            self.cond.notify_all()
+
+    def _join(self, workers: list[Any], what: str) -> None:
+        """Wait for threads or processes until the drain deadline; abort past it."""
+        for w in workers:
+            w.join(max(0.0, self.until - time.monotonic()) + 1)
+            if w.is_alive():
+                self._abort(f"{what} did not end within --drain {self.args.drain:g} s")
+
+    def run(self) -> None:
+        """Run the load for ``--duration`` seconds on the started daemon, drain, collect,
+        settle."""
+        a = self.args
+        self.t0 = time.monotonic()
+        self.state.load_end = self.t0 + a.duration
+        self.until = self.state.load_end + a.drain
+        sock = str(self.socket)
+        n_writers = a.writers + a.writer_processes
+        writer_results, rank_results = self.ctx.Queue(), self.ctx.Queue()
+        self.barrier = (
+            self.ctx.Barrier(a.ranks) if a.reader_processes else threading.Barrier(a.ranks)
+        )
+        writer_cmds: list[Any] = []
+        rank_cmds: list[Any] = []
+        writers: list[Any] = []
+        ranks: list[Any] = []
+        for w in range(n_writers):
+            where = "thread" if w < a.writers else "process"
+            cmds: Any = queue.Queue() if where == "thread" else self.ctx.Queue()
+            args = (
+                w,
+                n_writers,
+                where,
+                sock,
+                self.shape,
+                a.samples_per_step,
+                cmds,
+                writer_results,
+                self.until,
+            )
+            writer_cmds.append(cmds)
+            writers.append(self._worker(where, writer_main, args))
+        for r in range(a.ranks):
+            where = "thread" if r < a.ranks - a.reader_processes else "process"
+            cmds = queue.Queue() if where == "thread" else self.ctx.Queue()
+            rargs = (r, where, sock, self.shape, self.barrier, cmds, rank_results, self.until)
+            rank_cmds.append(cmds)
+            ranks.append(self._worker(where, rank_main, rargs))
+        finished: queue.Queue[tuple[int, list[Written]] | None] = queue.Queue()
+        gc_q: queue.Queue[tuple[str, int]] = queue.Queue()
+        stop_sampling = threading.Event()
+        sampler = self._thread(self._sampler, stop_sampling)
+        driver = self._thread(self._driver, writer_cmds)
+        collector = self._thread(self._collector, writer_results, n_writers, finished)
+        trainer = self._thread(self._trainer, finished, rank_cmds, rank_results, gc_q)
+        collect = self._thread(self._gc, gc_q)
+        killer = self._thread(self._killer) if a.kill_every else None
+        try:
+            for w in [*writers, *ranks, sampler, driver, collector, trainer, collect]:
+                w.start()
+            if killer is not None:
+                killer.start()
+            self._join([driver, collector, *writers], "the writers")
+            self._join([trainer], "the trainer")
+            for cmds in rank_cmds:
+                cmds.put(None)
+            self._join(ranks, "the ranks")
+            self._join([killer] if killer is not None else [], "the killer")
+            gc_q.put(("final", self.state.last_finished))  # every client of a worker is closed
+            self._join([collect], "the final GC")
+            if not self.abort.is_set():  # let the daemon settle, then the last sample
+                self.abort.wait(a.settle)
+        except KeyboardInterrupt:
+            self._abort("interrupted")
+        finally:
+            self.abort.set()  # every thread of the parent ends at its next wait
+            for cmds in writer_cmds + rank_cmds:
+                cmds.put(None)
+            stop_sampling.set()
+            sampler.join(10)
+            self._sample()
+            for p in writers + ranks:
+                if isinstance(p, mp.process.BaseProcess):
+                    p.join(10)
+                    if p.is_alive():
+                        p.kill()  # a worker of ours, by its pid
+                        p.join(5)
+            for results in (writer_results, rank_results):
+                self._merge_rest(results)
+            for q in (writer_results, rank_results, *writer_cmds, *rank_cmds):
+                if not isinstance(q, queue.Queue):  # a pipe: never wait on it at exit
+                    q.close()
+                    q.cancel_join_thread()
+
+    def _thread(self, target: Any, *args: Any) -> threading.Thread:
+        return threading.Thread(target=target, args=args, daemon=True)
+
+    def _worker(self, where: str, target: Any, args: tuple[Any, ...]) -> Any:
+        if where == "thread":
+            return threading.Thread(target=target, args=args, daemon=True)
+        return self.ctx.Process(target=target, args=args, daemon=True)
+
+    def _merge_rest(self, results: Any) -> None:
+        """Merge what workers reported after nobody listened (their last tallies)."""
+        while True:
+            try:
+                item = msgspec.msgpack.decode(results.get(timeout=0.2))
+            except (queue.Empty, OSError, ValueError):
+                return
+            self.tally.merge(item[-1])
+
+    def _driver(self, writer_cmds: list[Any]) -> None:
+        """Issue steps to the writers, at most every ``--step-every`` seconds, while the
+        trainer is at most `AHEAD` steps behind; stop at the end of the load."""
+        step, next_at = 0, time.monotonic()
+        try:
+            while True:
+                with self.cond:
+                    while (
+                        not self.abort.is_set()
+                        and time.monotonic() < self.state.load_end
+                        and (step - self.state.read_done > AHEAD or time.monotonic() < next_at)
+                    ):
+                        self.cond.wait(0.05)
+                if self.abort.is_set() or time.monotonic() >= self.state.load_end:
+                    return
+                with self.cond:
+                    self.state.issued[step] = time.monotonic()
+                    self.cond.notify_all()
+                for cmds in writer_cmds:
+                    cmds.put(step)
+                step += 1
+                next_at = time.monotonic() + self.args.step_every
+        finally:
+            for cmds in writer_cmds:
+                cmds.put(None)
+
+    def _collector(self, results: Any, n_writers: int, finished: Any) -> None:
+        """Gather the writers' reports; a step every writer reported is finished."""
+        by_step: dict[int, list[Written]] = {}
+        reported: Counter[int] = Counter()
+        done = 0
+        decoder = msgspec.msgpack.Decoder(tuple[str, int, int, list[Written], dict[str, Any]])
+        try:
+            while done < n_writers and not self.abort.is_set():
+                try:
+                    kind, _, step, written, part = decoder.decode(results.get(timeout=0.2))
+                except queue.Empty:
+                    continue
+                self.tally.merge(part)
+                if kind == "done":
+                    done += 1
+                    continue
+                by_step.setdefault(step, []).extend(written)
+                reported[step] += 1
+                if reported[step] == n_writers:
+                    self.tally.add("steps")
+                    finished.put((step, sorted(by_step.pop(step), key=lambda w: w.sample)))
+        finally:
+            finished.put(None)
+
+    def _trainer(self, finished: Any, rank_cmds: list[Any], results: Any, gc_q: Any) -> None:
+        """Pack each finished step, hand every micro batch to every rank, check the truncated
+        tails, wait for the ranks' reports, then pass the step to GC."""
+        encoder = msgspec.msgpack.Encoder()
+        decoder = msgspec.msgpack.Decoder(tuple[str, int, int, bool, dict[str, Any]])
+        who = "orchestrator (sync data plane, thread)"
+        try:
+            with PayloadClient(self.socket, timeout=CLIENT_TIMEOUT) as client:
+                while not self.abort.is_set():
+                    try:
+                        item = finished.get(timeout=0.2)
+                    except queue.Empty:
+                        continue
+                    if item is None:
+                        return
+                    step, written = item
+                    with self.cond:
+                        self.state.records[step] = written
+                    batches = pack(self.shape, step, written)
+                    for mb in batches:
+                        message = encoder.encode(mb)
+                        for cmds in rank_cmds:
+                            cmds.put(message)
+                    self.tally.add("micro_batches", len(batches))
+                    for w in written:
+                        self._check_tail(client, w, who)
+                    want, broken = len(batches) * len(rank_cmds), False
+                    while want and not self.abort.is_set():
+                        try:
+                            what, _, _, was_broken, part = decoder.decode(results.get(timeout=0.2))
+                        except queue.Empty:
+                            continue
+                        self.tally.merge(part)
+                        if what != "rank":  # it will not report again
+                            self._abort("a trainer rank ended before the soak did")
+                        want -= 1
+                        broken |= was_broken
+                    if broken:
+                        self.barrier.reset()
+                    with self.cond:
+                        self.state.read_done = self.state.last_finished = step
+                        self.state.read[step] = time.monotonic()
+                        self.cond.notify_all()
+                    gc_q.put(("step", step))
+        except Exception as exc:
+            self.tally.error("trainer", exc, time.monotonic(), who)
+            self._abort(f"the orchestrator failed: {type(exc).__name__}: {exc}")
+
+    def _check_tail(self, client: PayloadClient, w: Written, who: str) -> None:
+        """A truncated sample's tail ``[seq_len, tokens)``: `clip_segments` at the front, read
+        at its own positions, compared like a window."""
+        tb = tail_batch(self.shape, w)
+        if tb is None:
+            return
+        lo, hi = tb.members[0].lo, tb.members[0].hi
+        region = expected_region(self.shape, tb, lo, hi)
+        ws = [
+            Window(tb.segments, ROUTED, lo, hi, ROUTED_FILL),
+            Window(tb.segments, MASK, lo, hi, MASK_FILL),
+        ]
+        try:
+            got = retry(lambda: client.read_many(ws), "read_many", self.tally, who, self.until)
+        except GaveUpError:
+            return
+        what = f"step {w.step} writer {w.writer} sample {w.sample} tail"
+        for name, g in ((ROUTED, got[0]), (MASK, got[1])):
+            bad = compare(g, expected_window(region, name, lo, hi), f"{what} {name} [{lo}, {hi})")
+            if bad:
+                self.tally.mismatch(bad)
+        self.tally.add("tail_windows", 2)
+        self.tally.add("rows_checked", 2 * (hi - lo))
+
+    def _gc(self, gc_q: Any) -> None:
+        """Collect the steps read, ``--gc-lag`` steps behind; then read a sample of each
+        collected step's segments, which must raise `FileGoneError`. The final item collects
+        every step."""
+        who = "gc (sync, thread)"
+        done = -1
+        rng = random.Random(self.args.seed)
+        with (
+            PayloadClient(self.socket, timeout=CLIENT_TIMEOUT) as dp,
+            PayloadClient(self.socket, timeout=CLIENT_TIMEOUT, data_plane=False) as http,
+        ):
+            while True:
+                try:
+                    what, step = gc_q.get(timeout=0.2)
+                except queue.Empty:
+                    if self.abort.is_set():
+                        return
+                    continue
+                final = what == "final"
+                mark = step if final else step - self.args.gc_lag
+                if mark > done:
+                    fn = functools.partial(dp.gc, run=RUN, before_step=mark)
+                    try:
+                        report = retry(fn, "gc", self.tally, who, self.until)
+                    except GaveUpError:
+                        report = None
+                    if report is not None:
+                        self.tally.add("gc_calls")
+                        self.tally.add("gc_files", report.files)
+                        for s in range(done + 1, mark + 1):
+                            self._check_gone(s, rng, (dp, http), who)
+                        done = mark
+                if final:
+                    self.state.final_gc = time.monotonic()
+                    return
+
+    def _check_gone(
+        self, step: int, rng: random.Random, clients: tuple[PayloadClient, ...], who: str
+    ) -> None:
+        """Read back a few segments of a collected step: each must raise `FileGoneError`."""
+        with self.cond:
+            written = self.state.records.pop(step, [])
+        segs = [s for w in written for s in w.segments() if s.rows]
+        for k, seg in enumerate(rng.sample(segs, min(GONE_PER_STEP, len(segs)))):
+            client = clients[k % len(clients)]
+            fill = ROUTED_FILL if seg.field == ROUTED else MASK_FILL
+            window = Window([seg], seg.field, seg.pos, seg.pos + seg.rows, fill)
+            read = functools.partial(_outcome, client, window)
+            try:
+                outcome = retry(read, "read collected", self.tally, who, self.until)
+            except GaveUpError:
+                continue
+            if outcome == "gone":
+                self.tally.add("gone_checked")
+            else:
+                self.tally.mismatch(
+                    f"step {step} collected: a read of {seg.file} gave {outcome}, not 410 Gone"
+                )
+
+    def _killer(self) -> None:
+        """SIGKILL the daemon every ``--kill-every`` seconds of the load, start it again.
+
+        Each kill waits for the next step to begin, then 10-100 ms more (drawn from the
+        seed), so that it lands while the writers append and the ranks read.
+        """
+        rng = random.Random(self.args.seed + 1)
+        k = 1
+        while True:
+            at = self.t0 + k * self.args.kill_every
+            if at >= self.state.load_end or self.abort.wait(max(0.0, at - time.monotonic())):
+                return
+            with self.cond:
+                steps = len(self.state.issued)
+                deadline = time.monotonic() + 2 * self.args.step_every + 1
+                while len(self.state.issued) == steps and not self.abort.is_set():
+                    if not self.cond.wait(max(0.0, deadline - time.monotonic())):
+                        break
+            if self.abort.wait(rng.uniform(0.01, 0.1)) or time.monotonic() >= self.state.load_end:
+                return
+            kill = Kill(time.monotonic())
+            with self.cond:
+                self.state.kills.append(kill)
+            self.daemon.restarting = True
+            kill.old_pid = self.daemon.kill()
+            try:
+                self.daemon.start()
+            except RuntimeError as exc:
+                self.tally.error("restart", exc, kill.at, "killer")
+                self._abort(f"the daemon did not start again after a kill: {exc}")
+                return
+            self.daemon.restarting = False
+            kill.ready = time.monotonic()
+            kill.new_pid = self.daemon.pid or 0
+            self.tally.add("restarts")
+            k += 1
+
+    def _sample(self) -> None:
+        """One sample of the daemon (none while it is down)."""
+        pid = self.daemon.pid
+        now = time.monotonic()
+        got = proc_sample(pid) if pid is not None else None
+        if got is None:
+            return
+        stats = None
+        with (
+            contextlib.suppress(PayloadError, OSError),
+            PayloadClient(self.socket, timeout=5, data_plane=False) as c,
+        ):
+            answer = c.stats()
+            stats = {k: getattr(answer, k) for k in STATS_KEPT}
+        final = self.state.final_gc
+        phase = "load" if now < self.state.load_end else "drain"
+        if final is not None and now >= final:
+            phase = "settle"
+        epoch = len(self.daemon.starts) - 1
+        sample = {"t": self._t(now), "epoch": epoch, "phase": phase, **got, "stats": stats}
+        with self.cond:
+            self.state.samples.append(sample)
+
+    def _sampler(self, stop: threading.Event) -> None:
+        """Sample every ``--sample-every`` seconds; stop the soak when the daemon exits by
+        itself (not killed by the soak)."""
+        while not stop.is_set():
+            began = time.monotonic()
+            proc = self.daemon.proc
+            if not self.daemon.restarting and proc is not None and proc.poll() is not None:
+                why = f"the daemon (pid {proc.pid}) exited by itself with status {proc.returncode}"
+                self.tally.error("daemon", RuntimeError(why), began, "daemon")
+                self._abort(why)
+                return
+            self._sample()
+            stop.wait(max(0.0, self.args.sample_every - (time.monotonic() - began)))
+
+    # -- the verdict
+
+    def _expected(self, event: list[Any]) -> bool:
+        """An error is expected when it is a transport error around a kill."""
+        t0, t1, _, cls, _, _ = event
+        if cls not in TRANSPORT_ERRORS:
+            return False
+        for k in self.state.kills:
+            ready = k.ready if k.ready is not None else float("inf")
+            if t1 >= k.at - 0.5 and t0 <= ready + GRACE:
+                return True
+        return False
+
+    def verdict(self) -> dict[str, Any]:
+        """Counts, errors by class and the checks, as the JSON file holds them."""
+        a, st, c = self.args, self.state, self.tally.counts
+        expected: Counter[str] = Counter()
+        unexpected: Counter[str] = Counter()
+        first: list[dict[str, Any]] = []
+        for e in sorted(self.tally.errors):
+            if self._expected(e):
+                expected[e[3]] += 1
+                continue
+            unexpected[e[3]] += 1
+            if len(first) < MAX_KEPT:
+                first.append(
+                    {"t": self._t(e[0]), "op": e[2], "error": e[3], "message": e[4], "who": e[5]}
+                )
+        checks = [
+            Check(
+                "mismatches",
+                c["mismatches"],
+                0,
+                c["mismatches"] == 0,
+                "",
+                "windows, tails and 410 reads that did not give what was written",
+            ),
+            Check(
+                "unexpected errors",
+                sum(unexpected.values()),
+                0,
+                not unexpected,
+                "",
+                "any error but a transport error around a kill",
+            ),
+            Check("windows compared", c["windows"], 1, c["windows"] >= 1, "", "at least one", ">="),
+        ]
+        if c["gc_calls"]:
+            checks.append(
+                Check(
+                    "410 reads checked",
+                    c["gone_checked"],
+                    1,
+                    c["gone_checked"] >= 1,
+                    "",
+                    "at least one, once GC collected",
+                    ">=",
+                )
+            )
+        drained = None if st.final_gc is None else round(st.final_gc - st.load_end, 1)
+        checks.append(
+            Check(
+                "run completed",
+                drained,
+                a.drain,
+                st.aborted is None,
+                "s",
+                st.aborted or "seconds from the end of the load to the final GC",
+            )
+        )
+        starts = [self._t(s) for s in self.daemon.starts]
+        slack = {"rss_mib": a.rss_slack_mib, "fds": a.fd_slack, "threads": a.thread_slack}
+        checks += growth_checks(st.samples, starts, a.warmup, slack, a.rss_slack_pct)
+        checks += self._settled_checks()
+        final_stats = next((s["stats"] for s in reversed(st.samples) if s["stats"]), None)
+        c["steps_across_kills"] = sum(
+            any(st.issued[s] < k.at < t for k in st.kills) for s, t in st.read.items()
+        )
+        names = (
+            "steps",
+            "micro_batches",
+            "appends",
+            "rows",
+            "bytes",
+            "in_doubt",
+            "windows",
+            "tail_windows",
+            "rows_checked",
+            "gone_checked",
+            "gc_calls",
+            "gc_files",
+            "restarts",
+            "steps_across_kills",
+            "mismatches",
+        )
+        return {
+            "passed": all(ch.ok for ch in checks),
+            "failed": [ch.name for ch in checks if not ch.ok],
+            "counts": {k: c[k] for k in names},
+            "errors": {"expected": dict(expected), "unexpected": dict(unexpected)},
+            "first_unexpected": first,
+            "mismatch_examples": self.tally.mismatches,
+            "checks": [ch.as_dict() for ch in checks],
+            "final_stats": final_stats,
+        }
+
+    def _settled_checks(self) -> list[Check]:
+        """What the daemon holds at the last sample, ``--settle`` seconds after the final GC
+        collected every step: descriptors of removed files (at most ``--deleted-fds-max``),
+        and its own count of files open for appends and of root bytes (0)."""
+        a, st = self.args, self.state
+        deleted = "descriptors of removed files"
+        settled = [s for s in st.samples if s["phase"] == "settle"]
+        if not settled or st.final_gc is None:
+            why = "not measured: no sample after the final GC"
+            return [Check(deleted, None, a.deleted_fds_max, False, "", why)]
+        last = settled[-1]
+        n = last["deleted_fds"]
+        most = max(s["deleted_fds"] for s in st.samples)
+        after = f"{last['t'] - self._t(st.final_gc):.1f} s after the final GC"
+        detail = f"{after} (at most {most} during the run)"
+        if n > a.deleted_fds_max:
+            detail += f"; {n - a.deleted_fds_max} over the bound: " + ", ".join(last["deleted"][:2])
+        out = [Check(deleted, n, a.deleted_fds_max, n <= a.deleted_fds_max, "", detail)]
+        held = held_deleted(st.samples, a.held_s)
+        detail = f"removed files a daemon held open for {a.held_s:g} s or more, over the run"
+        if held:
+            path, secs = max(held.items(), key=lambda kv: kv[1])
+            detail += f"; the longest {secs:.0f} s: {path}"
+        ok = len(held) <= a.deleted_fds_max
+        out.append(Check("removed files held", len(held), a.deleted_fds_max, ok, "", detail))
+        stats = last["stats"]
+        for key in ("files_open_for_append", "root_bytes"):
+            if stats is None:
+                out.append(Check(key, None, 0, False, "", "not measured: stats() failed"))
+                continue
+            value = stats[key]
+            out.append(Check(key, value, 0, value == 0, "", f"the daemon's count, {after}"))
+        return out
+
+    def document(self, verdict: dict[str, Any]) -> dict[str, Any]:
+        """The JSON file: settings, verdict, kills and samples."""
+        settings = {
+            k: (str(v) if isinstance(v, Path) else v)
+            for k, v in vars(self.args).items()
+            if k != "command"
+        }
+        final = self.state.final_gc
+        return {
+            "payloadd": __version__,
+            "machine": {
+                "python": platform.python_version(),
+                "platform": platform.platform(),
+                "cpus": os.cpu_count(),
+            },
+            "settings": settings,
+            "shape": msgspec.structs.asdict(self.shape),
+            "verdict": verdict,
+            "kills": [
+                {
+                    "t": self._t(k.at),
+                    "ready_t": None if k.ready is None else self._t(k.ready),
+                    "old_pid": k.old_pid,
+                    "new_pid": k.new_pid,
+                }
+                for k in self.state.kills
+            ],
+            "starts": [self._t(s) for s in self.daemon.starts],
+            "load_end_t": self._t(self.state.load_end),
+            "final_gc_t": None if final is None else self._t(final),
+            "samples": self.state.samples,
+        }
+
+
+def _outcome(client: PayloadClient, window: Window) -> str:
+    """What a read of a collected segment gave: ``gone`` (410), ``rows``, or another error;
+    transport errors are raised (to be retried)."""
+    try:
+        client.read_many([window])
+    except FileGoneError:
+        return "gone"
+    except TransportError:
+        raise
+    except PayloadError as exc:
+        return f"{type(exc).__name__} ({exc})"
+    return "rows"

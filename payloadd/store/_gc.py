@@ -1,0 +1,239 @@
+"""Garbage collection: the rules that free what training has consumed.
+
+Three rules, each removing whole step directories of this daemon's node
+(``<root>/<node>/<run>/<step>``), and one clean-up:
+
+- **watermark** (``run``, ``before_step``): the steps ``<= before_step`` of a run, once the
+  trainer is done with them;
+- **run**: every step of a run (``DELETE /v1/admin/runs/{run}``);
+- **ttl**: a safety net for abandoned runs: a step whose files were all last written more
+  than ``ttl_s`` seconds ago, of a run nobody appended to or read for as long (since the
+  daemon started, for a restarted daemon: it cannot know older uses);
+- **orphans**: empty files of an earlier daemon (no append was acknowledged from them) and
+  empty directories.
+
+Each collection lists the files it removes in the node's ledger (`payloadd.store._ledger`) before
+any of them goes, so a read of a collected segment answers 410 Gone naming its run and step,
+across restarts; a file that never existed stays 404.
+A spare file beside the ledger makes room for that line on a full disk, when GC is
+needed most.
+A file a pending append writes to is never removed (`Store.remove_step`). A read already in
+progress holds its descriptors open and completes intact.
+
+**Another node's prefix** (a shared root; ``GcRequest.node``, `Collector.delete_run`): only
+when asked, and only the rules asked for: the watermark, the run, and the age rule when a
+``ttl_s`` is given (by the files' ages alone: this daemon does not see that node's appends
+and reads). No orphans: an empty file there may be one its daemon just created; the step
+and run directories the collection empties go. The ledger line goes to that node's ledger,
+so reads through any daemon answer 410. This daemon does not see that node's appends in
+flight or its leases either: collect a node whose daemon is stopped, or steps nobody
+appends to any more (docs/deployment.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterable
+
+from payload_client import InvalidRequestError
+from payload_client.protocol import GcCount, GcReport, GcRequest, check_name
+from payloadd.store._appends import os_errors
+from payloadd.store._store import Removal, Store
+
+__all__ = ["Collector"]
+
+log = logging.getLogger("payloadd.gc")
+
+
+class Collector:
+    """Applies the GC rules to a `Store`; one collection at a time.
+
+    Parameters
+    ----------
+    store : Store
+        The store whose node is collected.
+    ttl_s : float
+        Default age rule in seconds; 0 turns it off.
+    """
+
+    def __init__(self, store: Store, ttl_s: float = 0.0) -> None:
+        self.store = store
+        self.ttl_s = ttl_s
+        self._lock = threading.Lock()
+        store.ledger().keep_reserve()  # room for the ledger line of a GC on a full disk
+
+    def collect(self, req: GcRequest) -> GcReport:
+        """Apply the watermark of ``req`` (if any), the age rule, and the clean-up.
+
+        With ``req.node`` naming another node: the watermark and, when ``req.ttl_s`` is
+        given, the age rule (by file age alone), on that node's prefix; no clean-up.
+
+        Raises
+        ------
+        InvalidRequestError
+            ``run`` without ``before_step`` or the reverse, a bad run or node name, or
+            another node without a watermark or a ``ttl_s``.
+        """
+        if (req.run is None) != (req.before_step is None):
+            raise InvalidRequestError("run and before_step go together: give both or neither")
+        node = self._other(req.node)
+        if node is not None and req.run is None and req.ttl_s is None:
+            raise InvalidRequestError(
+                f"a collection of node {node!r}, not this daemon's ({self.store.node!r}), "
+                "needs run and before_step, or ttl_s"
+            )
+        report = GcReport(dry_run=req.dry_run)
+        with self._lock:
+            if req.run is not None and req.before_step is not None:
+                run = check_name(req.run, "run")
+                steps = [s for s in self.store.runs(node).get(run, []) if s <= req.before_step]
+                self._remove(report, "watermark", run, steps, node=node)
+            default = self.ttl_s if node is None else 0.0  # another node: only when asked
+            ttl = req.ttl_s if req.ttl_s is not None else default
+            if ttl > 0:
+                self._expire(report, ttl, node)
+            if node is None:
+                self._add(report, "orphan", self.store.remove_orphans(dry_run=req.dry_run))
+            self.store.ledger().keep_reserve()
+        return report
+
+    def _other(self, node: str | None) -> str | None:
+        """``node`` when it names another node than this daemon's, else ``None``.
+
+        Raises
+        ------
+        InvalidRequestError
+            A bad node name, or a node prefix that is a symlink (it may lead out of the
+            root: its files are never read through it, so none is removed through it).
+        """
+        if node is None or node == self.store.node:
+            return None
+        node = check_name(node, "node")
+        if os.path.islink(self.store.root / node):
+            raise InvalidRequestError(
+                f"node prefix {node!r} is a symlink, not a directory of the payload root: "
+                "it is not collected"
+            )
+        return node
+
+    def sweep(self) -> GcReport:
+        """The background sweep: the age rule, orphans, empty directories; then the bytes
+        counted against the cap are recounted from disk (files removed by hand)."""
+        report = self.collect(GcRequest())
+        self.store.recount()
+        self.store.forget_unused_runs()
+        return report
+
+    def delete_run(self, run: str, *, dry_run: bool = False, node: str | None = None) -> GcReport:
+        """Remove every step of ``run`` on this node, or on ``node``'s prefix.
+
+        Raises
+        ------
+        InvalidRequestError
+            A bad run or node name.
+        """
+        run = check_name(run, "run")
+        other = self._other(node)
+        report = GcReport(dry_run=dry_run)
+        with self._lock:
+            steps = self.store.runs(other).get(run, [])
+            self._remove(report, "run", run, steps, node=other)
+            if not dry_run:
+                report.dirs += self.store.remove_run_dir(run, other)
+            self.store.ledger().keep_reserve()
+        return report
+
+    def _expire(self, report: GcReport, ttl: float, node: str | None = None) -> None:
+        """The age rule: steps whose newest file is older than ``ttl`` seconds, of runs idle
+        for as long (another node's: by the files' ages alone)."""
+        now_wall, now = time.time(), time.monotonic()
+        own = node is None
+        idle_since = now - ttl if own else None
+        base = self.store.root / (node or self.store.node)
+        for run, steps in self.store.runs(node).items():
+            if own and self.store.last_used.get(run, self.store.started) > now - ttl:
+                continue
+            for step in steps:
+                newest = _newest_mtime(base / run / str(step))
+                if newest is None or newest > now_wall - ttl:
+                    continue
+                if not report.dry_run:  # a step kept whole (in use) gets no ledger line
+                    probe = self.store.remove_step(
+                        run,
+                        step,
+                        self.store.step_files(run, step, node),
+                        dry_run=True,
+                        idle_since=idle_since,
+                        node=node,
+                    )
+                    if not probe.files:
+                        report.in_use += probe.in_use
+                        continue
+                self._remove(report, "ttl", run, [step], idle_since=idle_since, node=node)
+
+    def _remove(
+        self,
+        report: GcReport,
+        reason: str,
+        run: str,
+        steps: Iterable[int],
+        idle_since: float | None = None,
+        node: str | None = None,
+    ) -> None:
+        steps = list(steps)
+        planned = {step: self.store.step_files(run, step, node) for step in steps}
+        files = [rel for step in steps for rel in planned[step]]
+        if not report.dry_run and files:  # nothing to remove: no line (the ledger stays small)
+            nbytes = sum(_size(self.store.root / rel) for rel in files)
+            with os_errors(self.store.root):  # a full disk: 507, and nothing is removed
+                self.store.ledger(node).record(
+                    run, reason, files, nbytes
+                )  # before any of them goes
+        for step in steps:
+            removal = self.store.remove_step(
+                run, step, planned[step], dry_run=report.dry_run, idle_since=idle_since, node=node
+            )
+            self._add(report, reason, removal)
+            if removal.files or removal.dirs:
+                report.steps.append((run, step))
+        if node is not None and steps and not report.dry_run:  # no orphan pass there
+            report.dirs += self.store.remove_run_dir(run, node)
+        if steps:
+            dry = " (dry run)" if report.dry_run else ""
+            where = "" if node is None else f" of node {node}"
+            log.info(
+                "gc %s: run %s%s, steps %s..%s%s", reason, run, where, steps[0], steps[-1], dry
+            )
+
+    @staticmethod
+    def _add(report: GcReport, reason: str, removal: Removal) -> None:
+        nbytes = sum(size for _, size in removal.files)
+        if removal.files:
+            count = report.by_reason.setdefault(reason, GcCount())
+            count.files += len(removal.files)
+            count.bytes += nbytes
+        report.files += len(removal.files)
+        report.bytes += nbytes
+        report.dirs += removal.dirs
+        report.in_use += removal.in_use
+
+
+def _size(path: os.PathLike[str]) -> int:
+    """Apparent size of ``path`` in bytes; 0 when it is gone."""
+    try:
+        return os.lstat(path).st_size
+    except FileNotFoundError:
+        return 0
+
+
+def _newest_mtime(path: os.PathLike[str]) -> float | None:
+    """The latest modification time (seconds since the epoch) of the files in ``path``."""
+    try:
+        with os.scandir(path) as it:
+            times = [e.stat(follow_symlinks=False).st_mtime for e in it if e.is_file()]
+    except FileNotFoundError:
+        return None
+    return max(times, default=None)

@@ -1,0 +1,241 @@
+"""The removal methods of the store (garbage collection; the rules are in _gc.py).
+
+`StoreRemovals` is a mixin that `payloadd.store._store.Store` inherits: it lists the runs and steps
+on disk, removes the data files of a step (`StoreRemovals.remove_step`), empty run
+directories and orphans, under the store's lock. `Removal` is what one removal took.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Collection
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from payload_client.protocol import INT64_MAX
+from payloadd.store._appends import _File, os_errors
+from payloadd.store._disk_limits import DiskBudget
+from payloadd.store._readers import Readers
+
+__all__ = ["Removal", "StoreRemovals"]
+
+
+class StoreRemovals:
+    """Removal (garbage collection) of `payloadd.store._store.Store`'s files: a mixin; the
+    attributes below are the store's (set by ``Store.__init__``)."""
+
+    root: Path
+    node: str
+    instance: str
+    started: float
+    last_used: dict[str, float]
+    reads: Readers
+    _lock: threading.Lock
+    _files: OrderedDict[tuple[str, int, str], _File]
+    _leased: dict[tuple[str, int, str, int], _File]
+    _open: dict[str, _File]
+    _budget: DiskBudget
+
+    if TYPE_CHECKING:
+
+        def _close_file(self, f: _File) -> None: ...
+
+    def runs(self, node: str | None = None) -> dict[str, list[int]]:
+        """The runs of ``node`` (default: this daemon's) and their steps on disk, both
+        sorted."""
+        out: dict[str, list[int]] = {}
+        base = self.root / (node or self.node)
+        for run in sorted(_dir_names(base)):
+            steps = (_step_of(name) for name in _dir_names(base / run))
+            out[run] = sorted(step for step in steps if step is not None)
+        return out
+
+    def forget_unused_runs(self) -> None:
+        """Drop the last use of runs that have no directory any more."""
+        for run in list(self.last_used):
+            if not os.path.isdir(self.root / self.node / run):
+                self.last_used.pop(run, None)
+
+    def step_files(self, run: str, step: int, node: str | None = None) -> list[str]:
+        """The data files of one step of ``node`` (default: this daemon's), relative to the
+        root, sorted."""
+        rel_dir = f"{node or self.node}/{run}/{step}"
+        return [f"{rel_dir}/{name}" for name in _file_names(self.root / rel_dir)]
+
+    def remove_step(
+        self,
+        run: str,
+        step: int,
+        files: Collection[str],
+        *,
+        dry_run: bool = False,
+        idle_since: float | None = None,
+        node: str | None = None,
+    ) -> Removal:
+        """Remove the data files of one step, then its directory if empty.
+
+        Files a pending append still writes to are kept (`Removal.in_use`). A leased file is
+        removed: the data-plane client checks its file after writing and places the rows
+        again in a new lease when it is gone, so no acknowledged append is lost. The
+        daemon's cached read descriptor of a removed file is closed; a client's (or a read
+        in progress) keeps the file's blocks until closed.
+
+        Another node's step (``node``) is removed the same way, but this daemon knows
+        nothing of that node's appends in flight and leases: see `Collector`. Its bytes do
+        not count against this daemon's cap.
+
+        Parameters
+        ----------
+        run, step : str, int
+            The step directory ``<root>/<node>/<run>/<step>``.
+        files : collection of str
+            The files to remove (from `step_files`, listed in the ledger first); files
+            created since stay.
+        dry_run : bool
+            Count, remove nothing.
+        idle_since : float, optional
+            Monotonic time: remove nothing when the run was appended to or read after it
+            (checked under the lock that appends take; this node's runs only).
+        node : str, optional
+            The node prefix; default: this daemon's.
+
+        Returns
+        -------
+        Removal
+            What was (or would be) removed.
+        """
+        own = node is None or node == self.node
+        rel_dir = f"{self.node if own else node}/{run}/{step}"
+        out = Removal()
+        with self._lock, os_errors(self.root):
+            if (
+                own
+                and idle_since is not None
+                and self.last_used.get(run, self.started) > idle_since
+            ):
+                return out
+            for rel in sorted(files):
+                f = self._open.get(rel)
+                if f is not None and f.users > f.leases:
+                    out.in_use += 1
+                    continue
+                try:
+                    size = os.lstat(self.root / rel).st_size
+                except FileNotFoundError:
+                    continue
+                out.files.append((rel, size))
+                if dry_run:
+                    continue
+                if f is not None:
+                    if self._files.get(f.key) is f:
+                        del self._files[f.key]
+                    lease_key = (*f.key, f.owner)
+                    if self._leased.get(lease_key) is f:
+                        del self._leased[lease_key]
+                    f.sealed = True
+                    if f.open:  # leases write through their own descriptors: this one
+                        self._close_file(f)  # would only hold the space
+                os.unlink(self.root / rel)
+                if own:
+                    self._budget.forget(size)
+                self.reads.drop(rel)
+            if not dry_run:
+                out.dirs += _rmdir_if_empty(self.root / rel_dir)
+        return out
+
+    def remove_run_dir(self, run: str, node: str | None = None) -> int:
+        """Remove the directory of ``run`` of ``node`` (default: this daemon's) if it is
+        empty; 1 if removed."""
+        with self._lock:
+            return _rmdir_if_empty(self.root / (node or self.node) / run)
+
+    def remove_orphans(self, *, dry_run: bool = False) -> Removal:
+        """Remove this node's empty data files of earlier daemons, and empty directories.
+
+        An earlier daemon's file of 0 bytes never took a row, so no append was acknowledged
+        from it (a crash between creating a file and writing it leaves one). Files of this
+        daemon and non-empty files are never orphans: bytes written by an append in flight at
+        a crash (a torn tail) sit in files that also hold acknowledged segments and are
+        reclaimed with their step.
+        """
+        out = Removal()
+        base = self.root / self.node
+        for run, steps in self.runs().items():
+            for step in steps:
+                rel_dir = f"{self.node}/{run}/{step}"
+                with self._lock, os_errors(self.root):
+                    for name in _file_names(self.root / rel_dir):
+                        if f"-{self.instance}-" in name:
+                            continue
+                        rel = f"{rel_dir}/{name}"
+                        try:
+                            if os.lstat(self.root / rel).st_size:
+                                continue
+                        except FileNotFoundError:
+                            continue
+                        out.files.append((rel, 0))
+                        if not dry_run:
+                            os.unlink(self.root / rel)
+                    if not dry_run:
+                        out.dirs += _rmdir_if_empty(self.root / rel_dir)
+            if not dry_run:
+                with self._lock, os_errors(self.root):
+                    out.dirs += _rmdir_if_empty(base / run)
+        return out
+
+
+@dataclass
+class Removal:
+    """What one removal took (or would take): files as ``(path, size in bytes)``, the
+    directories removed, and files kept because an append was writing to them."""
+
+    files: list[tuple[str, int]] = field(default_factory=list)
+    dirs: int = 0
+    in_use: int = 0
+
+
+_DATA_FILE = re.compile(r".+-[0-9a-f]{8}-[0-9]{6,}\.bin")
+
+
+def _step_of(name: str) -> int | None:
+    """The step a directory named ``name`` holds (named as the store names them: ``str(step)``),
+    or ``None`` for any other name (``"007"``, ``"²"``, ``"x"``)."""
+    if not (name.isascii() and name.isdigit() and len(name) <= 19):
+        return None
+    step = int(name)
+    return step if str(step) == name and step <= INT64_MAX else None
+
+
+def _dir_names(path: Path) -> list[str]:
+    """Names of the sub-directories of ``path`` (none when it is missing)."""
+    try:
+        with os.scandir(path) as it:
+            return [e.name for e in it if e.is_dir(follow_symlinks=False)]
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+def _file_names(path: Path) -> list[str]:
+    """Names of the data files in ``path`` (regular files named as the store names them)."""
+    try:
+        with os.scandir(path) as it:
+            return sorted(
+                e.name
+                for e in it
+                if e.is_file(follow_symlinks=False) and _DATA_FILE.fullmatch(e.name)
+            )
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+def _rmdir_if_empty(path: Path) -> int:
+    """Remove ``path`` if it is an empty directory; return 1 if removed, else 0."""
+    try:
+        os.rmdir(path)
+    except OSError:  # not empty, missing
+        return 0
+    return 1
