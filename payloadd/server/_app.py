@@ -53,14 +53,14 @@ from payload_client.protocol import (
 from payloadd import __version__
 from payloadd.server._auth import TokenGuard, load_admin_token
 from payloadd.server._dataplane_server import DataPlaneServer
-from payloadd.server._metrics import HTTP, Metrics, StoreCollector
+from payloadd.server._metrics import HTTP, Metrics, StoreMetrics
 from payloadd.server._observe import ERROR_CLASS, Observe
 from payloadd.server._openapi import install_openapi, metrics_operation, operation
 from payloadd.settings._settings import Settings
 from payloadd.store._appends import item_nbytes
 from payloadd.store._budget import Descriptors, InFlight
 from payloadd.store._durability import Flusher
-from payloadd.store._gc import Collector
+from payloadd.store._gc import GarbageCollector
 from payloadd.store._readers import ExtentReader
 from payloadd.store._store import Store
 from payloadd.store._usage import DEFAULT_LEDGER, DEFAULT_MAX_STEPS, LIMIT, node_usage
@@ -199,7 +199,7 @@ _gc_msgpack = msgspec.msgpack.Decoder(GcRequest)
 _gc_json = msgspec.json.Decoder(GcRequest)
 
 
-async def _sweep_every(collector: Collector, seconds: float, metrics: Metrics) -> None:
+async def _sweep_every(collector: GarbageCollector, seconds: float, metrics: Metrics) -> None:
     """The background GC: the age rule, orphans and empty directories, every ``seconds``
     (the first at once); a failed sweep is logged and the next one still runs."""
     while True:
@@ -333,11 +333,11 @@ def create_app(
                 reservation_timeout=settings.reservation_timeout_s,
             )
             data_plane.start(data_listener)
-        gauges = StoreCollector(
+        gauges = StoreMetrics(
             store, data_plane.connections if data_plane else None, shares, inflight
         )
         metrics.registry.register(gauges)
-        collector = Collector(store, settings.ttl_s)
+        collector = GarbageCollector(store, settings.ttl_s)
         sweeper = asyncio.create_task(_sweep_every(collector, settings.gc_interval_s, metrics))
         try:
             yield {
@@ -501,7 +501,6 @@ def create_app(
                     pending.close()
         finally:
             buffered.release()
-        metrics.appended(items, HTTP)
         return _answer(request, AppendResponse(segments))
 
     @app.post(
@@ -579,7 +578,7 @@ def create_app(
                 req = _gc_json.decode(body)
         except msgspec.DecodeError as exc:
             raise InvalidRequestError(f"bad gc request: {exc}") from None
-        collector: Collector = request.state.collector
+        collector: GarbageCollector = request.state.collector
         return _answer(request, await _collect(collector.collect, req))
 
     @app.delete(
@@ -587,7 +586,7 @@ def create_app(
         **operation(200, GcReport, "Remove every step of a run.", errors=(400, 500)),
     )
     async def delete_run(request: Request, run: str, dry_run: bool = False) -> Response:
-        collector: Collector = request.state.collector
+        collector: GarbageCollector = request.state.collector
         report = await _collect(collector.delete_run, run, dry_run=dry_run)
         return _answer(request, report)
 
@@ -633,7 +632,7 @@ def create_app(
     async def delete_node_run(
         request: Request, node: str, run: str, dry_run: bool = False
     ) -> Response:
-        collector: Collector = request.state.collector
+        collector: GarbageCollector = request.state.collector
         report = await _collect(collector.delete_run, run, dry_run=dry_run, node=node)
         return _answer(request, report)
 

@@ -79,7 +79,7 @@ from payload_client.protocol import (
 )
 from payloadd.server._metrics import DATA_PLANE, Metrics
 from payloadd.server._sockets import bind_unix_socket
-from payloadd.store._appends import Lease, PendingAppend
+from payloadd.store._appends import LeasedRange, PendingAppend
 from payloadd.store._budget import Descriptors, InFlight, out_of_descriptors
 from payloadd.store._store import Store
 
@@ -111,7 +111,7 @@ class _Conn:
         self.owner = owner  # its lease files are private to it
         # txn -> (append, deadline, per-request descriptors it holds)
         self.pending: dict[int, tuple[PendingAppend, float, int]] = {}
-        self.leases: dict[tuple[str, int, str], Lease] = {}
+        self.leases: dict[tuple[str, int, str], LeasedRange] = {}
 
 
 class DataPlaneServer:
@@ -474,11 +474,7 @@ class DataPlaneServer:
         self.store.count("data_plane_requests")
         note = self._note(body)
         if note is not None:  # counters only; a reply only when asked for
-            self.store.count("appends", note.appends)
-            self.store.count("rows_appended", note.rows)
-            self.store.count("bytes_appended", note.nbytes)
-            if self.metrics is not None:
-                self.metrics.noted(note)
+            self.store.counts.noted(note)
             for node, run in note.runs:  # runs in use: the GC age rule spares them
                 if node == self.store.node:
                     self.store.touch(run)
@@ -487,7 +483,6 @@ class DataPlaneServer:
             self._observe("note", start)
             return
         kind, reply, fds, taken = self._handle(body, c)
-        self.store.count("data_plane_fds", len(fds))
         try:
             self._send(c, reply, fds)
         finally:
@@ -519,7 +514,7 @@ class DataPlaneServer:
                 raise busy from exc
             raise
 
-    def _lease(self, c: _Conn, key: tuple[str, int, str], nbytes: int) -> tuple[Lease, int]:
+    def _lease(self, c: _Conn, key: tuple[str, int, str], nbytes: int) -> tuple[LeasedRange, int]:
         """A lease of ``key`` in a file of this connection's, and the client's descriptor.
 
         Garbage collection may remove a leased file at any time, also before its descriptor
@@ -581,9 +576,7 @@ class DataPlaneServer:
                     done = next(iter(c.leases))
                     c.leases.pop(done).release()
                     self.store.seal_lease(c.owner, done)  # its unused tail stops counting
-                if m is not None:
-                    m.leased(req.field, lease.nbytes)
-                    m.handed_out("write", [lease.file])
+                self.store.counts.handed_out("write", [lease.file])
                 fsync = self.store.fsync == "always"
                 return kind, LeaseReply(lease.file, lease.offset, lease.nbytes, fsync), fds, taken
             if isinstance(req, FieldsRequest):
@@ -601,8 +594,7 @@ class DataPlaneServer:
                     fds.append(self.store.open_for_read(rel, end))
                 keeps = self.store.reads.keeps
                 once = [i for i, (rel, _) in enumerate(req.files) if not keeps(rel)]
-                if m is not None:
-                    m.handed_out("read", [rel for rel, _ in req.files])
+                self.store.counts.handed_out("read", [rel for rel, _ in req.files])
                 return kind, OpenReply(len(fds), once), fds, taken
             if isinstance(req, ReserveRequest):
                 kind = "reserve"
@@ -610,7 +602,7 @@ class DataPlaneServer:
                 what = f"a reservation of {len(req.items)} items"
                 self.fds.take(2 * need, what)  # the store's while it lasts, and the client's
                 taken = 2 * need
-                p = self.store.begin_append(req.items, private=True)
+                p = self.store.begin_append(req.items, private=True, transport=DATA_PLANE)
                 try:
                     files = p.files
                     if len(files) > MAX_FDS:
@@ -629,8 +621,7 @@ class DataPlaneServer:
                 taken = need  # the client's: given back once sent
                 index = {rel: i for i, rel in enumerate(files)}
                 extents = [ReservedExtent(index[rel], off, n) for rel, off, n in p.extents]
-                if m is not None:
-                    m.handed_out("write", files)
+                self.store.counts.handed_out("write", files)
                 return kind, ReserveReply(txn, files, extents), fds, taken
             if isinstance(req, CommitRequest | AbortRequest):
                 kind = "abort" if isinstance(req, AbortRequest) else "commit"
@@ -650,8 +641,6 @@ class DataPlaneServer:
                     reply = CommitReply(p.commit())
                 finally:
                     p.close()
-                if m is not None:
-                    m.appended(p.items, DATA_PLANE)
                 return kind, reply, [], taken
             raise InvalidRequestError(f"unexpected request {type(req).__name__}")
         except Exception as exc:

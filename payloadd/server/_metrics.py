@@ -1,12 +1,14 @@
 """Prometheus metrics of one daemon (``GET /metrics``), in a registry of its own.
 
-`Metrics` holds the counters and histograms that the request paths move (HTTP routes, the
-data plane, garbage collection); `StoreCollector` computes the gauges at scrape time from the
-store (disk usage and free space, open files, durability counters). Names start with
-``payloadd_`` and use base units (bytes, seconds). Labels have bounded values only: a field
-is labelled by its name when it is in the fields table and as `OTHER` otherwise (field names
-come from clients); routes by their template; errors by class name. docs/metrics.md lists
-every metric.
+`Metrics` holds the counters and histograms that the request paths move (HTTP routes and
+reads, data-plane request latencies, errors, refusals, garbage collection); `StoreMetrics`
+reads the rest from the store at scrape time: the counters of appends, leases and data-plane
+descriptors, which live in the store (`payloadd.store._counts.Counts`, also what
+``GET /v1/stats`` answers), and the gauges (disk usage and free space, open files,
+durability counters). Names start with ``payloadd_`` and use base units (bytes, seconds).
+Labels have bounded values only: a field is labelled by its name when it is in the fields
+table and as `OTHER` otherwise (field names come from clients); routes by their template;
+errors by class name. docs/metrics.md lists every metric.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
-import numpy as np
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -30,7 +31,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from payload_client import STATUS_BY_ERROR
-from payload_client.protocol import AppendItem, Extent, GcReport, NoteRequest
+from payload_client.protocol import Extent, GcReport
+from payloadd.store._counts import DATA_PLANE, HTTP, OTHER, Series, field_of_file
 
 if TYPE_CHECKING:
     from payloadd.store._budget import Descriptors, InFlight
@@ -43,14 +45,10 @@ __all__ = [
     "OTHER",
     "REFUSALS",
     "Metrics",
-    "StoreCollector",
+    "StoreMetrics",
     "field_of_file",
 ]
 
-HTTP = "http"
-DATA_PLANE = "data_plane"
-OTHER = "@other"
-"""Label of every field that is not in the fields table (no field name can contain ``@``)."""
 LATENCY_BUCKETS = (
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
     2.5, 5.0, 10.0, 30.0,
@@ -65,21 +63,6 @@ REFUSALS = tuple(
 """The ``(transport, reason)`` label pairs of ``payloadd_refused_total``."""
 ERRORS = frozenset({c.__name__ for c in STATUS_BY_ERROR} | {"HTTPError", "ServerError"})
 """Error classes counted by name; any other is counted as ``PayloadError``."""
-
-_itemsize = {name: np.dtype(name).itemsize for name in ("uint8", "int8", "uint16", "int16",
-             "int32", "float16", "float32")}  # fmt: skip
-
-
-def _row_nbytes(item: AppendItem) -> int:
-    n = _itemsize.get(item.dtype) or np.dtype(item.dtype).itemsize
-    for d in item.shape:
-        n *= d
-    return n
-
-
-def field_of_file(rel: str) -> str:
-    """The field a data file holds, from its name ``<field>-<instance>-<seq>.bin``."""
-    return rel.rpartition("/")[2].rsplit("-", 2)[0]
 
 
 class Metrics:
@@ -102,14 +85,6 @@ class Metrics:
         self.registry = r = CollectorRegistry()
         self._fields = frozenset(fields)
         fh = ["field", "transport"]
-        self.appends = Counter(
-            "payloadd_appends", "Appends acknowledged (calls; one may carry many items).",
-            ["transport"], registry=r,
-        )  # fmt: skip
-        self.appended_rows = Counter("payloadd_appended_rows", "Rows appended.", fh, registry=r)
-        self.appended_bytes = Counter(
-            "payloadd_appended_bytes", "Row bytes appended.", fh, registry=r
-        )
         self.read_bytes = Counter(
             "payloadd_read_bytes", "Bytes read (answers of HTTP reads).", fh, registry=r
         )
@@ -129,15 +104,6 @@ class Metrics:
             "payloadd_dataplane_request_duration_seconds",
             "Data-plane requests: seconds the daemon spent on each (its reply included).",
             ["kind"], buckets=LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
-        self.dp_fds = Counter(
-            "payloadd_dataplane_fds", "File descriptors handed out on the data plane.",
-            ["mode", "field"], registry=r,
-        )  # fmt: skip
-        self.leases = Counter("payloadd_dataplane_leases", "Leases granted.", ["field"], registry=r)
-        self.leased_bytes = Counter(
-            "payloadd_dataplane_leased_bytes", "Bytes of the leases granted.", ["field"],
-            registry=r,
         )  # fmt: skip
         self.gc_runs = Counter(
             "payloadd_gc_runs", "Garbage collections run (dry runs aside).", ["trigger"],
@@ -173,15 +139,10 @@ class Metrics:
             {"version": version, "node": node}
         )
         ProcessCollector(registry=r)
-        self._append_children: dict[tuple[str, str], tuple[Counter, Counter]] = {}
         self._read_children: dict[str, tuple[Counter, Counter]] = {}
         self._http_children: dict[tuple[str, int], Histogram] = {}
         self._dp_children: dict[str, Histogram] = {}
-        self._appends = {t: self.appends.labels(t) for t in (HTTP, DATA_PLANE)}
-        for transport in (HTTP, DATA_PLANE):  # known series start at 0, so rates work at once
-            for label in (*sorted(self._fields), OTHER):
-                self._appended(label, transport)
-        for label in (*sorted(self._fields), OTHER):
+        for label in (*sorted(self._fields), OTHER):  # known series start at 0
             self._reads(label)
         for trigger in ("sweep", "call"):
             self.gc_runs.labels(trigger)
@@ -191,41 +152,7 @@ class Metrics:
         """The ``field`` label of field ``name``: itself if in the fields table, else `OTHER`."""
         return name if name in self._fields else OTHER
 
-    # -- appends and reads -------------------------------------------------------------------
-
-    def _appended(self, label: str, transport: str) -> tuple[Counter, Counter]:
-        key = (label, transport)
-        c = self._append_children.get(key)
-        if c is None:
-            c = (self.appended_rows.labels(*key), self.appended_bytes.labels(*key))
-            self._append_children[key] = c
-        return c
-
-    def appended(self, items: Sequence[AppendItem], transport: str) -> None:
-        """Count one acknowledged append of ``items`` (an HTTP append or a committed
-        data-plane reservation)."""
-        self._appends[transport].inc()
-        for it in items:
-            rows, nbytes = self._appended(self.field(it.field), transport)
-            rows.inc(it.rows)
-            nbytes.inc(it.rows * _row_nbytes(it))
-
-    def noted(self, note: NoteRequest) -> None:
-        """Count the lease appends a data-plane client reports in ``note``; rows and bytes
-        it does not attribute to a field (an older client) count as `OTHER`."""
-        if not note.appends:
-            return
-        self._appends[DATA_PLANE].inc(note.appends)
-        rows_left, bytes_left = note.rows, note.nbytes
-        for name, rows, nbytes in note.fields:
-            r, b = self._appended(self.field(name), DATA_PLANE)
-            r.inc(rows)
-            b.inc(nbytes)
-            rows_left, bytes_left = rows_left - rows, bytes_left - nbytes
-        if rows_left > 0 or bytes_left > 0:
-            r, b = self._appended(OTHER, DATA_PLANE)
-            r.inc(max(0, rows_left))
-            b.inc(max(0, bytes_left))
+    # -- reads -----------------------------------------------------------------------------
 
     def read(self, extents: Sequence[Extent]) -> None:
         """Count one HTTP read answered in full."""
@@ -272,17 +199,6 @@ class Metrics:
         """Count one connection or request refused at a limit (see `REFUSALS`)."""
         self.refused.labels(transport, reason).inc()
 
-    def handed_out(self, mode: str, files: Iterable[str]) -> None:
-        """Count descriptors of ``files`` handed to a data-plane client (``read``/``write``)."""
-        for rel in files:
-            self.dp_fds.labels(mode, self.field(field_of_file(rel))).inc()
-
-    def leased(self, field: str, nbytes: int) -> None:
-        """Count one lease of ``nbytes`` bytes granted for ``field``."""
-        label = self.field(field)
-        self.leases.labels(label).inc()
-        self.leased_bytes.labels(label).inc(nbytes)
-
     # -- garbage collection ------------------------------------------------------------------
 
     def collected(self, report: GcReport, trigger: str) -> None:
@@ -306,13 +222,14 @@ class Metrics:
         return generate_latest(self.registry)
 
 
-class StoreCollector(Collector):
+class StoreMetrics(Collector):
     """Gauges and counters read from the store (and data plane) at scrape time.
 
     Parameters
     ----------
     store : Store
-        Its disk budget, open descriptors, durability counters and uptime.
+        Its counters (`Store.counts`), disk budget, open descriptors, durability counters
+        and uptime.
     connections : callable, optional
         Returns the data plane's open connections (absent without a data plane).
     fds : Descriptors, optional
@@ -344,6 +261,7 @@ class StoreCollector(Collector):
         def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
             return CounterMetricFamily(name, doc, value=value)
 
+        yield from self._counters()
         yield gauge("payloadd_uptime_seconds", "Seconds since this daemon started.", s.uptime_s)
         yield gauge(
             "payloadd_root_bytes",
@@ -423,3 +341,24 @@ class StoreCollector(Collector):
         yield gauge(
             "payloadd_fsync_files_dirty", "Data files the next flush will fsync.", s.files_dirty
         )
+
+    def _counters(self) -> Iterator[CounterMetricFamily]:
+        """The counters that live in the store (`payloadd.store._counts.Counts`)."""
+        counts = self.store.counts
+        fh = ["field", "transport"]
+        families: list[tuple[str, str, list[str], Series]] = [
+            ("payloadd_appends", "Appends acknowledged (calls; one may carry many items).",
+             ["transport"], counts.appends),
+            ("payloadd_appended_rows", "Rows appended.", fh, counts.appended_rows),
+            ("payloadd_appended_bytes", "Row bytes appended.", fh, counts.appended_bytes),
+            ("payloadd_dataplane_fds", "File descriptors handed out on the data plane.",
+             ["mode", "field"], counts.fds),
+            ("payloadd_dataplane_leases", "Leases granted.", ["field"], counts.leases),
+            ("payloadd_dataplane_leased_bytes", "Bytes of the leases granted.", ["field"],
+             counts.leased_bytes),
+        ]  # fmt: skip
+        for name, doc, labels, series in families:
+            family = CounterMetricFamily(name, doc, labels=labels)
+            for sample in counts.samples(series):
+                family.add_metric(list(sample.labels), sample.value, created=sample.created)
+            yield family

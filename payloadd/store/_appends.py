@@ -2,36 +2,26 @@
 
 `Store.begin_append` reserves byte ranges (`PendingAppend`), the caller writes the rows with
 ``os.pwrite`` outside the store's lock, and `PendingAppend.commit` returns the segments once
-every byte is written; `Store.lease` hands a data-plane client a private range (`Lease`).
+every byte is written; `Store.lease` hands a data-plane client a private range
+(`LeasedRange`). Both deal with the files they hold through an `AppendOwner` (the store's
+`payloadd.store._files.FileTable`), and count through `payloadd.store._counts.Counts`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import os
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
-from payload_client import (
-    SUPPORTED_DTYPES,
-    InvalidRequestError,
-    PayloadError,
-    PayloadSegment,
-    ServerError,
-    StorageFullError,
-)
+from payload_client import SUPPORTED_DTYPES, InvalidRequestError, PayloadSegment
 from payload_client.protocol import INT64_MAX, AppendItem, check_name
-from payloadd.store._budget import out_of_descriptors
+from payloadd.store._counts import HTTP, Counts
+from payloadd.store._records import AppendFile, Placement, os_errors
 
-if TYPE_CHECKING:
-    from payloadd.store._store import Store
-
-__all__ = ["Lease", "PendingAppend", "item_nbytes", "os_errors"]
+__all__ = ["AppendOwner", "LeasedRange", "PendingAppend", "item_nbytes"]
 
 
 def item_nbytes(item: AppendItem, index: int = 0) -> tuple[int, int]:
@@ -63,58 +53,33 @@ def item_nbytes(item: AppendItem, index: int = 0) -> tuple[int, int]:
     return row_nb, row_nb * item.rows
 
 
-@contextlib.contextmanager
-def os_errors(root: Path) -> Iterator[None]:
-    """Translate OS errors of the payload root: a full disk or quota is 507, no descriptor left
-    503, others 500."""
-    try:
-        yield
-    except PayloadError:
-        raise
-    except OSError as exc:
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise StorageFullError(f"payload root {root} is full: {exc.strerror}") from exc
-        busy = out_of_descriptors(exc)
-        if busy is not None:
-            raise busy from exc
-        raise ServerError(f"I/O error under the payload root {root}: {exc}") from exc
+class AppendOwner(Protocol):
+    """What a pending append or a leased range needs from the files it holds (the store's
+    `payloadd.store._files.FileTable`)."""
 
+    @property
+    def root(self) -> Path:
+        """The payload root (for the errors of its files)."""
+        ...
 
-@dataclass(eq=False)
-class _File:
-    """A data file open for appends. ``size`` is the end of what has been reserved.
+    def committed(self, files: Sequence[AppendFile]) -> None:
+        """Rows were written to ``files``: fsync them, or mark them for the next flush,
+        as the durability policy says."""
+        ...
 
-    ``owner`` 0: a shared file, written only by the daemon (HTTP appends). Otherwise the file
-    is private to one data-plane connection (its leases) or to one pending append (its own
-    fresh files): nobody else's rows are ever placed in it, so the descriptors handed out for
-    it can only damage what their holder wrote. ``fd`` is the daemon's descriptor (-1 for a
-    lease file: its client writes it through a descriptor of its own). ``open`` while its
-    reserved bytes count against the cap; it ends once the file is sealed and unused.
-    ``users`` counts pending appends and leases, ``leases`` the leases among them (GC may
-    remove a leased file: the client checks after writing, see `Store.remove_step`)."""
+    def release(self, files: Sequence[AppendFile]) -> None:
+        """The caller is done with ``files``; a sealed one nobody uses any more closes."""
+        ...
 
-    rel: str
-    size: int
-    fd: int
-    key: tuple[str, int, str]
-    owner: int = 0
-    ino: tuple[int, int] = (0, 0)
-    users: int = 0
-    leases: int = 0
-    sealed: bool = False
-    open: bool = True
+    def give_up(
+        self, placements: Sequence[Placement], files: Sequence[AppendFile], private: bool
+    ) -> None:
+        """An append ends without a commit: give its reservation back."""
+        ...
 
-
-@dataclass(frozen=True)
-class _Extent:
-    """A reserved byte range of one file for rows ``[pos, pos + rows)`` of one item."""
-
-    item: int
-    file: _File
-    offset: int
-    pos: int
-    rows: int
-    nbytes: int
+    def lease_ended(self, f: AppendFile) -> None:
+        """A lease of ``f`` ended (its client wrote ``f`` unseen), and is released."""
+        ...
 
 
 class PendingAppend:
@@ -124,24 +89,29 @@ class PendingAppend:
     The files stay open (the store's descriptors) until `commit` or `close`. An append placed
     in files of its own (``private``) that ends without `commit` takes them away with it:
     nothing in them was acknowledged, so they are removed and their bytes stop counting.
+    A commit counts in ``counts`` as an append over ``transport``.
     """
 
     def __init__(
         self,
-        store: Store,
+        owner: AppendOwner,
+        counts: Counts,
         items: Sequence[AppendItem],
-        extents: list[_Extent],
-        files: list[_File],
+        placements: list[Placement],
+        files: list[AppendFile],
         private: bool = False,
+        transport: str = HTTP,
     ) -> None:
-        self._store = store
+        self._owner = owner
+        self._counts = counts
         self._items = items
-        self._extents = extents
+        self._placements = placements
         self._files = files
         self.private = private
-        self._cursor = 0  # index into extents
-        self._done = 0  # bytes of extents[cursor] written
-        self.remaining = sum(e.nbytes for e in extents)
+        self.transport = transport
+        self._cursor = 0  # index into placements
+        self._done = 0  # bytes of placements[cursor] written
+        self.remaining = sum(e.nbytes for e in placements)
         self._committed = False
         self._closed = False
 
@@ -154,7 +124,7 @@ class PendingAppend:
             If more bytes arrive than the items announce.
         """
         view = memoryview(data).cast("B")
-        with os_errors(self._store.root):
+        with os_errors(self._owner.root):
             self._write(view)
 
     def _write(self, view: memoryview) -> None:
@@ -163,7 +133,7 @@ class PendingAppend:
                 f"body carries more row bytes than its items announce ({self.remaining} left)"
             )
         while view.nbytes:
-            ext = self._extents[self._cursor]
+            ext = self._placements[self._cursor]
             take = min(ext.nbytes - self._done, view.nbytes)
             at = 0
             while at < take:
@@ -183,7 +153,7 @@ class PendingAppend:
     @property
     def extents(self) -> list[tuple[str, int, int]]:
         """The reserved ranges in row-stream order: ``(file, offset, nbytes)``."""
-        return [(e.file.rel, e.offset, e.nbytes) for e in self._extents]
+        return [(e.file.rel, e.offset, e.nbytes) for e in self._placements]
 
     @property
     def items(self) -> Sequence[AppendItem]:
@@ -206,23 +176,18 @@ class PendingAppend:
             raise InvalidRequestError(f"body ended {self.remaining} row bytes early")
         if self._closed:
             raise InvalidRequestError("this append was already given up")
-        if self._store.fsync == "always":
-            with os_errors(self._store.root):
-                for f in self._files:
-                    os.fsync(f.fd)
-        elif self._store._dirty is not None:
-            self._store._dirty.wrote(f.rel for f in self._files)
+        self._owner.committed(self._files)
         self._committed = True
         self.close()
         out: list[list[PayloadSegment]] = [[] for _ in self._items]
-        for e in self._extents:
+        for e in self._placements:
             it = self._items[e.item]
             out[e.item].append(
                 PayloadSegment(
                     it.field, e.file.rel, e.offset, e.pos, e.rows, it.dtype, list(it.shape)
                 )
             )
-        self._store._count_append(self._items)
+        self._counts.appended(self._items, self.transport)
         return out
 
     def close(self) -> None:
@@ -232,16 +197,24 @@ class PendingAppend:
         if not self._closed:
             self._closed = True
             if self._committed:
-                self._store._release(self._files)
+                self._owner.release(self._files)
             else:
-                self._store._give_up(self._extents, self._files, self.private)
+                self._owner.give_up(self._placements, self._files, self.private)
 
 
-class Lease:
-    """A private byte range of a data file, handed to one client; see `Store.lease`."""
+class LeasedRange:
+    """A private byte range of a data file, handed to one client; see `Store.lease`.
 
-    def __init__(self, store: Store, f: _File, offset: int, nbytes: int) -> None:
-        self._store, self._file = store, f
+    Attributes
+    ----------
+    file : str
+        The file, relative to the root.
+    offset, nbytes : int
+        Where the range starts in it, and its length.
+    """
+
+    def __init__(self, owner: AppendOwner, f: AppendFile, offset: int, nbytes: int) -> None:
+        self._owner, self._file = owner, f
         self.file, self.offset, self.nbytes = f.rel, offset, nbytes
         self._released = False
 
@@ -249,8 +222,4 @@ class Lease:
         """The client is done with the range (its unused tail stays a hole)."""
         if not self._released:
             self._released = True
-            with self._store._lock:
-                self._file.leases -= 1
-            if self._store._dirty is not None:
-                self._store._dirty.released(self.file)
-            self._store._release([self._file])
+            self._owner.lease_ended(self._file)

@@ -1,33 +1,10 @@
-"""Garbage collection: the rules that free what training has consumed.
+"""Garbage collection: the rules (watermark, run, age, orphans) that free what training has
+consumed, applied to a `Store` by `GarbageCollector`, one collection at a time.
 
-Three rules, each removing whole step directories of this daemon's node
-(``<root>/<node>/<run>/<step>``), and one clean-up:
-
-- **watermark** (``run``, ``before_step``): the steps ``<= before_step`` of a run, once the
-  trainer is done with them;
-- **run**: every step of a run (``DELETE /v1/admin/runs/{run}``);
-- **ttl**: a safety net for abandoned runs: a step whose files were all last written more
-  than ``ttl_s`` seconds ago, of a run nobody appended to or read for as long (since the
-  daemon started, for a restarted daemon: it cannot know older uses);
-- **orphans**: empty files of an earlier daemon (no append was acknowledged from them) and
-  empty directories.
-
-Each collection lists the files it removes in the node's ledger (`payloadd.store._ledger`) before
-any of them goes, so a read of a collected segment answers 410 Gone naming its run and step,
-across restarts; a file that never existed stays 404.
-A spare file beside the ledger makes room for that line on a full disk, when GC is
-needed most.
-A file a pending append writes to is never removed (`Store.remove_step`). A read already in
-progress holds its descriptors open and completes intact.
-
-**Another node's prefix** (a shared root; ``GcRequest.node``, `Collector.delete_run`): only
-when asked, and only the rules asked for: the watermark, the run, and the age rule when a
-``ttl_s`` is given (by the files' ages alone: this daemon does not see that node's appends
-and reads). No orphans: an empty file there may be one its daemon just created; the step
-and run directories the collection empties go. The ledger line goes to that node's ledger,
-so reads through any daemon answer 410. This daemon does not see that node's appends in
-flight or its leases either: collect a node whose daemon is stopped, or steps nobody
-appends to any more (docs/deployment.md).
+What each rule removes, the ledger that makes reads of collected steps answer 410, what is
+never removed, and collections of another node's prefix: docs/operations.md, section
+"Garbage collection". What one step's removal does under the store's lock:
+`payloadd.store._removal.Removals.remove_step`.
 """
 
 from __future__ import annotations
@@ -40,15 +17,15 @@ from collections.abc import Iterable
 
 from payload_client import InvalidRequestError
 from payload_client.protocol import GcCount, GcReport, GcRequest, check_name
-from payloadd.store._appends import os_errors
-from payloadd.store._store import Removal, Store
+from payloadd.store._records import Removal, os_errors
+from payloadd.store._store import Store
 
-__all__ = ["Collector"]
+__all__ = ["GarbageCollector"]
 
 log = logging.getLogger("payloadd.gc")
 
 
-class Collector:
+class GarbageCollector:
     """Applies the GC rules to a `Store`; one collection at a time.
 
     Parameters

@@ -28,9 +28,9 @@ from payload_client import (
     SegmentFileError,
 )
 from payload_client.protocol import Extent, check_relative_path
-from payloadd.store._appends import os_errors
 from payloadd.store._budget import READ_CACHE, out_of_descriptors
 from payloadd.store._ledger import LEDGER_NAME, Ledger
+from payloadd.store._records import os_errors
 
 __all__ = ["ExtentReader", "Readers"]
 

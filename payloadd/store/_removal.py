@@ -1,48 +1,44 @@
-"""The removal methods of the store (garbage collection; the rules are in _gc.py).
+"""Removal of the store's files (garbage collection; the rules are in _gc.py).
 
-`StoreRemovals` is a mixin that `payloadd.store._store.Store` inherits: it lists the runs and steps
-on disk, removes the data files of a step (`StoreRemovals.remove_step`), empty run
-directories and orphans, under the store's lock. `Removal` is what one removal took.
+`Removals` lists the runs and steps on disk and removes the data files of a step
+(`Removals.remove_step`), empty run directories and orphans, under the lock of the store's
+`payloadd.store._files.FileTable`; `payloadd.store._store.Store` owns one and answers its
+removal methods with it. `payloadd.store._records.Removal` is what one removal took.
 """
 
 from __future__ import annotations
 
 import os
 import re
-import threading
-from collections import OrderedDict
-from collections.abc import Collection
-from dataclasses import dataclass, field
+from collections.abc import Callable, Collection
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from payload_client.protocol import INT64_MAX
-from payloadd.store._appends import _File, os_errors
-from payloadd.store._disk_limits import DiskBudget
+from payloadd.store._files import FileTable
 from payloadd.store._readers import Readers
+from payloadd.store._records import Removal, os_errors
 
-__all__ = ["Removal", "StoreRemovals"]
+__all__ = ["Removals"]
 
 
-class StoreRemovals:
-    """Removal (garbage collection) of `payloadd.store._store.Store`'s files: a mixin; the
-    attributes below are the store's (set by ``Store.__init__``)."""
+class Removals:
+    """Removes the data files of a payload root, under the lock of the store's file table.
 
-    root: Path
-    node: str
-    instance: str
-    started: float
-    last_used: dict[str, float]
-    reads: Readers
-    _lock: threading.Lock
-    _files: OrderedDict[tuple[str, int, str], _File]
-    _leased: dict[tuple[str, int, str, int], _File]
-    _open: dict[str, _File]
-    _budget: DiskBudget
+    Parameters
+    ----------
+    table : FileTable
+        The files open for appends of this daemon's node (its root, node, lock, and disk
+        budget: removed bytes of this node stop counting).
+    reads : Readers
+        Whose cached descriptors of removed files are closed.
+    last_use : callable
+        The monotonic time a run of this node was last appended to or read (the store's
+        `Store.last_used`, or its start).
+    """
 
-    if TYPE_CHECKING:
-
-        def _close_file(self, f: _File) -> None: ...
+    def __init__(self, table: FileTable, reads: Readers, last_use: Callable[[str], float]) -> None:
+        self.table, self.reads, self._last_use = table, reads, last_use
+        self.root, self.node = table.root, table.node
 
     def runs(self, node: str | None = None) -> dict[str, list[int]]:
         """The runs of ``node`` (default: this daemon's) and their steps on disk, both
@@ -53,12 +49,6 @@ class StoreRemovals:
             steps = (_step_of(name) for name in _dir_names(base / run))
             out[run] = sorted(step for step in steps if step is not None)
         return out
-
-    def forget_unused_runs(self) -> None:
-        """Drop the last use of runs that have no directory any more."""
-        for run in list(self.last_used):
-            if not os.path.isdir(self.root / self.node / run):
-                self.last_used.pop(run, None)
 
     def step_files(self, run: str, step: int, node: str | None = None) -> list[str]:
         """The data files of one step of ``node`` (default: this daemon's), relative to the
@@ -85,7 +75,7 @@ class StoreRemovals:
         in progress) keeps the file's blocks until closed.
 
         Another node's step (``node``) is removed the same way, but this daemon knows
-        nothing of that node's appends in flight and leases: see `Collector`. Its bytes do
+        nothing of that node's appends in flight and leases: see `GarbageCollector`. Its bytes do
         not count against this daemon's cap.
 
         Parameters
@@ -111,15 +101,11 @@ class StoreRemovals:
         own = node is None or node == self.node
         rel_dir = f"{self.node if own else node}/{run}/{step}"
         out = Removal()
-        with self._lock, os_errors(self.root):
-            if (
-                own
-                and idle_since is not None
-                and self.last_used.get(run, self.started) > idle_since
-            ):
+        with self.table.lock, os_errors(self.root):
+            if own and idle_since is not None and self._last_use(run) > idle_since:
                 return out
             for rel in sorted(files):
-                f = self._open.get(rel)
+                f = self.table.open_files.get(rel)
                 if f is not None and f.users > f.leases:
                     out.in_use += 1
                     continue
@@ -131,17 +117,10 @@ class StoreRemovals:
                 if dry_run:
                     continue
                 if f is not None:
-                    if self._files.get(f.key) is f:
-                        del self._files[f.key]
-                    lease_key = (*f.key, f.owner)
-                    if self._leased.get(lease_key) is f:
-                        del self._leased[lease_key]
-                    f.sealed = True
-                    if f.open:  # leases write through their own descriptors: this one
-                        self._close_file(f)  # would only hold the space
+                    self.table.forget_removed(f)
                 os.unlink(self.root / rel)
                 if own:
-                    self._budget.forget(size)
+                    self.table.budget.forget(size)
                 self.reads.drop(rel)
             if not dry_run:
                 out.dirs += _rmdir_if_empty(self.root / rel_dir)
@@ -150,7 +129,7 @@ class StoreRemovals:
     def remove_run_dir(self, run: str, node: str | None = None) -> int:
         """Remove the directory of ``run`` of ``node`` (default: this daemon's) if it is
         empty; 1 if removed."""
-        with self._lock:
+        with self.table.lock:
             return _rmdir_if_empty(self.root / (node or self.node) / run)
 
     def remove_orphans(self, *, dry_run: bool = False) -> Removal:
@@ -167,9 +146,9 @@ class StoreRemovals:
         for run, steps in self.runs().items():
             for step in steps:
                 rel_dir = f"{self.node}/{run}/{step}"
-                with self._lock, os_errors(self.root):
+                with self.table.lock, os_errors(self.root):
                     for name in _file_names(self.root / rel_dir):
-                        if f"-{self.instance}-" in name:
+                        if f"-{self.table.instance}-" in name:
                             continue
                         rel = f"{rel_dir}/{name}"
                         try:
@@ -183,19 +162,9 @@ class StoreRemovals:
                     if not dry_run:
                         out.dirs += _rmdir_if_empty(self.root / rel_dir)
             if not dry_run:
-                with self._lock, os_errors(self.root):
+                with self.table.lock, os_errors(self.root):
                     out.dirs += _rmdir_if_empty(base / run)
         return out
-
-
-@dataclass
-class Removal:
-    """What one removal took (or would take): files as ``(path, size in bytes)``, the
-    directories removed, and files kept because an append was writing to them."""
-
-    files: list[tuple[str, int]] = field(default_factory=list)
-    dirs: int = 0
-    in_use: int = 0
 
 
 _DATA_FILE = re.compile(r".+-[0-9a-f]{8}-[0-9]{6,}\.bin")

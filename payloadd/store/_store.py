@@ -12,6 +12,10 @@ segments once every byte is written (and fsync'd under ``fsync="always"``; under
 Every reservation is checked against the disk limits first (`payloadd.store._disk_limits`): an append
 or lease that does not fit under ``max_root_bytes`` or above ``min_free_bytes`` fails with
 `StorageFullError` before anything is reserved.
+
+The store is composed of parts it owns: the files open for appends (`FileTable`, whose lock
+is the store's), the read side (`Readers`), removals (`Removals`) and the counters
+(`Counts`).
 """
 
 from __future__ import annotations
@@ -21,10 +25,8 @@ import itertools
 import os
 import re
 import secrets
-import threading
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -34,7 +36,6 @@ from payload_client import (
     PayloadTooLargeError,
 )
 from payload_client.protocol import (
-    INT64_MAX,
     AppendItem,
     Extent,
     FieldsTable,
@@ -43,21 +44,20 @@ from payload_client.protocol import (
     check_item,
     check_name,
 )
-from payloadd.store._appends import Lease, PendingAppend, _Extent, _File, item_nbytes, os_errors
+from payloadd.store._appends import LeasedRange, PendingAppend, item_nbytes
 from payloadd.store._budget import APPEND_FILES, READ_CACHE
+from payloadd.store._counts import HTTP, Counts
 from payloadd.store._disk_limits import DiskBudget, tree_sizes
-from payloadd.store._durability import DirtyFiles
+from payloadd.store._files import DIR_MODE, FileTable
 from payloadd.store._ledger import Ledger
 from payloadd.store._readers import ExtentReader, Readers
-from payloadd.store._removal import Removal, StoreRemovals
+from payloadd.store._records import AppendFile, Placement, Removal, os_errors
+from payloadd.store._removal import Removals
 
-__all__ = ["Removal", "Store"]
-
-DIR_MODE = 0o750
-FILE_MODE = 0o640
+__all__ = ["Store"]
 
 
-class Store(StoreRemovals):
+class Store:
     """Owns the payload root: places, writes and reads rows; sync and thread-safe.
 
     Parameters
@@ -93,6 +93,16 @@ class Store(StoreRemovals):
         new file (the daemon's share of ``RLIMIT_NOFILE``, `payloadd.store._budget`).
     read_cache : int
         Read-only descriptors kept for later reads (`Readers`).
+
+    Attributes
+    ----------
+    counts : Counts
+        The counters of appends, leases and data-plane requests (`stats`, and the
+        server's Prometheus metrics at scrape time).
+    last_used : dict
+        Run of this node -> monotonic time it was last appended to or read.
+    reads : Readers
+        The read side.
     """
 
     def __init__(
@@ -114,7 +124,6 @@ class Store(StoreRemovals):
     ) -> None:
         self.node = check_name(node, "node")
         self.root = self.check_root(root, self.node)
-        self._root_prefix = str(self.root) + os.sep
         self.max_file_bytes = max_file_bytes
         self.max_read_bytes = max_read_bytes
         self.max_append_bytes = max_append_bytes
@@ -122,23 +131,19 @@ class Store(StoreRemovals):
         self.append_files = append_files
         self.fsync = fsync
         self.fields = fields if fields is not None else FieldsTable({})
-        self._dirty = DirtyFiles(self.root) if fsync == "interval" else None
-        self._budget = DiskBudget(self.root, self.root / node, max_root_bytes, min_free_bytes)
         self.instance = secrets.token_hex(4)
         self.started = time.monotonic()
-        self._lock = threading.Lock()
-        self._files: OrderedDict[tuple[str, int, str], _File] = OrderedDict()  # shared, current
-        self._leased: dict[tuple[str, int, str, int], _File] = {}  # an owner's current files
-        self._open: dict[str, _File] = {}  # every file whose reserved bytes count, by path
+        budget = DiskBudget(self.root, self.root / node, max_root_bytes, min_free_bytes)
+        self._table = FileTable(
+            self.root, self.node, self.instance, fsync, max_file_bytes, append_files, budget
+        )
         self._owners = itertools.count(1)
-        self.last_used: dict[str, float] = {}  # run of this node -> monotonic time
+        self.last_used: dict[str, float] = {}
         self.reads = Readers(
             self.root, self.node, max_read_bytes, self.touch, foreign_reads, read_cache
         )
-        self._seq = 0
-        self._counts = {"appends": 0, "rows_appended": 0, "bytes_appended": 0}
-        self._counts |= {"data_plane_requests": 0}
-        self._counts |= {"data_plane_fds": 0, "leases": 0, "leased_bytes": 0}
+        self._removals = Removals(self._table, self.reads, self._last_use)
+        self.counts = Counts(self.fields.fields)
 
     @staticmethod
     def check_root(root: str | os.PathLike[str], node: str | None = None) -> Path:
@@ -175,197 +180,12 @@ class Store(StoreRemovals):
 
     def new_owner(self) -> int:
         """A new owner id for files private to one client (a data-plane connection)."""
-        with self._lock:
+        with self._table.lock:
             return next(self._owners)
-
-    def _seal(self, f: _File) -> None:
-        """No more appends to ``f``; close it once no pending append uses it. Lock held."""
-        f.sealed = True
-        if f.users == 0 and f.open:
-            self._close_file(f)
-
-    def _close_file(self, f: _File) -> None:
-        """Close ``f``: reserved bytes past its end were never written, and stop counting
-        against the cap. Lock held."""
-        with contextlib.suppress(OSError):
-            st = os.fstat(f.fd) if f.fd >= 0 else os.stat(self.root / f.rel)
-            if f.fd >= 0 or (st.st_dev, st.st_ino) == f.ino:
-                self._budget.forget(max(0, f.size - st.st_size))
-        if f.fd >= 0:
-            os.close(f.fd)
-            f.fd = -1
-        f.open = False
-        self._open.pop(f.rel, None)
-
-    def _discard(self, f: _File) -> None:
-        """Remove ``f``, a private file none of whose rows were acknowledged, with its step
-        and run directories if they are left empty; its bytes stop counting. Lock held."""
-        if f.open:  # a closed file counts what it holds: nothing, when it is discarded
-            self._budget.forget(f.size)
-        if f.fd >= 0:
-            os.close(f.fd)
-            f.fd = -1
-        f.open, f.sealed = False, True
-        self._open.pop(f.rel, None)
-        path = self.root / f.rel
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-        for d in (path.parent, path.parent.parent):
-            try:
-                os.rmdir(d)
-            except OSError:  # not empty (or gone): the rest stays
-                break
-
-    def _removed(self, f: _File) -> bool:
-        """Whether ``f`` was removed (garbage collection) since it was created. Lock held."""
-        if f.fd >= 0:
-            return os.fstat(f.fd).st_nlink == 0
-        try:
-            st = os.stat(self.root / f.rel)
-        except FileNotFoundError:
-            return True
-        return (st.st_dev, st.st_ino) != f.ino
-
-    def _current(self, key: tuple[str, int, str]) -> _File:
-        """The shared file ``key`` appends to now (a new one if none, or it was removed).
-        Lock held."""
-        f = self._files.get(key)
-        if f is None or self._removed(f):
-            return self._new_shared(key)
-        self._files.move_to_end(key)
-        return f
-
-    @staticmethod
-    def _hold(f: _File, held: dict[int, _File]) -> None:
-        if id(f) not in held:
-            held[id(f)] = f
-            f.users += 1
-
-    def _release(self, files: list[_File]) -> None:
-        with self._lock:
-            self._release_locked(files)
-
-    def _release_locked(self, files: list[_File]) -> None:
-        for f in files:
-            f.users -= 1
-            if f.sealed and f.users == 0 and f.open:
-                self._close_file(f)
-
-    def _give_up(self, extents: list[_Extent], files: list[_File], private: bool) -> None:
-        """An append ends without a commit: give its reservation back (`PendingAppend.close`)."""
-        with self._lock:
-            if private:
-                for f in files:
-                    f.users -= 1
-                    if f.users == 0 and f.open:
-                        self._discard(f)
-                return
-            for e in reversed(extents):  # ranges at a file's end are taken back
-                if e.file.size == e.offset + e.nbytes:
-                    e.file.size = e.offset
-                    self._budget.forget(e.nbytes)
-            self._release_locked(files)
-
-    def _mkdirs(self, rel_dir: str) -> list[str]:
-        """Create ``rel_dir`` and its parents under the root, each with mode 0750; return the
-        directories that got a new entry (relative, ``"."`` for the root)."""
-        path, parent = self.root, "."
-        grown: list[str] = []
-        for part in rel_dir.split("/"):
-            path = path / part
-            rel = part if parent == "." else f"{parent}/{part}"
-            try:
-                os.mkdir(path, DIR_MODE)
-            except FileExistsError:
-                parent = rel
-                continue
-            os.chmod(path, DIR_MODE)  # exact mode, whatever the umask
-            grown.append(parent)
-            parent = rel
-        return grown
-
-    def _new_file(
-        self, run: str, step: int, field: str, owner: int = 0, keep_fd: bool = True
-    ) -> _File:
-        """Create the next data file of ``(run, step, field)``, registered as open but as
-        nobody's current file; caller holds the lock."""
-        d = f"{self.node}/{run}/{step}"
-        grown = [*self._mkdirs(d), d]  # directories with a new entry: parents first
-        self._seq += 1
-        rel = f"{d}/{field}-{self.instance}-{self._seq:06d}.bin"
-        fd = os.open(
-            self.root / rel, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE
-        )
-        try:
-            if self.fsync == "always":
-                for g in reversed(grown):  # the file's entry first, up to the root's
-                    dfd = os.open(self.root / g, os.O_RDONLY | os.O_DIRECTORY)
-                    try:
-                        os.fsync(dfd)
-                    finally:
-                        os.close(dfd)
-            elif self._dirty is not None:
-                self._dirty.created(grown)
-            st = os.fstat(fd)
-        except BaseException:
-            os.close(fd)
-            os.unlink(self.root / rel)
-            raise
-        if not keep_fd:
-            os.close(fd)
-            fd = -1
-        f = _File(rel, 0, fd, (run, step, field), owner=owner, ino=(st.st_dev, st.st_ino))
-        self._open[rel] = f
-        return f
-
-    def _new_shared(self, key: tuple[str, int, str]) -> _File:
-        """A new shared current file of ``key``; the least recently appended to rest beyond
-        ``append_files``. Lock held."""
-        f = self._new_file(*key)
-        old = self._files.pop(key, None)
-        if old is not None:
-            self._seal(old)
-        self._files[key] = f
-        while len(self._files) > self.append_files:
-            self._seal(self._files.popitem(last=False)[1])
-        return f
-
-    def _place(
-        self,
-        index: int,
-        item: AppendItem,
-        row_nb: int,
-        held: dict[int, _File],
-        out: list[_Extent],
-        current: Callable[[tuple[str, int, str]], _File],
-        new: Callable[[tuple[str, int, str]], _File],
-    ) -> None:
-        """Reserve room for one item's rows, adding its extents to ``out``; lock held.
-        ``current(key)`` is the file the key appends to, ``new(key)`` starts the next one."""
-        key = (item.run, item.step, item.field)
-        rows, pos = item.rows, item.pos
-        f = current(key)
-        while True:
-            nbytes = rows * row_nb
-            fits = f.size + nbytes <= self.max_file_bytes
-            if fits or rows == 0 or (f.size == 0 and rows == 1):
-                self._hold(f, held)
-                out.append(_Extent(index, f, f.size, pos, rows, nbytes))
-                f.size += nbytes
-                return
-            if f.size > 0:
-                f = new(key)
-                continue
-            # an empty file and more rows than fit: fill it, then go on in the next one
-            take = max(1, self.max_file_bytes // row_nb)
-            self._hold(f, held)
-            out.append(_Extent(index, f, 0, pos, take, take * row_nb))
-            f.size = take * row_nb
-            rows, pos = rows - take, pos + take
 
     def files_needed(self, items: Sequence[AppendItem]) -> int:
         """At most how many data files an append of ``items`` holds open at once (for the
-        descriptor budget, `payloadd.store._budget`): the files `_place` would fill for each
+        descriptor budget, `payloadd.store._budget`): the files `FileTable.place` would fill for each
         (run, step, field), from an empty one, plus one (a current file partly full).
 
         Raises
@@ -379,7 +199,7 @@ class Store(StoreRemovals):
             row_nb = item_nbytes(it, i)[0]
             f = state.setdefault((it.run, it.step, it.field), [1, 0])
             rows = it.rows
-            while True:  # as `_place` does
+            while True:  # as `FileTable.place` does
                 if f[1] + rows * row_nb <= cap or rows == 0 or (f[1] == 0 and rows == 1):
                     f[1] += rows * row_nb
                     break
@@ -390,7 +210,9 @@ class Store(StoreRemovals):
                 f[1], rows = take * row_nb, rows - take
         return sum(files + 1 for files, _ in state.values())
 
-    def begin_append(self, items: Sequence[AppendItem], private: bool = False) -> PendingAppend:
+    def begin_append(
+        self, items: Sequence[AppendItem], private: bool = False, *, transport: str = HTTP
+    ) -> PendingAppend:
         """Validate ``items`` and reserve room for their rows.
 
         Parameters
@@ -402,6 +224,8 @@ class Store(StoreRemovals):
             of the shared current files: for an append whose rows take long to arrive (a
             large HTTP body) or that a client writes itself (a data-plane reservation).
             Given up without a commit, such an append leaves nothing behind.
+        transport : {"http", "data_plane"}
+            What its commit counts as (`Counts.appended`).
 
         Returns
         -------
@@ -435,83 +259,57 @@ class Store(StoreRemovals):
             raise PayloadTooLargeError(
                 f"append of {total} row bytes is above the limit of {self.max_append_bytes}"
             )
-        held: dict[int, _File] = {}  # files this append writes to, kept open until it is done
-        extents: list[_Extent] = []
-        created: list[_File] = []
-        own: dict[tuple[str, int, str], _File] = {}
+        t = self._table
+        held: dict[int, AppendFile] = {}  # files this append writes to, kept open until done
+        placements: list[Placement] = []
+        created: list[AppendFile] = []
+        own: dict[tuple[str, int, str], AppendFile] = {}
 
-        def new(key: tuple[str, int, str]) -> _File:
+        def new(key: tuple[str, int, str]) -> AppendFile:
             if private:
-                f = self._new_file(*key)
+                f = t.new_file(*key)
                 f.sealed = True  # nobody else's current file: it closes when this append ends
                 own[key] = f
             else:
-                f = self._new_shared(key)
+                f = t.new_shared(key)
             created.append(f)
             return f
 
-        def current(key: tuple[str, int, str]) -> _File:
+        def current(key: tuple[str, int, str]) -> AppendFile:
             if private:
                 return own.get(key) or new(key)
-            f = self._files.get(key)
-            if f is None or self._removed(f):
+            f = t.shared.get(key)
+            if f is None or t.removed(f):
                 return new(key)
-            self._files.move_to_end(key)
+            t.shared.move_to_end(key)
             return f
 
-        with self._lock, os_errors(self.root):
-            self._budget.room(total, f"append of {total} bytes")
+        with t.lock, os_errors(self.root):
+            t.budget.room(total, f"append of {total} bytes")
             try:
                 for i, it in enumerate(items):
-                    self._place(i, it, sizes[i][0], held, extents, current, new)
+                    t.place(i, it, sizes[i][0], held, placements, current, new)
             except BaseException:  # e.g. no room for a new file: give back what was placed
-                self._undo_placement(items, extents, held, created)
+                t.undo_placement(items, placements, held, created)
                 raise
             now = time.monotonic()
             for it in items:
                 self.last_used[it.run] = now
-            self._budget.reserve(total)
-        return PendingAppend(self, items, extents, list(held.values()), private)
+            t.budget.reserve(total)
+        files = list(held.values())
+        return PendingAppend(t, self.counts, items, placements, files, private, transport)
 
-    def _undo_placement(
-        self,
-        items: Sequence[AppendItem],
-        extents: list[_Extent],
-        held: dict[int, _File],
-        created: list[_File],
-    ) -> None:
-        """Give back a placement that failed half-way (`begin_append`), leaving no debris:
-        the files it created (only its own rows were placed in them) are removed, and so
-        are directories it leaves empty. Lock held."""
-        for e in reversed(extents):
-            if e.file.size == e.offset + e.nbytes:
-                e.file.size = e.offset
-        mine = {id(f) for f in created}
-        for f in held.values():
-            f.users -= 1
-        for f in created:
-            if self._files.get(f.key) is f:
-                del self._files[f.key]
-            if f.open:
-                self._discard(f)
-        for f in held.values():
-            if id(f) not in mine and f.sealed and f.users == 0 and f.open:
-                self._close_file(f)
-        for run, step in {(it.run, it.step) for it in items}:  # made before a file failed
-            for d in (self.root / self.node / run / str(step), self.root / self.node / run):
-                try:
-                    os.rmdir(d)
-                except OSError:
-                    break
-
-    def lease(self, run: str, step: int, field: str, nbytes: int, size: int, owner: int) -> Lease:
+    def lease(
+        self, run: str, step: int, field: str, nbytes: int, size: int, owner: int
+    ) -> LeasedRange:
         """Reserve a byte range of the file of ``(run, step, field)`` private to ``owner``.
 
         The range is at least ``nbytes`` and at most ``max(nbytes, size)`` bytes; it never
         crosses the rotation size. Only ``owner``'s leases are ever placed in that file (a
         new one when there is none yet, it was removed or is full), so the descriptor its
         client gets can only reach its own rows. The file stays open (and counts as
-        appended to) until the lease is released; it is sealed by `end_owner`.
+        appended to) until the lease is released; it is sealed by `end_owner`. The lease
+        counts in `counts` (`Counts.leased`).
 
         Raises
         ------
@@ -533,54 +331,52 @@ class Store(StoreRemovals):
                 f"lease of {nbytes} bytes is above the rotation size {self.max_file_bytes}"
             )
         key = (run, step, field, owner)
-        with self._lock, os_errors(self.root):
-            room = self._budget.room(nbytes, f"lease of {nbytes} bytes")
-            f = self._leased.get(key)
-            if (
-                f is None
-                or self._removed(f)
-                or (f.size + nbytes > self.max_file_bytes and f.size > 0)
-            ):
-                f = self._new_file(run, step, field, owner, keep_fd=False)
-                old = self._leased.pop(key, None)
+        t = self._table
+        with t.lock, os_errors(self.root):
+            room = t.budget.room(nbytes, f"lease of {nbytes} bytes")
+            f = t.leased.get(key)
+            if f is None or t.removed(f) or (f.size + nbytes > self.max_file_bytes and f.size > 0):
+                f = t.new_file(run, step, field, owner, keep_fd=False)
+                old = t.leased.pop(key, None)
                 if old is not None:
-                    self._seal(old)
-                self._leased[key] = f
+                    t.seal(old)
+                t.leased[key] = f
             granted = max(nbytes, min(size, self.max_file_bytes - f.size, room))
             offset = f.size
             f.size += granted
             f.users += 1
             f.leases += 1
             self.last_used[run] = time.monotonic()
-            self._budget.reserve(granted)
-            if self._dirty is not None:
-                self._dirty.leased(f.rel)
-            self._counts["leases"] += 1
-            self._counts["leased_bytes"] += granted
-        return Lease(self, f, offset, granted)
+            t.budget.reserve(granted)
+            if t.dirty is not None:
+                t.dirty.leased(f.rel)
+        self.counts.leased(field, granted)
+        return LeasedRange(t, f, offset, granted)
 
     def seal_lease(self, owner: int, key: tuple[str, int, str]) -> None:
         """``owner``'s connection is done with ``key`` (its oldest lease ended): seal its
         lease file of that key, which closes once no lease uses it."""
-        with self._lock:
-            f = self._leased.pop((*key, owner), None)
+        t = self._table
+        with t.lock:
+            f = t.leased.pop((*key, owner), None)
             if f is not None:
-                self._seal(f)
+                t.seal(f)
 
     def end_owner(self, owner: int) -> None:
         """``owner``'s connection ended: seal its lease files (each closes once its last
         lease is released, and the unused tail stops counting). One it never wrote a byte
         into is removed: no row of it was acknowledged (a client that writes after all
         finds the file removed, and places its rows again, as after garbage collection)."""
-        with self._lock:
-            for key in [k for k in self._leased if k[3] == owner]:
-                f = self._leased.pop(key)
-                self._seal(f)
+        t = self._table
+        with t.lock:
+            for key in [k for k in t.leased if k[3] == owner]:
+                f = t.leased.pop(key)
+                t.seal(f)
                 if f.users == 0 and not f.open:
                     with contextlib.suppress(OSError):
                         st = os.stat(self.root / f.rel)
                         if st.st_size == 0 and (st.st_dev, st.st_ino) == f.ino:
-                            self._discard(f)
+                            t.discard(f)
 
     def append(self, items: Sequence[AppendItem], data: Any) -> list[list[PayloadSegment]]:
         """Append ``items`` whose rows are ``data`` (concatenated); return their segments."""
@@ -590,12 +386,6 @@ class Store(StoreRemovals):
             return pending.commit()
         finally:
             pending.close()
-
-    def _count_append(self, items: Sequence[AppendItem]) -> None:
-        with self._lock:
-            self._counts["appends"] += 1
-            self._counts["rows_appended"] += sum(it.rows for it in items)
-            self._counts["bytes_appended"] += sum(item_nbytes(it)[1] for it in items)
 
     # -- reads (see payloadd.store._readers) ---------------------------------------------------
 
@@ -623,28 +413,61 @@ class Store(StoreRemovals):
         """The GC ledger of ``node`` (default: this daemon's)."""
         return self.reads.ledger(node)
 
-    # -- shutdown (removal: StoreRemovals, in _removal.py) -------------------------------
+    # -- removal (see payloadd.store._removal) -------------------------------------------
+
+    def _last_use(self, run: str) -> float:
+        """When ``run`` of this node was last appended to or read (monotonic; its start for a
+        run not used since)."""
+        return self.last_used.get(run, self.started)
+
+    def runs(self, node: str | None = None) -> dict[str, list[int]]:
+        """`Removals.runs` of this store."""
+        return self._removals.runs(node)
+
+    def step_files(self, run: str, step: int, node: str | None = None) -> list[str]:
+        """`Removals.step_files` of this store."""
+        return self._removals.step_files(run, step, node)
+
+    def remove_step(
+        self,
+        run: str,
+        step: int,
+        files: Collection[str],
+        *,
+        dry_run: bool = False,
+        idle_since: float | None = None,
+        node: str | None = None,
+    ) -> Removal:
+        """`Removals.remove_step` of this store."""
+        return self._removals.remove_step(
+            run, step, files, dry_run=dry_run, idle_since=idle_since, node=node
+        )
+
+    def remove_run_dir(self, run: str, node: str | None = None) -> int:
+        """`Removals.remove_run_dir` of this store."""
+        return self._removals.remove_run_dir(run, node)
+
+    def remove_orphans(self, *, dry_run: bool = False) -> Removal:
+        """`Removals.remove_orphans` of this store."""
+        return self._removals.remove_orphans(dry_run=dry_run)
+
+    def forget_unused_runs(self) -> None:
+        """Drop the last use of runs that have no directory any more."""
+        for run in list(self.last_used):
+            if not os.path.isdir(self.root / self.node / run):
+                self.last_used.pop(run, None)
+
+    # -- shutdown and state -------------------------------------------------------------
 
     def close(self) -> None:
         """Close every descriptor the store holds (at shutdown)."""
-        with self._lock:
-            for f in list(self._open.values()):
-                self._close_file(f)
-            self._files.clear()
-            self._leased.clear()
+        self._table.close()
         self.reads.close()
 
-    # -- state --------------------------------------------------------------------------
-
     def count(self, name: str, n: int = 1) -> None:
-        """Add ``n`` to the counter ``name`` of `Stats`; it stops at ``INT64_MAX``.
-
-        Data-plane clients report their own appends (notes): a client that reports
-        absurd counts must not push a counter past what ``GET /v1/stats`` can encode
-        (msgpack: 64 bits) or its readers decode.
-        """
-        with self._lock:
-            self._counts[name] = min(self._counts[name] + n, INT64_MAX)
+        """`Counts.add` of this store: add ``n`` to the counter ``name`` of `Stats`; it stops
+        at ``INT64_MAX``."""
+        self.counts.add(name, n)
 
     def stats(self) -> Stats:
         """Counters since start, durability and disk limits (bytes in bytes, uptime in
@@ -654,15 +477,16 @@ class Store(StoreRemovals):
             free = st.f_bavail * st.f_frsize
         except OSError:
             free = 0
-        with self._lock:
-            c = dict(self._counts)
+        c: dict[str, int] = self.counts.totals()
+        t = self._table
+        with t.lock:
             c |= {"reads": self.reads.reads, "bytes_read": self.reads.bytes_read}
-            open_files = len(self._files) + len(self._leased)
-            b = self._budget
+            open_files = len(t.shared) + len(t.leased)
+            b = t.budget
             disk = {"root_bytes": b.used, "max_root_bytes": b.max_root_bytes}
             disk |= {"free_bytes": free, "min_free_bytes": b.min_free_bytes}
             disk |= {"appends_refused": b.refused}
-        d = self._dirty
+        d = t.dirty
         flushed = {"flushes": 0, "files_flushed": 0, "files_dirty": 0, "flush_errors": 0}
         if d is not None:
             flushed = {"flushes": d.flushes, "files_flushed": d.files_flushed}
@@ -684,9 +508,10 @@ class Store(StoreRemovals):
         daemon's write descriptors (current shared files, and files a pending append still
         uses), its read cache, and the data-plane leases not yet ended (their files are
         written through the clients' own descriptors)."""
-        with self._lock:
-            append_fds = sum(1 for f in self._open.values() if f.fd >= 0)
-            leases = sum(f.leases for f in self._open.values())
+        t = self._table
+        with t.lock:
+            append_fds = sum(1 for f in t.open_files.values() if f.fd >= 0)
+            leases = sum(f.leases for f in t.open_files.values())
         return append_fds, self.reads.cached(), leases
 
     # -- durability and disk limits -----------------------------------------------------
@@ -704,15 +529,16 @@ class Store(StoreRemovals):
         list of str
             The data files fsync'd, relative to the root; empty under another policy.
         """
-        return [] if self._dirty is None else self._dirty.flush()
+        d = self._table.dirty
+        return [] if d is None else d.flush()
 
     def forget_bytes(self, nbytes: int) -> None:
         """Stop counting ``nbytes`` against ``max_root_bytes``: call it after removing files
         under this node's prefix (garbage collection), with the sum of their apparent sizes
         (``st_size``) as seen just before removal. Cheap; never below zero.
         """
-        with self._lock:
-            self._budget.forget(nbytes)
+        with self._table.lock:
+            self._table.budget.forget(nbytes)
 
     def recount(self) -> int:
         """Count this node's bytes anew by scanning ``<root>/<node>``; return the count.
@@ -723,18 +549,24 @@ class Store(StoreRemovals):
         counted at the size the scan saw.
         """
         sizes = tree_sizes(self.root / self.node)
-        with self._lock:
+        t = self._table
+        with t.lock:
             used = sum(sizes.values())
-            for f in self._open.values():
+            for f in t.open_files.values():
                 used += max(0, f.size - sizes.get(self.root / f.rel, 0))
-            self._budget.used = used
+            t.budget.used = used
         return used
 
     @property
     def root_bytes(self) -> int:
         """Bytes counted against ``max_root_bytes`` now (see `recount`)."""
-        with self._lock:
-            return self._budget.used
+        with self._table.lock:
+            return self._table.budget.used
+
+    @property
+    def _open(self) -> dict[str, AppendFile]:
+        """Every file whose reserved bytes count, by path (`FileTable.open_files`)."""
+        return self._table.open_files
 
 
 _NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")

@@ -339,15 +339,17 @@ def test_a_lease_whose_file_gc_removes_at_once_is_placed_again(
     from payload_client._wire import Extent, GcReport, GcRequest
     from payloadd import Store
     from payloadd.server._dataplane_server import DataPlaneServer
-    from payloadd.store._appends import Lease
-    from payloadd.store._gc import Collector
+    from payloadd.store._appends import LeasedRange
+    from payloadd.store._gc import GarbageCollector
 
     store = Store(tmp_path / "root", "n")
-    collector = Collector(store)
+    collector = GarbageCollector(store)
     lease = store.lease
     raced: list[GcReport] = []
 
-    def lease_then_gc(run: str, step: int, field: str, nbytes: int, size: int, owner: int) -> Lease:
+    def lease_then_gc(
+        run: str, step: int, field: str, nbytes: int, size: int, owner: int
+    ) -> LeasedRange:
         got = lease(run, step, field, nbytes, size, owner)
         if not raced:  # a watermark lands between the lease and the client's descriptor
             raced.append(collector.collect(GcRequest(run="r", before_step=0)))

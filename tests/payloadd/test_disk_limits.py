@@ -12,7 +12,7 @@ from payload_client import PayloadClient, PayloadSegment, StorageFullError
 from payload_client._wire import AppendItem, GcRequest
 from payloadd import Store
 from payloadd.bench._daemon_process import start_daemon
-from payloadd.store._gc import Collector
+from payloadd.store._gc import GarbageCollector
 
 R = "routed_experts"
 KiB = 1 << 10
@@ -79,7 +79,7 @@ def test_the_gc_ledger_and_its_spare_file_never_count(tmp_path: Path) -> None:
     store = Store(tmp_path, "n", max_root_bytes=4000)
     store.append([item(5)], bytes(5 * 384))
     store.append([item(5, step=1)], bytes(5 * 384))
-    Collector(store).collect(GcRequest(run="r", before_step=0))  # writes both
+    GarbageCollector(store).collect(GcRequest(run="r", before_step=0))  # writes both
     assert store.root_bytes == 1920 == store.recount()  # the cap is for rows
     store.close()
     again = Store(tmp_path, "n", max_root_bytes=4000)

@@ -20,7 +20,7 @@ from payload_client import (
 )
 from payload_client._wire import AppendItem, Extent, GcRequest
 from payloadd import Store
-from payloadd.store._gc import Collector
+from payloadd.store._gc import GarbageCollector
 from payloadd.store._ledger import LEDGER_NAME
 
 
@@ -58,7 +58,7 @@ def test_watermark_removes_steps_up_to_it_and_reads_then_answer_gone(tmp_path: P
     store = Store(tmp_path, "n")
     segs = {step: append(store, "r1", step) for step in range(5)}
     other = append(store, "r2", 1)
-    report = Collector(store).collect(GcRequest(run="r1", before_step=2))
+    report = GarbageCollector(store).collect(GcRequest(run="r1", before_step=2))
     assert report.steps == [("r1", 0), ("r1", 1), ("r1", 2)]
     assert (report.files, report.bytes, report.by_reason["watermark"].files) == (3, 36, 3)
     assert report.dirs == 3  # the three step directories
@@ -73,7 +73,7 @@ def test_watermark_removes_steps_up_to_it_and_reads_then_answer_gone(tmp_path: P
 def test_a_file_that_never_existed_is_404_not_410(tmp_path: Path) -> None:
     store = Store(tmp_path, "n")
     seg = append(store, "r", 0)
-    Collector(store).collect(GcRequest(run="r", before_step=0))
+    GarbageCollector(store).collect(GcRequest(run="r", before_step=0))
     with pytest.raises(FileGoneError):  # the collected file
         store.open_for_read(seg.file, 1)
     for never in (
@@ -88,7 +88,7 @@ def test_a_file_that_never_existed_is_404_not_410(tmp_path: Path) -> None:
 def test_the_ledger_survives_a_restart_and_a_torn_last_line(tmp_path: Path) -> None:
     store = Store(tmp_path, "n")
     seg = append(store, "r", 3)
-    Collector(store).collect(GcRequest(run="r", before_step=5))
+    GarbageCollector(store).collect(GcRequest(run="r", before_step=5))
     store.close()
     with open(tmp_path / "n" / LEDGER_NAME, "ab") as f:
         f.write(b'{"run": "r", "fir')  # a crash while the ledger was written
@@ -100,11 +100,11 @@ def test_the_ledger_survives_a_restart_and_a_torn_last_line(tmp_path: Path) -> N
 def test_dry_run_reports_the_same_and_removes_nothing(tmp_path: Path) -> None:
     store = Store(tmp_path, "n")
     segs = [append(store, "r", step) for step in range(3)]
-    dry = Collector(store).collect(GcRequest(run="r", before_step=1, dry_run=True))
+    dry = GarbageCollector(store).collect(GcRequest(run="r", before_step=1, dry_run=True))
     assert dry.dry_run and (dry.files, dry.bytes, dry.steps) == (2, 24, [("r", 0), ("r", 1)])
     assert [read(store, s) for s in segs] == [rows(3, i) for i in range(3)]
     assert not (tmp_path / "n" / LEDGER_NAME).exists()  # nothing collected: no 410 either
-    real = Collector(store).collect(GcRequest(run="r", before_step=1))
+    real = GarbageCollector(store).collect(GcRequest(run="r", before_step=1))
     assert (real.files, real.bytes, real.steps) == (dry.files, dry.bytes, dry.steps)
 
 
@@ -112,20 +112,20 @@ def test_a_file_being_appended_to_is_kept_until_its_append_is_done(tmp_path: Pat
     store = Store(tmp_path, "n")
     done = append(store, "r", 0)
     pending = store.begin_append([item(2, "r", 0)])  # same file, rows not written yet
-    report = Collector(store).collect(GcRequest(run="r", before_step=0))
+    report = GarbageCollector(store).collect(GcRequest(run="r", before_step=0))
     assert (report.files, report.in_use) == (0, 1)
     assert read(store, done) == rows(3, 0)
     pending.write(rows(2, 9))
     (segs,) = pending.commit()
     assert read(store, segs[0]) == rows(2, 9)  # the append went through whole
-    report = Collector(store).collect(GcRequest(run="r", before_step=0))
+    report = GarbageCollector(store).collect(GcRequest(run="r", before_step=0))
     assert (report.files, report.in_use, steps_on_disk(store, "r")) == (1, 0, [])
 
 
 def test_later_appends_to_a_collected_step_go_to_a_new_file(tmp_path: Path) -> None:
     store = Store(tmp_path, "n")
     old = append(store, "r", 0)
-    Collector(store).collect(GcRequest(run="r", before_step=0))
+    GarbageCollector(store).collect(GcRequest(run="r", before_step=0))
     new = append(store, "r", 0)  # a late writer
     assert new.file != old.file and read(store, new) == rows(3, 0)
 
@@ -133,7 +133,7 @@ def test_later_appends_to_a_collected_step_go_to_a_new_file(tmp_path: Path) -> N
 def test_a_leased_file_is_collected(tmp_path: Path) -> None:
     store = Store(tmp_path, "n")
     lease = store.lease("r", 0, "f", 100, 1000, owner=1)
-    report = Collector(store).collect(GcRequest(run="r", before_step=0))
+    report = GarbageCollector(store).collect(GcRequest(run="r", before_step=0))
     assert (report.files, report.in_use) == (1, 0)  # the client re-checks after writing
     assert not (tmp_path / lease.file).exists()
     assert lease.file not in " ".join(open_files())  # the store let go of its space at once
@@ -145,7 +145,7 @@ def test_delete_run_removes_every_step_and_the_run_directory(tmp_path: Path) -> 
     store = Store(tmp_path, "n")
     segs = [append(store, "r", step) for step in (0, 5, 9)]
     keep = append(store, "q", 0)
-    report = Collector(store).delete_run("r")
+    report = GarbageCollector(store).delete_run("r")
     assert (report.files, report.by_reason["run"].files, report.dirs) == (3, 3, 4)
     assert not (tmp_path / "n" / "r").exists()
     for s in segs:
@@ -153,11 +153,11 @@ def test_delete_run_removes_every_step_and_the_run_directory(tmp_path: Path) -> 
             read(store, s)
     assert read(store, keep) == rows(3, 0)
     with pytest.raises(InvalidRequestError, match="run"):
-        Collector(store).delete_run("../x")
+        GarbageCollector(store).delete_run("../x")
 
 
 def test_bad_requests_are_refused(tmp_path: Path) -> None:
-    c = Collector(Store(tmp_path, "n"))
+    c = GarbageCollector(Store(tmp_path, "n"))
     with pytest.raises(InvalidRequestError, match="go together"):
         c.collect(GcRequest(run="r"))
     with pytest.raises(InvalidRequestError, match="go together"):
@@ -175,7 +175,7 @@ def test_orphans_of_a_crashed_daemon_and_empty_directories_go(tmp_path: Path) ->
     # the daemon died: a new one starts on the same root
     store = Store(tmp_path, "n")
     own = store.lease("r", 2, "f", 10, 10, owner=1)  # this daemon's empty file is not an orphan
-    report = Collector(store, ttl_s=0).collect(GcRequest())
+    report = GarbageCollector(store, ttl_s=0).collect(GcRequest())
     assert report.by_reason["orphan"].files == 1 and report.steps == []
     assert sorted(os.listdir(tmp_path / "n" / "r")) == ["0", "2"]  # step 1 and 7 went
     assert read(store, kept) == rows(3, 0)
@@ -191,7 +191,7 @@ def test_ttl_removes_old_steps_of_idle_runs_only(tmp_path: Path) -> None:
     hour_ago = time.time() - 3600
     for s in (*old, busy):
         os.utime(tmp_path / s.file, (hour_ago, hour_ago))
-    collector = Collector(store, ttl_s=60)
+    collector = GarbageCollector(store, ttl_s=60)
     # the daemon itself started just now: no run counts as idle yet
     assert collector.collect(GcRequest()).files == 0
     store.started -= 120
@@ -207,8 +207,8 @@ def test_ttl_removes_old_steps_of_idle_runs_only(tmp_path: Path) -> None:
     # a request's own TTL overrides the setting (0 in the settings: no age rule)
     store.last_used.clear()
     os.utime(tmp_path / fresh.file, (hour_ago, hour_ago))
-    assert Collector(store, ttl_s=0).collect(GcRequest()).files == 0
-    assert Collector(store, ttl_s=0).collect(GcRequest(ttl_s=60)).steps == [
+    assert GarbageCollector(store, ttl_s=0).collect(GcRequest()).files == 0
+    assert GarbageCollector(store, ttl_s=0).collect(GcRequest(ttl_s=60)).steps == [
         ("busy", 0),
         ("idle", 2),
     ]
@@ -220,7 +220,7 @@ def test_collected_bytes_no_longer_count_against_the_cap(tmp_path: Path) -> None
     with pytest.raises(StorageFullError, match="max_root_bytes"):
         append(store, "r", 1, n=10)
     lease = store.lease("r", 2, "f", 8, 8, owner=1)  # 88 with a lease
-    report = Collector(store).collect(GcRequest(run="r", before_step=2))
+    report = GarbageCollector(store).collect(GcRequest(run="r", before_step=2))
     assert report.files == 2 and store.root_bytes == 0
     assert read(store, append(store, "r", 3, n=20)) == rows(20, 3)  # room again
     lease.release()
@@ -245,7 +245,7 @@ def test_the_sweep_recounts_files_removed_by_hand(tmp_path: Path) -> None:
     assert store.root_bytes == 200
     os.unlink(tmp_path / seg.file)  # an operator removes it by hand
     assert store.root_bytes == 200
-    Collector(store, ttl_s=0).sweep()
+    GarbageCollector(store, ttl_s=0).sweep()
     assert store.root_bytes == 0
 
 
@@ -254,7 +254,7 @@ def test_a_collection_after_a_torn_ledger_line_still_answers_gone(tmp_path: Path
     seg = append(store, "r", 1)
     with open(tmp_path / "n" / LEDGER_NAME, "ab") as f:
         f.write(b'{"run": "r", "fir')  # a crash while the ledger was written
-    Collector(store).collect(GcRequest(run="r", before_step=1))  # the next collection
+    GarbageCollector(store).collect(GcRequest(run="r", before_step=1))  # the next collection
     for s in (store, Store(tmp_path, "n")):  # now and after a restart
         with pytest.raises(FileGoneError, match="step 1 of run 'r'"):
             read(s, seg)
@@ -263,7 +263,7 @@ def test_a_collection_after_a_torn_ledger_line_still_answers_gone(tmp_path: Path
 def test_a_collection_that_removes_nothing_adds_no_ledger_line(tmp_path: Path) -> None:
     store = Store(tmp_path, "n")
     append(store, "r", 0)
-    c = Collector(store)
+    c = GarbageCollector(store)
     c.collect(GcRequest(run="r", before_step=0))
     ledger = (tmp_path / "n" / LEDGER_NAME).read_bytes()
     for _ in range(20):  # a trainer repeating its watermark, an operator deleting twice
@@ -278,7 +278,7 @@ def test_odd_step_directories_and_paths_are_no_steps(tmp_path: Path, name: str) 
     store = Store(tmp_path, "n")
     seg = append(store, "r", 0)
     (tmp_path / "n" / "r" / name).mkdir()  # made by hand, or by another program
-    report = Collector(store).collect(GcRequest(run="r", before_step=0))
+    report = GarbageCollector(store).collect(GcRequest(run="r", before_step=0))
     assert report.steps == [("r", 0)]  # collection goes on
     with pytest.raises(FileGoneError):
         read(store, seg)
@@ -295,7 +295,7 @@ def test_the_age_rule_adds_no_ledger_line_for_a_step_it_keeps(tmp_path: Path) ->
         os.utime(f, (hour_ago, hour_ago))
     store.started -= 120
     store.last_used.clear()
-    c = Collector(store, ttl_s=60)
+    c = GarbageCollector(store, ttl_s=60)
     for _ in range(5):  # every sweep of the day
         report = c.collect(GcRequest())
         assert (report.files, report.in_use) == (0, 1)
@@ -309,11 +309,11 @@ def test_the_ledger_and_its_directory_get_exact_modes_whatever_the_umask(tmp_pat
     old = os.umask(0)
     try:
         store = Store(tmp_path / "root", "n")
-        Collector(store)  # a daemon starts: the spare file beside the ledger is made
+        GarbageCollector(store)  # a daemon starts: the spare file beside the ledger is made
         node = tmp_path / "root" / "n"
         assert stat.S_IMODE(node.stat().st_mode) == 0o750
         append(store, "r", 0)
-        Collector(store).collect(GcRequest(run="r", before_step=0))
+        GarbageCollector(store).collect(GcRequest(run="r", before_step=0))
         for p in node.iterdir():
             assert stat.S_IMODE(p.lstat().st_mode) == 0o640, p.name
     finally:
@@ -326,8 +326,8 @@ def test_runs_in_use_are_remembered_only_while_they_exist(tmp_path: Path) -> Non
     store.touch("no-such-run")  # a client's note naming a run that is not here
     store.touch("../../etc")
     assert set(store.last_used) == {"r"}
-    Collector(store).delete_run("r")
-    Collector(store, ttl_s=0).sweep()
+    GarbageCollector(store).delete_run("r")
+    GarbageCollector(store, ttl_s=0).sweep()
     assert store.last_used == {}
 
 
@@ -344,7 +344,7 @@ def test_another_nodes_prefix_only_when_told_and_never_against_the_cap(tmp_path:
     theirs = {step: append(b, "r", step) for step in range(3)}
     mine = append(a, "r", 0)
     used = a.root_bytes
-    collect = Collector(a, ttl_s=1e-9)  # its own node: anything idle goes
+    collect = GarbageCollector(a, ttl_s=1e-9)  # its own node: anything idle goes
     time.sleep(0.01)
     assert collect.collect(GcRequest("r", 5)).steps == [("r", 0)]  # a's own step only
     assert all(read(b, s) for s in theirs.values())

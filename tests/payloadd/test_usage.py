@@ -12,7 +12,7 @@ import pytest
 
 from payload_client._wire import AppendItem, GcRequest
 from payloadd import Store
-from payloadd.store._gc import Collector
+from payloadd.store._gc import GarbageCollector
 from payloadd.store._ledger import LEDGER_NAME
 from payloadd.store._usage import node_usage, step_usage
 
@@ -85,7 +85,7 @@ def test_usage_lists_at_most_max_steps_and_counts_the_rest(tmp_path: Path) -> No
 
 def test_usage_follows_gc_and_reports_the_ledger(tmp_path: Path) -> None:
     store = Store(tmp_path, "n")
-    collector = Collector(store)
+    collector = GarbageCollector(store)
     for step in range(4):
         append(store, "r", step, 2 + step)
     append(store, "x", 0, 1)

@@ -1,0 +1,339 @@
+"""The data files of one node open for appends, under one lock: the store's file table.
+
+`FileTable` creates the data files (``<root>/<node>/<run>/<step>/<field>-<instance>-<seq>.bin``,
+mode 0640, their directories 0750), keeps the shared current file of every
+``(run, step, field)`` and each data-plane connection's lease files, places rows in them
+(`FileTable.place`), and seals, closes and discards them; it counts what they reserve
+against the disk limits (`payloadd.store._disk_limits.DiskBudget`) and marks what the next
+flush must fsync (`payloadd.store._durability.DirtyFiles`). It is the `AppendOwner` of the
+pending appends and leased ranges of `payloadd.store._store.Store`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Literal
+
+from payload_client.protocol import AppendItem
+from payloadd.store._disk_limits import DiskBudget
+from payloadd.store._durability import DirtyFiles
+from payloadd.store._records import AppendFile, Placement, os_errors
+
+__all__ = ["DIR_MODE", "FILE_MODE", "FileTable"]
+
+DIR_MODE = 0o750
+FILE_MODE = 0o640
+
+
+class FileTable:
+    """The data files of ``<root>/<node>`` open for appends; `lock` guards them all.
+
+    Parameters
+    ----------
+    root : pathlib.Path
+        The payload root, a real path.
+    node : str
+        This daemon's node prefix.
+    instance : str
+        This daemon's start, in every name of the files it creates.
+    fsync : {"never", "interval", "always"}
+        The durability policy (see `payloadd.store._store.Store`).
+    max_file_bytes : int
+        Rotation size (`place`).
+    append_files : int
+        Shared current files kept open; the least recently appended to is sealed beyond.
+    budget : DiskBudget
+        The disk limits the files' reserved bytes count against.
+
+    Attributes
+    ----------
+    lock : threading.Lock
+        Held for every change of the table (the store's lock: appends, leases, removals).
+    shared : OrderedDict
+        The shared current file of each ``(run, step, field)``, least recently used first.
+    leased : dict
+        The current lease file of each ``(run, step, field, owner)``.
+    open_files : dict
+        Every file whose reserved bytes count against the cap, by path.
+    dirty : DirtyFiles or None
+        What the next flush fsyncs (``fsync="interval"`` only).
+    """
+
+    def __init__(
+        self,
+        root: Path,
+        node: str,
+        instance: str,
+        fsync: Literal["never", "interval", "always"],
+        max_file_bytes: int,
+        append_files: int,
+        budget: DiskBudget,
+    ) -> None:
+        self.root, self.node, self.instance, self.fsync = root, node, instance, fsync
+        self.max_file_bytes = max_file_bytes
+        self.append_files = append_files
+        self.budget = budget
+        self.dirty = DirtyFiles(root) if fsync == "interval" else None
+        self.lock = threading.Lock()
+        self.shared: OrderedDict[tuple[str, int, str], AppendFile] = OrderedDict()
+        self.leased: dict[tuple[str, int, str, int], AppendFile] = {}
+        self.open_files: dict[str, AppendFile] = {}
+        self._seq = 0
+
+    def seal(self, f: AppendFile) -> None:
+        """No more appends to ``f``; close it once no pending append uses it. Lock held."""
+        f.sealed = True
+        if f.users == 0 and f.open:
+            self.close_file(f)
+
+    def close_file(self, f: AppendFile) -> None:
+        """Close ``f``: reserved bytes past its end were never written, and stop counting
+        against the cap. Lock held."""
+        with contextlib.suppress(OSError):
+            st = os.fstat(f.fd) if f.fd >= 0 else os.stat(self.root / f.rel)
+            if f.fd >= 0 or (st.st_dev, st.st_ino) == f.ino:
+                self.budget.forget(max(0, f.size - st.st_size))
+        if f.fd >= 0:
+            os.close(f.fd)
+            f.fd = -1
+        f.open = False
+        self.open_files.pop(f.rel, None)
+
+    def discard(self, f: AppendFile) -> None:
+        """Remove ``f``, a private file none of whose rows were acknowledged, with its step
+        and run directories if they are left empty; its bytes stop counting. Lock held."""
+        if f.open:  # a closed file counts what it holds: nothing, when it is discarded
+            self.budget.forget(f.size)
+        if f.fd >= 0:
+            os.close(f.fd)
+            f.fd = -1
+        f.open, f.sealed = False, True
+        self.open_files.pop(f.rel, None)
+        path = self.root / f.rel
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        for d in (path.parent, path.parent.parent):
+            try:
+                os.rmdir(d)
+            except OSError:  # not empty (or gone): the rest stays
+                break
+
+    def removed(self, f: AppendFile) -> bool:
+        """Whether ``f`` was removed (garbage collection) since it was created. Lock held."""
+        if f.fd >= 0:
+            return os.fstat(f.fd).st_nlink == 0
+        try:
+            st = os.stat(self.root / f.rel)
+        except FileNotFoundError:
+            return True
+        return (st.st_dev, st.st_ino) != f.ino
+
+    @staticmethod
+    def hold(f: AppendFile, held: dict[int, AppendFile]) -> None:
+        """Count ``f`` as used by the append whose files are ``held`` (once)."""
+        if id(f) not in held:
+            held[id(f)] = f
+            f.users += 1
+
+    def release(self, files: Sequence[AppendFile]) -> None:
+        """The caller is done with ``files``; a sealed one nobody uses any more closes."""
+        with self.lock:
+            self.release_locked(files)
+
+    def release_locked(self, files: Sequence[AppendFile]) -> None:
+        """`release`, lock held."""
+        for f in files:
+            f.users -= 1
+            if f.sealed and f.users == 0 and f.open:
+                self.close_file(f)
+
+    def give_up(
+        self, placements: Sequence[Placement], files: Sequence[AppendFile], private: bool
+    ) -> None:
+        """An append ends without a commit: give its reservation back (`PendingAppend.close`):
+        files of its own (``private``) are removed; in shared files, ranges at a file's end
+        are taken back."""
+        with self.lock:
+            if private:
+                for f in files:
+                    f.users -= 1
+                    if f.users == 0 and f.open:
+                        self.discard(f)
+                return
+            for e in reversed(placements):  # ranges at a file's end are taken back
+                if e.file.size == e.offset + e.nbytes:
+                    e.file.size = e.offset
+                    self.budget.forget(e.nbytes)
+            self.release_locked(files)
+
+    def _mkdirs(self, rel_dir: str) -> list[str]:
+        """Create ``rel_dir`` and its parents under the root, each with mode 0750; return the
+        directories that got a new entry (relative, ``"."`` for the root)."""
+        path, parent = self.root, "."
+        grown: list[str] = []
+        for part in rel_dir.split("/"):
+            path = path / part
+            rel = part if parent == "." else f"{parent}/{part}"
+            try:
+                os.mkdir(path, DIR_MODE)
+            except FileExistsError:
+                parent = rel
+                continue
+            os.chmod(path, DIR_MODE)  # exact mode, whatever the umask
+            grown.append(parent)
+            parent = rel
+        return grown
+
+    def new_file(
+        self, run: str, step: int, field: str, owner: int = 0, keep_fd: bool = True
+    ) -> AppendFile:
+        """Create the next data file of ``(run, step, field)``, registered as open but as
+        nobody's current file; caller holds the lock."""
+        d = f"{self.node}/{run}/{step}"
+        grown = [*self._mkdirs(d), d]  # directories with a new entry: parents first
+        self._seq += 1
+        rel = f"{d}/{field}-{self.instance}-{self._seq:06d}.bin"
+        fd = os.open(
+            self.root / rel, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE
+        )
+        try:
+            if self.fsync == "always":
+                for g in reversed(grown):  # the file's entry first, up to the root's
+                    dfd = os.open(self.root / g, os.O_RDONLY | os.O_DIRECTORY)
+                    try:
+                        os.fsync(dfd)
+                    finally:
+                        os.close(dfd)
+            elif self.dirty is not None:
+                self.dirty.created(grown)
+            st = os.fstat(fd)
+        except BaseException:
+            os.close(fd)
+            os.unlink(self.root / rel)
+            raise
+        if not keep_fd:
+            os.close(fd)
+            fd = -1
+        f = AppendFile(rel, 0, fd, (run, step, field), owner=owner, ino=(st.st_dev, st.st_ino))
+        self.open_files[rel] = f
+        return f
+
+    def new_shared(self, key: tuple[str, int, str]) -> AppendFile:
+        """A new shared current file of ``key``; the least recently appended to rest beyond
+        ``append_files``. Lock held."""
+        f = self.new_file(*key)
+        old = self.shared.pop(key, None)
+        if old is not None:
+            self.seal(old)
+        self.shared[key] = f
+        while len(self.shared) > self.append_files:
+            self.seal(self.shared.popitem(last=False)[1])
+        return f
+
+    def place(
+        self,
+        index: int,
+        item: AppendItem,
+        row_nb: int,
+        held: dict[int, AppendFile],
+        out: list[Placement],
+        current: Callable[[tuple[str, int, str]], AppendFile],
+        new: Callable[[tuple[str, int, str]], AppendFile],
+    ) -> None:
+        """Reserve room for one item's rows, adding its placements to ``out``; lock held.
+        ``current(key)`` is the file the key appends to, ``new(key)`` starts the next one."""
+        key = (item.run, item.step, item.field)
+        rows, pos = item.rows, item.pos
+        f = current(key)
+        while True:
+            nbytes = rows * row_nb
+            fits = f.size + nbytes <= self.max_file_bytes
+            if fits or rows == 0 or (f.size == 0 and rows == 1):
+                self.hold(f, held)
+                out.append(Placement(index, f, f.size, pos, rows, nbytes))
+                f.size += nbytes
+                return
+            if f.size > 0:
+                f = new(key)
+                continue
+            # an empty file and more rows than fit: fill it, then go on in the next one
+            take = max(1, self.max_file_bytes // row_nb)
+            self.hold(f, held)
+            out.append(Placement(index, f, 0, pos, take, take * row_nb))
+            f.size = take * row_nb
+            rows, pos = rows - take, pos + take
+
+    def undo_placement(
+        self,
+        items: Sequence[AppendItem],
+        placements: list[Placement],
+        held: dict[int, AppendFile],
+        created: list[AppendFile],
+    ) -> None:
+        """Give back a placement that failed half-way (`begin_append`), leaving no debris:
+        the files it created (only its own rows were placed in them) are removed, and so
+        are directories it leaves empty. Lock held."""
+        for e in reversed(placements):
+            if e.file.size == e.offset + e.nbytes:
+                e.file.size = e.offset
+        mine = {id(f) for f in created}
+        for f in held.values():
+            f.users -= 1
+        for f in created:
+            if self.shared.get(f.key) is f:
+                del self.shared[f.key]
+            if f.open:
+                self.discard(f)
+        for f in held.values():
+            if id(f) not in mine and f.sealed and f.users == 0 and f.open:
+                self.close_file(f)
+        for run, step in {(it.run, it.step) for it in items}:  # made before a file failed
+            for d in (self.root / self.node / run / str(step), self.root / self.node / run):
+                try:
+                    os.rmdir(d)
+                except OSError:
+                    break
+
+    def committed(self, files: Sequence[AppendFile]) -> None:
+        """Rows were written to ``files``: fsync them (``fsync="always"``), or mark them for
+        the next flush (``"interval"``)."""
+        if self.fsync == "always":
+            with os_errors(self.root):
+                for f in files:
+                    os.fsync(f.fd)
+        elif self.dirty is not None:
+            self.dirty.wrote(f.rel for f in files)
+
+    def lease_ended(self, f: AppendFile) -> None:
+        """A lease of ``f`` ended: its client wrote ``f`` unseen (for the next flush), and
+        ``f`` is released."""
+        with self.lock:
+            f.leases -= 1
+        if self.dirty is not None:
+            self.dirty.released(f.rel)
+        self.release([f])
+
+    def forget_removed(self, f: AppendFile) -> None:
+        """``f`` is being removed (garbage collection): no more appends to it, and its
+        descriptor (which would only hold its space) is closed. Lock held."""
+        if self.shared.get(f.key) is f:
+            del self.shared[f.key]
+        lease_key = (*f.key, f.owner)
+        if self.leased.get(lease_key) is f:
+            del self.leased[lease_key]
+        f.sealed = True
+        if f.open:  # leases write through their own descriptors: this one
+            self.close_file(f)  # would only hold the space
+
+    def close(self) -> None:
+        """Close every file (at shutdown)."""
+        with self.lock:
+            for f in list(self.open_files.values()):
+                self.close_file(f)
+            self.shared.clear()
+            self.leased.clear()
