@@ -250,9 +250,8 @@ class DataPlaneServer:
             shed, _ = self._listener.accept()
             with shed:
                 busy = out_of_descriptors(exc) or BusyError(f"daemon busy ({exc}); try again")
-                frame = _encoder.encode(_error_reply(busy))
                 shed.setblocking(False)
-                shed.send(FRAME_PREFIX.pack(len(frame)) + frame)  # the answer to its request
+                shed.send(_framed(_error_reply(busy)))  # the answer to its request
                 with contextlib.suppress(OSError):
                     shed.recv(1 << 16)  # what it sent: closed unread, it would be a reset
         return _spare()
@@ -398,8 +397,7 @@ class DataPlaneServer:
         return deadline
 
     def _send(self, conn: Connection, reply: DataReply, fds: list[int] | None = None) -> None:
-        frame = _encoder.encode(reply)
-        data = FRAME_PREFIX.pack(len(frame)) + frame
+        data = _framed(reply)
         sent = socket.send_fds(conn.sock, [data], fds) if fds else 0  # SO_SNDTIMEO bounds both
         conn.sock.sendall(data[sent:])
 
@@ -426,6 +424,12 @@ class DataPlaneServer:
     def _count_request(self, kind: str, start: float) -> None:
         if self.metrics is not None:
             self.metrics.dataplane_request(kind, time.perf_counter() - start)
+
+
+def _framed(reply: DataReply) -> bytes:
+    """``reply`` as a frame: its `FRAME_PREFIX` length, then its msgpack."""
+    body = _encoder.encode(reply)
+    return FRAME_PREFIX.pack(len(body)) + body
 
 
 def _error_reply(exc: Exception, suffix: str = "") -> ErrorReply:

@@ -1,13 +1,12 @@
 """The daemon's one reader of frames: a `FRAME_PREFIX` length, then that many bytes of body.
 
-Two paths read frames: the header of an HTTP append (``APPEND_CONTENT_TYPE``, its rows
+Two paths read frames: the header of an HTTP append (``APPEND_CONTENT_TYPE``: its rows
 follow the frame) and every data-plane request. Both fill a `FrameReader` part by part, the
-prefix first, then the body, the way the client reads its data-plane replies (a frame
-being received, asked what it still misses). The reader does no I/O: the data plane
-receives into `FrameReader.buffer` (``recv_into``, no copy), the HTTP route `feeds
-<FrameReader.feed>` it the chunks of a body. Between the two parts the caller learns the
-body's `~FrameReader.length` (checked against the limit), to count it in flight before
-any of it is held.
+prefix first, then the body, as the client reads its data-plane replies (a frame being
+received, asked what it still misses). The reader does no I/O: the data plane receives into
+`FrameReader.buffer` (``recv_into``, no copy); the HTTP append gives it the chunks of its
+body (`FrameReader.feed`). Between the two parts the caller learns the body's length,
+checked against the limit, to count it in flight before any of it is held.
 """
 
 from __future__ import annotations
