@@ -1,8 +1,10 @@
 """The data plane server: hands out file descriptors over ``<socket>.data`` (SCM_RIGHTS).
 
 One thread per connection, blocking sockets: a request, its reply, the next request. The
-`Store` does all placement and checking, exactly as for HTTP; this module only moves
-descriptors and frames.
+`Store` does all placement and checking, exactly as for HTTP; each request is served by its
+handler in `DataPlaneRequests` (``payloadd.server._dataplane_requests``); this module only
+accepts connections and moves descriptors and frames (read with `FrameReader`, as HTTP
+reads an append's header).
 
 What each connection may hold is bounded, and all of it ends with the connection:
 
@@ -32,54 +34,25 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import functools
-import itertools
 import logging
 import os
-import secrets
 import select
 import selectors
 import socket
 import struct
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
 
-from payload_client import (
-    BusyError,
-    InvalidRequestError,
-    PayloadError,
-    PayloadTooLargeError,
-    ServerError,
-)
-from payload_client.protocol import (
-    FRAME_PREFIX,
-    LEASES,
-    MAX_FDS,
-    AbortRequest,
-    CommitReply,
-    CommitRequest,
-    DataReply,
-    DataRequest,
-    ErrorReply,
-    FieldsReply,
-    FieldsRequest,
-    LeaseReply,
-    LeaseRequest,
-    NoteRequest,
-    OpenReply,
-    OpenRequest,
-    ReservedExtent,
-    ReserveReply,
-    ReserveRequest,
-    status_of,
-)
+from payload_client import BusyError, PayloadTooLargeError
+from payload_client.protocol import FRAME_PREFIX, CommitReply, DataReply, ErrorReply
+from payloadd.server._dataplane_requests import Connection, DataPlaneRequests
+from payloadd.server._errors import wire_error
+from payloadd.server._frames import FrameReader
 from payloadd.server._metrics import DATA_PLANE, Metrics
 from payloadd.server._sockets import bind_unix_socket
-from payloadd.store._appends import LeasedRange, PendingAppend
 from payloadd.store._budget import Descriptors, InFlight, out_of_descriptors
 from payloadd.store._store import Store
 
@@ -94,24 +67,11 @@ EXHAUSTED = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 RETRY_ACCEPT_S = 0.1
 """Seconds the accept loop waits after running out of descriptors (it never stops)."""
 
-_decoder = msgspec.msgpack.Decoder(DataRequest)
-_note_decoder = msgspec.msgpack.Decoder(NoteRequest)
 _encoder = msgspec.msgpack.Encoder()
 
 
 class _StalledError(Exception):
     """A frame stopped arriving mid-way: the connection is dropped."""
-
-
-class _Conn:
-    """What one connection holds; all of it ends with the connection (`DataPlaneServer._serve`)."""
-
-    def __init__(self, sock: socket.socket, owner: int) -> None:
-        self.sock = sock
-        self.owner = owner  # its lease files are private to it
-        # txn -> (append, deadline, per-request descriptors it holds)
-        self.pending: dict[int, tuple[PendingAppend, float, int]] = {}
-        self.leases: dict[tuple[str, int, str], LeasedRange] = {}
 
 
 class DataPlaneServer:
@@ -170,9 +130,9 @@ class DataPlaneServer:
         self.request_timeout = request_timeout
         self.reservation_timeout = reservation_timeout
         self.refused = {"connections": 0, "descriptors": 0}
-        # reservation ids, unique across connections (a client shared by threads may send a
-        # commit on a new connection) and, from a random start, across restarts
-        self._txns = itertools.count(secrets.randbits(62))
+        self.requests = DataPlaneRequests(
+            store, self.fds, lease_bytes, reservation_timeout, metrics
+        )
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._listener: socket.socket | None = None
@@ -290,9 +250,8 @@ class DataPlaneServer:
             shed, _ = self._listener.accept()
             with shed:
                 busy = out_of_descriptors(exc) or BusyError(f"daemon busy ({exc}); try again")
-                frame = _encoder.encode(ErrorReply("BusyError", str(busy)))
                 shed.setblocking(False)
-                shed.send(FRAME_PREFIX.pack(len(frame)) + frame)  # the answer to its request
+                shed.send(_framed(_error_reply(busy)))  # the answer to its request
                 with contextlib.suppress(OSError):
                     shed.recv(1 << 16)  # what it sent: closed unread, it would be a reset
         return _spare()
@@ -329,17 +288,17 @@ class DataPlaneServer:
     # -- serving one connection ----------------------------------------------------------
 
     def _serve(self, sock: socket.socket) -> None:
-        c = _Conn(sock, self.store.new_owner())
+        conn = self.requests.connect(sock)
         try:
             timeout = _timeval(self.request_timeout)  # every wait is bounded, in the kernel
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeout)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeout)
             while True:
-                body = self._next_frame(c)
+                body = self._next_frame(conn)
                 if body is None:
                     return
                 try:
-                    self._answer(c, body)
+                    self._answer(conn, body)
                 finally:
                     if len(body) > SMALL_FRAME:
                         self.inflight.release(len(body))
@@ -352,82 +311,77 @@ class DataPlaneServer:
         except OSError:
             return
         finally:
-            self._teardown(c)
+            self.requests.end(conn)
+            with self._lock:
+                self._conns.discard(sock)
+            sock.close()
 
-    def _teardown(self, c: _Conn) -> None:
-        """End everything ``c`` held; one failing step (an I/O error removing a file) is
-        logged and the rest still ends."""
-        ends: list[Callable[[], object]] = [
-            *(functools.partial(self._give_back, c, txn) for txn in list(c.pending)),
-            *(lease.release for lease in c.leases.values()),
-            functools.partial(self.store.end_owner, c.owner),
-        ]
-        for end in ends:
-            try:
-                end()
-            except Exception:
-                log.exception("data plane: ending what a closed connection held")
-        with self._lock:
-            self._conns.discard(c.sock)
-        c.sock.close()
-
-    def _next_frame(self, c: _Conn) -> bytearray | None:
-        """The next request frame's body; ``None`` when the client is gone, or after a frame
-        above the limit or beyond the memory in flight (the client is told why, and
-        dropped). Expired reservations are given back while the connection idles, and
-        before each frame.
+    def _next_frame(self, conn: Connection) -> bytearray | None:
+        """The next request frame's body (a `FrameReader`'s); ``None`` when the client is
+        gone, or after a frame above the limit or beyond the memory in flight (the client
+        is told why, and dropped). Expired reservations are given back while the
+        connection idles, and before each frame.
 
         Raises
         ------
         _StalledError
             A frame did not arrive whole within ``request_timeout`` of its first byte.
         """
-        got = self._recv(c, FRAME_PREFIX.size, None)
-        if got is None:
+        frame = FrameReader(self.max_frame, "data plane frame")
+        too_large = None
+        try:
+            deadline = self._recv(conn, frame, None)  # the prefix
+        except PayloadTooLargeError as exc:
+            deadline, too_large = 0.0, exc
+        if deadline is None:
             return None
-        head, deadline = got
-        if c.pending:
-            self._expire(c)
-        (n,) = FRAME_PREFIX.unpack(head)
-        if n > self.max_frame:
-            message = f"data plane frame of {n} bytes is above the limit of {self.max_frame}"
-            self._send(c, ErrorReply("PayloadTooLargeError", f"{message} (max_control_bytes)"))
+        if conn.pending:
+            self.requests.expire(conn)
+        if too_large is not None:
+            self._send(conn, _error_reply(too_large, " (max_control_bytes)"))
             return None
+        n = frame.missing()
         if n > SMALL_FRAME:
             try:
                 self.inflight.acquire(n, max(0.0, deadline - time.monotonic()))
             except BusyError as exc:
                 if self.metrics is not None:
                     self.metrics.refused_one(DATA_PLANE, "inflight")
-                self._send(c, ErrorReply("BusyError", str(exc)))
+                self._send(conn, _error_reply(exc))
                 return None
         try:
-            got = self._recv(c, n, deadline)
+            whole = self._recv(conn, frame, deadline)  # the body
         except BaseException:
             if n > SMALL_FRAME:
                 self.inflight.release(n)
             raise
-        if got is None:
+        if whole is None:
             if n > SMALL_FRAME:
                 self.inflight.release(n)
             return None
-        return got[0]
+        return frame.body()
 
-    def _recv(self, c: _Conn, n: int, deadline: float | None) -> tuple[bytearray, float] | None:
-        """``n`` bytes from the connection and the frame's deadline, or ``None`` if it ended
-        first. Without a ``deadline`` (the first bytes of a frame) the wait has no limit,
-        but wakes up every ``request_timeout`` to give back expired reservations; the first
-        byte sets the deadline, ``request_timeout`` later, by which the whole frame must
-        have come."""
-        buf = bytearray(n)
-        view = memoryview(buf)
+    def _recv(self, conn: Connection, frame: FrameReader, deadline: float | None) -> float | None:
+        """The current part of ``frame`` (its prefix, or its body) from the connection, and
+        the frame's deadline; ``None`` if the connection ended first. Without a
+        ``deadline`` (the first bytes of a frame) the wait has no limit, but wakes up every
+        ``request_timeout`` to give back expired reservations; the first byte sets the
+        deadline, ``request_timeout`` later, by which the whole frame must have come.
+
+        Raises
+        ------
+        PayloadTooLargeError
+            The prefix gives a body above the limit (`FrameReader.received`).
+        """
+        view = frame.buffer()
+        n = len(view)
         got = 0
         while got < n:
             try:
-                k = c.sock.recv_into(view[got:])
+                k = conn.sock.recv_into(view[got:])
             except BlockingIOError:  # SO_RCVTIMEO elapsed
                 if deadline is None:
-                    self._expire(c)
+                    self.requests.expire(conn)
                     continue
                 raise _StalledError from None
             if not k:
@@ -437,230 +391,50 @@ class DataPlaneServer:
                 deadline = time.monotonic() + self.request_timeout
             elif got < n and time.monotonic() > deadline:
                 raise _StalledError
+        del view
+        frame.received(got)
         assert deadline is not None
-        return buf, deadline
+        return deadline
 
-    def _end_reservation(self, c: _Conn, txn: int) -> PendingAppend:
-        """Take reservation ``txn`` off the connection, giving back its descriptors.
+    def _send(self, conn: Connection, reply: DataReply, fds: list[int] | None = None) -> None:
+        data = _framed(reply)
+        sent = socket.send_fds(conn.sock, [data], fds) if fds else 0  # SO_SNDTIMEO bounds both
+        conn.sock.sendall(data[sent:])
 
-        Raises
-        ------
-        KeyError
-            No such reservation is open.
-        """
-        p, _, held = c.pending.pop(txn)
-        self.fds.give(held)
-        return p
-
-    def _give_back(self, c: _Conn, txn: int) -> None:
-        """Give reservation ``txn`` of ``c`` back, uncommitted (its files go)."""
-        self._end_reservation(c, txn).close()
-
-    def _expire(self, c: _Conn) -> None:
-        now = time.monotonic()
-        for txn in [t for t, (_, deadline, _) in c.pending.items() if deadline <= now]:
-            self._give_back(c, txn)
-            log.warning("data plane: reservation %d not committed within %.0f s; given back",
-                        txn, self.reservation_timeout)  # fmt: skip
-
-    def _send(self, c: _Conn, reply: DataReply, fds: list[int] | None = None) -> None:
-        frame = _encoder.encode(reply)
-        data = FRAME_PREFIX.pack(len(frame)) + frame
-        sent = socket.send_fds(c.sock, [data], fds) if fds else 0  # SO_SNDTIMEO bounds both
-        c.sock.sendall(data[sent:])
-
-    def _answer(self, c: _Conn, body: bytearray) -> None:
+    def _answer(self, conn: Connection, body: bytearray) -> None:
         start = time.perf_counter()
         self.store.count("data_plane_requests")
-        note = self._note(body)
+        note = self.requests.note_of(body)
         if note is not None:  # counters only; a reply only when asked for
-            self.store.counts.noted(note)
-            for node, run in note.runs:  # runs in use: the GC age rule spares them
-                if node == self.store.node:
-                    self.store.touch(run)
+            self.requests.count_note(note)
             if note.ack:
-                self._send(c, CommitReply([]))
-            self._observe("note", start)
+                self._send(conn, CommitReply([]))
+            self._count_request("note", start)
             return
-        kind, reply, fds, taken = self._handle(body, c)
+        kind, reply, fds, taken = self.requests.answer(body, conn)
         try:
-            self._send(c, reply, fds)
+            self._send(conn, reply, fds)
         finally:
             for fd in fds:
                 os.close(fd)
             self.fds.give(taken)
-            self._observe(kind, start)
+            self._count_request(kind, start)
 
-    def _observe(self, kind: str, start: float) -> None:
+    def _count_request(self, kind: str, start: float) -> None:
         if self.metrics is not None:
             self.metrics.dataplane_request(kind, time.perf_counter() - start)
 
-    def _writer(self, rel: str) -> int:
-        """A write-only descriptor of its own for a client: not a dup of the store's, so
-        nothing a client does to its file status flags (O_APPEND...) reaches the store.
 
-        Raises
-        ------
-        FileNotFoundError
-            The file was removed (garbage collection).
-        BusyError
-            No descriptor is left (``EMFILE``).
-        """
-        try:
-            return os.open(self.store.root / rel, os.O_WRONLY | os.O_CLOEXEC)
-        except OSError as exc:
-            busy = out_of_descriptors(exc)
-            if busy is not None:
-                raise busy from exc
-            raise
+def _framed(reply: DataReply) -> bytes:
+    """``reply`` as a frame: its `FRAME_PREFIX` length, then its msgpack."""
+    body = _encoder.encode(reply)
+    return FRAME_PREFIX.pack(len(body)) + body
 
-    def _lease(self, c: _Conn, key: tuple[str, int, str], nbytes: int) -> tuple[LeasedRange, int]:
-        """A lease of ``key`` in a file of this connection's, and the client's descriptor.
 
-        Garbage collection may remove a leased file at any time, also before its descriptor
-        is opened here: then the range is given up and a new one leased (in a new file).
-        """
-        for _ in range(8):
-            lease = self.store.lease(*key, nbytes, self.lease_bytes, owner=c.owner)
-            try:
-                return lease, self._writer(lease.file)
-            except FileNotFoundError:
-                lease.release()
-            except BaseException:
-                lease.release()
-                raise
-        raise ServerError(f"every file leased for run {key[0]!r} step {key[1]} was removed at once")
-
-    @staticmethod
-    def _note(body: bytearray) -> NoteRequest | None:
-        """The note in ``body``, or ``None`` for another request.
-
-        Raises
-        ------
-        ConnectionAbortedError
-            For a malformed note: answering it would hand the reply to the next request
-            of a client that waits for none, so the connection is dropped instead.
-        """
-        try:
-            return _note_decoder.decode(body)
-        except msgspec.DecodeError:
-            try:
-                tag = msgspec.msgpack.decode(body)[0]
-            except (msgspec.DecodeError, TypeError, KeyError, IndexError):
-                return None
-            if tag == "note":
-                raise ConnectionAbortedError("malformed note") from None
-            return None
-
-    def _handle(self, body: bytearray, c: _Conn) -> tuple[str, DataReply, list[int], int]:
-        """Serve one request: ``(kind, reply, descriptors to pass, per-request descriptors
-        taken for them)``; the caller closes the descriptors and gives those back."""
-        fds: list[int] = []
-        taken = 0
-        kind = "invalid"
-        m = self.metrics
-        try:
-            req = _decoder.decode(body)
-            if isinstance(req, LeaseRequest):
-                kind = "lease"
-                key = (req.run, req.step, req.field)
-                self.fds.take(1, "a lease")
-                taken = 1
-                lease, fd = self._lease(c, key, req.nbytes)
-                fds.append(fd)
-                old = c.leases.pop(key, None)  # this client moves on to the new range
-                if old is not None:
-                    old.release()
-                c.leases[key] = lease
-                while len(c.leases) > LEASES:  # as many as a client keeps: the oldest is done
-                    done = next(iter(c.leases))
-                    c.leases.pop(done).release()
-                    self.store.seal_lease(c.owner, done)  # its unused tail stops counting
-                self.store.counts.handed_out("write", [lease.file])
-                fsync = self.store.fsync == "always"
-                return kind, LeaseReply(lease.file, lease.offset, lease.nbytes, fsync), fds, taken
-            if isinstance(req, FieldsRequest):
-                return "fields", FieldsReply(self.store.fields), fds, taken
-            if isinstance(req, OpenRequest):
-                kind = "open"
-                if len(req.files) > MAX_FDS:
-                    raise PayloadTooLargeError(
-                        f"open of {len(req.files)} files is above the limit of {MAX_FDS} a "
-                        "request (what one message can pass)"
-                    )
-                self.fds.take(len(req.files), f"an open of {len(req.files)} files")
-                taken = len(req.files)
-                for rel, end in req.files:
-                    fds.append(self.store.open_for_read(rel, end))
-                keeps = self.store.reads.keeps
-                once = [i for i, (rel, _) in enumerate(req.files) if not keeps(rel)]
-                self.store.counts.handed_out("read", [rel for rel, _ in req.files])
-                return kind, OpenReply(len(fds), once), fds, taken
-            if isinstance(req, ReserveRequest):
-                kind = "reserve"
-                need = self.store.files_needed(req.items)
-                what = f"a reservation of {len(req.items)} items"
-                self.fds.take(2 * need, what)  # the store's while it lasts, and the client's
-                taken = 2 * need
-                p = self.store.begin_append(req.items, private=True, transport=DATA_PLANE)
-                try:
-                    files = p.files
-                    if len(files) > MAX_FDS:
-                        raise PayloadTooLargeError(
-                            f"reservation spans {len(files)} files, above the {MAX_FDS} one "
-                            "reply can pass; split it"
-                        )
-                    for rel in files:  # one by one: the except closes what was opened
-                        fds.append(self._writer(rel))
-                except BaseException:
-                    p.close()
-                    raise
-                txn = next(self._txns)
-                deadline = time.monotonic() + self.reservation_timeout
-                c.pending[txn] = (p, deadline, need)  # the store's are given back with it
-                taken = need  # the client's: given back once sent
-                index = {rel: i for i, rel in enumerate(files)}
-                extents = [ReservedExtent(index[rel], off, n) for rel, off, n in p.extents]
-                self.store.counts.handed_out("write", files)
-                return kind, ReserveReply(txn, files, extents), fds, taken
-            if isinstance(req, CommitRequest | AbortRequest):
-                kind = "abort" if isinstance(req, AbortRequest) else "commit"
-                try:
-                    p = self._end_reservation(c, req.txn)
-                except KeyError:
-                    raise InvalidRequestError(
-                        f"no open reservation {req.txn} on this connection: never made, "
-                        "committed already, made on a connection that ended, or given back "
-                        f"after {self.reservation_timeout:.0f} s uncommitted"
-                    ) from None
-                if isinstance(req, AbortRequest):
-                    p.close()
-                    return kind, CommitReply([]), [], taken
-                p.written_elsewhere()
-                try:
-                    reply = CommitReply(p.commit())
-                finally:
-                    p.close()
-                return kind, reply, [], taken
-            raise InvalidRequestError(f"unexpected request {type(req).__name__}")
-        except Exception as exc:
-            for fd in fds:
-                os.close(fd)
-            self.fds.give(taken)
-            if isinstance(exc, PayloadError):
-                if isinstance(exc, BusyError) and m is not None:
-                    m.refused_one(DATA_PLANE, "descriptors")
-                if status_of(exc) >= 500:  # a full disk or an I/O error: the operator must see it
-                    log.error("data plane: %s: %s", type(exc).__name__, exc)
-                error = ErrorReply(type(exc).__name__, str(exc))
-            elif isinstance(exc, msgspec.DecodeError):
-                error = ErrorReply("InvalidRequestError", f"bad data plane request: {exc}")
-            else:
-                log.exception("data plane request failed")
-                error = ErrorReply("ServerError", f"internal error: {type(exc).__name__}")
-            if m is not None:
-                m.error(error.error, DATA_PLANE)
-            return kind, error, [], 0
+def _error_reply(exc: Exception, suffix: str = "") -> ErrorReply:
+    """The ``ErrorReply`` of ``exc`` (`wire_error`), its message followed by ``suffix``."""
+    wire = wire_error(exc, "data plane", log)
+    return ErrorReply(wire.error, wire.message + suffix)
 
 
 def _timeval(seconds: float) -> bytes:

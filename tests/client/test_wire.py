@@ -67,7 +67,7 @@ from payload_client._wire import (
     Usage,
 )
 from payloadd.server import _app as daemon_app
-from payloadd.server import _dataplane_server as daemon_dataplane
+from payloadd.server import _dataplane_requests as daemon_dataplane
 from tests.conftest import Daemon
 
 EXTRA = "extra_wire_field"

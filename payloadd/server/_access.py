@@ -31,7 +31,7 @@ from payload_client import STATUS_BY_ERROR, PayloadError
 from payloadd.server._logs import REQUEST_ID
 from payloadd.server._metrics import HTTP, Metrics
 
-__all__ = ["ERROR_CLASS", "REQUEST_ID_HEADER", "Observe"]
+__all__ = ["ERROR_CLASS", "REQUEST_ID_HEADER", "AccessMiddleware"]
 
 access = logging.getLogger("payloadd.access")
 
@@ -62,8 +62,9 @@ def _printable(path: str) -> str:
     return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in path)
 
 
-class Observe:
-    """ASGI middleware around the whole app; see the module's notes.
+class AccessMiddleware:
+    """ASGI middleware around the whole app: request id, metrics, access log; see the
+    module's notes.
 
     Parameters
     ----------
@@ -111,9 +112,9 @@ class Observe:
             status = status or 500
             raise
         finally:
-            self._done(scope, status, failure, time.perf_counter() - start, sent)
+            self._account(scope, status, failure, time.perf_counter() - start, sent)
 
-    def _done(
+    def _account(
         self, scope: Scope, status: int, failure: str | None, seconds: float, sent: int
     ) -> None:
         route = self._route(scope)

@@ -1,0 +1,198 @@
+"""The daemon's lifetime beside the HTTP routes: `Daemon`, in uvicorn's steps.
+
+`Daemon.load` builds what the routes and the data plane use (the descriptor shares, the
+`Store`, the GC collector); `Daemon.start` starts what runs in the background (the flusher,
+the data-plane server, the store's gauges, the GC sweeper); `Daemon.serve` is the lifetime
+itself, load and start, then the serving, then `Daemon.shutdown`, which stops all of it in
+the reverse order. The HTTP app's lifespan is `Daemon.serve` (`create_app`), so the data
+plane lives exactly as long as the HTTP routes, but belongs to neither.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from starlette.concurrency import run_in_threadpool
+
+from payload_client.protocol import DATA_SOCKET_SUFFIX
+from payloadd import __version__
+from payloadd.server._dataplane_server import DataPlaneServer
+from payloadd.server._metrics import Metrics, StoreMetrics
+from payloadd.settings._settings import Settings
+from payloadd.store._budget import Descriptors, InFlight
+from payloadd.store._durability import Flusher
+from payloadd.store._gc import GarbageCollector
+from payloadd.store._store import Store
+
+__all__ = ["Daemon"]
+
+log = logging.getLogger("payloadd")
+
+
+class Daemon:
+    """The store and what runs beside the routes, from `load` to `shutdown`.
+
+    Parameters
+    ----------
+    settings : Settings
+        Root, node, limits, durability policy, data plane and GC settings.
+    data_listener : socket.socket, optional
+        The data plane's listening socket, already bound to ``<socket>.data``; bound at
+        `start` when not given.
+    fds : Descriptors, optional
+        The daemon's shares of ``RLIMIT_NOFILE``; computed at `load` when not given.
+
+    Attributes
+    ----------
+    metrics : Metrics
+        The daemon's metrics, in a registry of their own (the routes count in them too).
+    inflight : InFlight
+        Bytes of requests held in memory at once, HTTP and data plane together.
+    store, fds, collector, data_plane
+        Set by `load` and `start` (``data_plane`` stays ``None`` when it is off).
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        data_listener: socket.socket | None = None,
+        fds: Descriptors | None = None,
+    ) -> None:
+        self.settings = settings
+        self.metrics = Metrics(settings.fields, settings.node, __version__)
+        self.inflight = InFlight(settings.max_inflight_bytes)
+        self._data_listener = data_listener
+        self._given_fds = fds
+        self.fds: Descriptors
+        self.store: Store
+        self.collector: GarbageCollector
+        self.data_plane: DataPlaneServer | None = None
+        self._flusher: Flusher | None = None
+        self._gauges: StoreMetrics | None = None
+        self._sweeper: asyncio.Task[None] | None = None
+
+    def load(self) -> None:
+        """Build the descriptor shares, the `Store` and the GC collector; nothing runs yet."""
+        s = self.settings
+        # the shares of RLIMIT_NOFILE: serve() computes them once its sockets are bound
+        self.fds = self._given_fds or Descriptors.of_process(
+            max_connections=s.max_connections,
+            max_data_connections=s.max_data_connections if s.data_plane else 0,
+        )
+        log.info("file descriptors: %s", self.fds.describe())
+        # the storage core over the root
+        self.store = Store(
+            s.root,
+            s.node,
+            max_file_bytes=s.max_file_bytes,
+            fsync=s.fsync,
+            max_read_bytes=s.max_request_bytes,
+            max_append_bytes=s.max_request_bytes,
+            max_append_items=s.max_append_items,
+            max_root_bytes=s.max_root_bytes,
+            min_free_bytes=s.min_free_bytes,
+            fields=s.fields_table(),
+            foreign_reads=s.foreign_reads,
+            append_files=self.fds.shares.append_files,
+            read_cache=self.fds.shares.read_cache,
+        )
+        log.info("payloadd %s: root %s, node %s", __version__, self.store.root, self.store.node)
+        # the GC rules over the store (its ledger keeps room for a line on a full disk)
+        self.collector = GarbageCollector(self.store, s.ttl_s)
+
+    def start(self) -> None:
+        """Start the flusher, the data plane, the store's gauges and the GC sweeper (this
+        needs the running event loop)."""
+        s = self.settings
+        # under fsync="interval", flushes every fsync_interval_s
+        if s.fsync == "interval":
+            self._flusher = Flusher(self.store.flush, s.fsync_interval_s)
+            self._flusher.start()
+        # descriptors over <socket>.data, in threads of its own
+        if s.data_plane:
+            self.data_plane = DataPlaneServer(
+                self.store,
+                f"{s.socket}{DATA_SOCKET_SUFFIX}",
+                s.socket_mode,
+                s.lease_bytes,
+                metrics=self.metrics,
+                fds=self.fds,
+                inflight=self.inflight,
+                max_frame=s.max_control_bytes,
+                request_timeout=s.request_timeout_s,
+                reservation_timeout=s.reservation_timeout_s,
+            )
+            self.data_plane.start(self._data_listener)
+        # the store's gauges, read at each scrape
+        connections = self.data_plane.connections if self.data_plane else None
+        self._gauges = StoreMetrics(self.store, connections, self.fds, self.inflight)
+        self.metrics.registry.register(self._gauges)
+        # the background GC, every gc_interval_s (the first at once)
+        self._sweeper = asyncio.create_task(self._sweep_every(s.gc_interval_s))
+
+    @asynccontextmanager
+    async def serve(self) -> AsyncIterator[dict[str, Any]]:
+        """The daemon's lifetime: `load`, `start`, then serve (what the routes reach, the
+        lifespan state, is yielded), then `shutdown`."""
+        self.load()
+        self.start()
+        try:
+            yield {
+                "store": self.store,
+                "settings": self.settings,
+                "collector": self.collector,
+                "fds": self.fds,
+                "data_plane": self.data_plane,
+            }
+        finally:
+            await self.shutdown()
+
+    def lifespan(self, app: object) -> contextlib.AbstractAsyncContextManager[dict[str, Any]]:
+        """`serve`, as an ASGI app's lifespan (``FastAPI(lifespan=...)``)."""
+        return self.serve()
+
+    async def shutdown(self) -> None:
+        """Stop what `start` started, in the reverse order; a last flush, then close the
+        store."""
+        # the GC sweeper (a sweep under way ends in its thread)
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+            self._sweeper = None
+        # the gauges
+        if self._gauges is not None:
+            self.metrics.registry.unregister(self._gauges)
+            self._gauges = None
+        # the data plane: no new connection, every connection ended
+        if self.data_plane is not None:
+            self.data_plane.stop()
+            self.data_plane = None
+        # the flusher: a last flush, leased files included
+        if self._flusher is not None:
+            self._flusher.stop()
+            self._flusher = None
+        self.store.close()
+
+    async def _sweep_every(self, seconds: float) -> None:
+        """The background GC: the age rule, orphans and empty directories, every ``seconds``
+        (the first at once); a failed sweep is logged and the next one still runs."""
+        collector, metrics = self.collector, self.metrics
+        while True:
+            try:
+                report = await run_in_threadpool(collector.sweep)
+                await run_in_threadpool(collector.store.reads.drop_removed)
+                metrics.collected(report, "sweep")
+                if report.files or report.dirs:
+                    log.info("gc sweep: %d files, %d bytes, %d directories removed",
+                             report.files, report.bytes, report.dirs)  # fmt: skip
+            except Exception:
+                metrics.gc_failed("sweep")
+                log.exception("gc sweep failed")
+            await asyncio.sleep(seconds)

@@ -1,0 +1,376 @@
+"""The data plane's requests: what a connection holds, and one handler per message type.
+
+`DataPlaneRequests.answer` decodes a request frame, picks its handler in a table (message
+type -> handler method) and turns what it raises into an ``ErrorReply`` through
+`wire_error`, like an HTTP answer. `DataPlaneServer` moves the frames and the descriptors;
+the `Store` does all placement and checking. Notes (`NoteRequest`, counters a client reports
+of appends written through its descriptors) are answered only when they ask for it.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import logging
+import os
+import secrets
+import socket
+import time
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import msgspec
+
+from payload_client import InvalidRequestError, PayloadTooLargeError, ServerError
+from payload_client.protocol import (
+    LEASES,
+    MAX_FDS,
+    AbortRequest,
+    CommitReply,
+    CommitRequest,
+    DataReply,
+    DataRequest,
+    ErrorReply,
+    FieldsReply,
+    FieldsRequest,
+    LeaseReply,
+    LeaseRequest,
+    NoteRequest,
+    OpenReply,
+    OpenRequest,
+    ReservedExtent,
+    ReserveReply,
+    ReserveRequest,
+)
+from payloadd.server._errors import wire_error
+from payloadd.server._metrics import DATA_PLANE, Metrics
+from payloadd.store._appends import LeasedRange, PendingAppend
+from payloadd.store._budget import Descriptors, out_of_descriptors
+from payloadd.store._store import Store
+
+__all__ = ["Answer", "Connection", "DataPlaneRequests"]
+
+log = logging.getLogger("payloadd.dataplane")
+
+_decoder = msgspec.msgpack.Decoder(DataRequest)
+_note_decoder = msgspec.msgpack.Decoder(NoteRequest)
+
+
+class Connection:
+    """What one connection holds; all of it ends with the connection (`DataPlaneRequests.end`).
+
+    Parameters
+    ----------
+    sock : socket.socket
+        The connection.
+    owner : int
+        Its owner id in the store (`Store.new_owner`): its lease files are private to it.
+    """
+
+    def __init__(self, sock: socket.socket, owner: int) -> None:
+        self.sock = sock
+        self.owner = owner
+        # txn -> (append, deadline, per-request descriptors it holds)
+        self.pending: dict[int, tuple[PendingAppend, float, int]] = {}
+        self.leases: dict[tuple[str, int, str], LeasedRange] = {}
+
+
+class Answer(NamedTuple):
+    """A request's reply: its ``kind`` (for the metrics), the ``reply``, the descriptors to
+    pass with it and the per-request descriptors ``taken`` for them; the sender closes the
+    descriptors and gives those back."""
+
+    kind: str
+    reply: DataReply
+    fds: list[int]
+    taken: int
+
+
+class _Passing:
+    """What a handler passes so far: descriptors opened, per-request descriptors taken (all
+    closed and given back if it fails)."""
+
+    def __init__(self) -> None:
+        self.fds: list[int] = []
+        self.taken = 0
+
+
+_Handler = Callable[["DataPlaneRequests", Connection, Any, _Passing], DataReply]
+
+
+class DataPlaneRequests:
+    """Serve the data plane's requests of each connection against ``store``.
+
+    Parameters
+    ----------
+    store : Store
+        The storage core (placement, checks, counters).
+    fds : Descriptors
+        The descriptor shares: a request takes what it passes from the per-request share.
+    lease_bytes : int
+        Size of the byte ranges clients lease for small appends.
+    reservation_timeout : float
+        Seconds a reservation may stay uncommitted; then it is given back (`expire`).
+    metrics : Metrics, optional
+        Where leases, descriptors handed out, appends and errors are counted.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        fds: Descriptors,
+        lease_bytes: int,
+        reservation_timeout: float,
+        metrics: Metrics | None = None,
+    ) -> None:
+        self.store, self.fds, self.metrics = store, fds, metrics
+        self.lease_bytes = lease_bytes
+        self.reservation_timeout = reservation_timeout
+        # reservation ids, unique across connections (a client shared by threads may send a
+        # commit on a new connection) and, from a random start, across restarts
+        self._txns = itertools.count(secrets.randbits(62))
+
+    # -- the connection's life -----------------------------------------------------------
+
+    def connect(self, sock: socket.socket) -> Connection:
+        """A new connection's state (an owner of its own in the store)."""
+        return Connection(sock, self.store.new_owner())
+
+    def end(self, conn: Connection) -> None:
+        """End everything ``conn`` held; one failing step (an I/O error removing a file) is
+        logged and the rest still ends."""
+        ends: list[Callable[[], object]] = [
+            *(functools.partial(self.give_back, conn, txn) for txn in list(conn.pending)),
+            *(lease.release for lease in conn.leases.values()),
+            functools.partial(self.store.end_owner, conn.owner),
+        ]
+        for end in ends:
+            try:
+                end()
+            except Exception:
+                log.exception("data plane: ending what a closed connection held")
+
+    def give_back(self, conn: Connection, txn: int) -> None:
+        """Give reservation ``txn`` of ``conn`` back, uncommitted (its files go)."""
+        self._end_reservation(conn, txn).close()
+
+    def expire(self, conn: Connection) -> None:
+        """Give back the reservations of ``conn`` past their deadline."""
+        now = time.monotonic()
+        for txn in [t for t, (_, deadline, _) in conn.pending.items() if deadline <= now]:
+            self.give_back(conn, txn)
+            log.warning("data plane: reservation %d not committed within %.0f s; given back",
+                        txn, self.reservation_timeout)  # fmt: skip
+
+    def _end_reservation(self, conn: Connection, txn: int) -> PendingAppend:
+        """Take reservation ``txn`` off the connection, giving back its descriptors.
+
+        Raises
+        ------
+        KeyError
+            No such reservation is open.
+        """
+        pending, _, held = conn.pending.pop(txn)
+        self.fds.give(held)
+        return pending
+
+    # -- notes ---------------------------------------------------------------------------
+
+    @staticmethod
+    def note_of(body: bytearray) -> NoteRequest | None:
+        """The note in ``body``, or ``None`` for another request.
+
+        Raises
+        ------
+        ConnectionAbortedError
+            For a malformed note: answering it would hand the reply to the next request
+            of a client that waits for none, so the connection is dropped instead.
+        """
+        try:
+            return _note_decoder.decode(body)
+        except msgspec.DecodeError:
+            try:
+                tag = msgspec.msgpack.decode(body)[0]
+            except (msgspec.DecodeError, TypeError, KeyError, IndexError):
+                return None
+            if tag == "note":
+                raise ConnectionAbortedError("malformed note") from None
+            return None
+
+    def count_note(self, note: NoteRequest) -> None:
+        """Add what ``note`` reports to the counters; the runs it names are in use."""
+        self.store.counts.noted(note)
+        for node, run in note.runs:  # runs in use: the GC age rule spares them
+            if node == self.store.node:
+                self.store.touch(run)
+
+    # -- requests ------------------------------------------------------------------------
+
+    def answer(self, body: bytearray, conn: Connection) -> Answer:
+        """Serve one request (not a note): its `Answer`; an error is an ``ErrorReply``."""
+        passing = _Passing()
+        kind = "invalid"
+        try:
+            req = _decoder.decode(body)
+            kind, handler = _HANDLERS.get(type(req), ("invalid", None))
+            if handler is None:
+                raise InvalidRequestError(f"unexpected request {type(req).__name__}")
+            reply = handler(self, conn, req, passing)
+            return Answer(kind, reply, passing.fds, passing.taken)
+        except Exception as exc:
+            for fd in passing.fds:
+                os.close(fd)
+            self.fds.give(passing.taken)
+            return Answer(kind, self._error(exc), [], 0)
+
+    def _error(self, exc: Exception) -> ErrorReply:
+        """The reply to a failed request (`wire_error`), counted."""
+        metrics = self.metrics
+        if isinstance(exc, msgspec.DecodeError):  # the request's, or one from below
+            exc = InvalidRequestError(f"bad data plane request: {exc}")
+        wire = wire_error(exc, "data plane", log)
+        if wire.status == 503:  # refused, short of descriptors: counted, and (unlike HTTP) logged
+            if metrics is not None:
+                metrics.refused_one(DATA_PLANE, "descriptors")
+            log.error("data plane: %s: %s", wire.error, wire.message)
+        if metrics is not None:
+            metrics.error(wire.error, DATA_PLANE)
+        return ErrorReply(wire.error, wire.message)
+
+    def _lease(self, conn: Connection, req: LeaseRequest, passing: _Passing) -> DataReply:
+        key = (req.run, req.step, req.field)
+        self.fds.take(1, "a lease")
+        passing.taken = 1
+        lease, fd = self._lease_file(conn, key, req.nbytes)
+        passing.fds.append(fd)
+        old = conn.leases.pop(key, None)  # this client moves on to the new range
+        if old is not None:
+            old.release()
+        conn.leases[key] = lease
+        while len(conn.leases) > LEASES:  # as many as a client keeps: the oldest is done
+            done = next(iter(conn.leases))
+            conn.leases.pop(done).release()
+            self.store.seal_lease(conn.owner, done)  # its unused tail stops counting
+        self.store.counts.handed_out("write", [lease.file])
+        fsync = self.store.fsync == "always"
+        return LeaseReply(lease.file, lease.offset, lease.nbytes, fsync)
+
+    def _fields(self, conn: Connection, req: FieldsRequest, passing: _Passing) -> DataReply:
+        return FieldsReply(self.store.fields)
+
+    def _open(self, conn: Connection, req: OpenRequest, passing: _Passing) -> DataReply:
+        if len(req.files) > MAX_FDS:
+            raise PayloadTooLargeError(
+                f"open of {len(req.files)} files is above the limit of {MAX_FDS} a "
+                "request (what one message can pass)"
+            )
+        self.fds.take(len(req.files), f"an open of {len(req.files)} files")
+        passing.taken = len(req.files)
+        for rel, end in req.files:
+            passing.fds.append(self.store.open_for_read(rel, end))
+        keeps = self.store.reads.keeps
+        once = [i for i, (rel, _) in enumerate(req.files) if not keeps(rel)]
+        self.store.counts.handed_out("read", [rel for rel, _ in req.files])
+        return OpenReply(len(passing.fds), once)
+
+    def _reserve(self, conn: Connection, req: ReserveRequest, passing: _Passing) -> DataReply:
+        need = self.store.files_needed(req.items)
+        what = f"a reservation of {len(req.items)} items"
+        self.fds.take(2 * need, what)  # the store's while it lasts, and the client's
+        passing.taken = 2 * need
+        pending = self.store.begin_append(req.items, private=True, transport=DATA_PLANE)
+        try:
+            files = pending.files
+            if len(files) > MAX_FDS:
+                raise PayloadTooLargeError(
+                    f"reservation spans {len(files)} files, above the {MAX_FDS} one "
+                    "reply can pass; split it"
+                )
+            for rel in files:  # one by one: the except closes what was opened
+                passing.fds.append(self._writer(rel))
+        except BaseException:
+            pending.close()
+            raise
+        txn = next(self._txns)
+        deadline = time.monotonic() + self.reservation_timeout
+        conn.pending[txn] = (pending, deadline, need)  # the store's are given back with it
+        passing.taken = need  # the client's: given back once sent
+        index = {rel: i for i, rel in enumerate(files)}
+        extents = [ReservedExtent(index[rel], off, n) for rel, off, n in pending.extents]
+        self.store.counts.handed_out("write", files)
+        return ReserveReply(txn, files, extents)
+
+    def _reservation(self, conn: Connection, txn: int) -> PendingAppend:
+        """Reservation ``txn``, taken off the connection, or `InvalidRequestError`."""
+        try:
+            return self._end_reservation(conn, txn)
+        except KeyError:
+            raise InvalidRequestError(
+                f"no open reservation {txn} on this connection: never made, "
+                "committed already, made on a connection that ended, or given back "
+                f"after {self.reservation_timeout:.0f} s uncommitted"
+            ) from None
+
+    def _commit(self, conn: Connection, req: CommitRequest, passing: _Passing) -> DataReply:
+        pending = self._reservation(conn, req.txn)
+        pending.written_elsewhere()
+        try:
+            reply = CommitReply(pending.commit())
+        finally:
+            pending.close()
+        return reply
+
+    def _abort(self, conn: Connection, req: AbortRequest, passing: _Passing) -> DataReply:
+        self._reservation(conn, req.txn).close()
+        return CommitReply([])
+
+    # -- descriptors -----------------------------------------------------------------------
+
+    def _writer(self, rel: str) -> int:
+        """A write-only descriptor of its own for a client: not a dup of the store's, so
+        nothing a client does to its file status flags (O_APPEND...) reaches the store.
+
+        Raises
+        ------
+        FileNotFoundError
+            The file was removed (garbage collection).
+        BusyError
+            No descriptor is left (``EMFILE``).
+        """
+        try:
+            return os.open(self.store.root / rel, os.O_WRONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            busy = out_of_descriptors(exc)
+            if busy is not None:
+                raise busy from exc
+            raise
+
+    def _lease_file(
+        self, conn: Connection, key: tuple[str, int, str], nbytes: int
+    ) -> tuple[LeasedRange, int]:
+        """A lease of ``key`` in a file of this connection's, and the client's descriptor.
+
+        Garbage collection may remove a leased file at any time, also before its descriptor
+        is opened here: then the range is given up and a new one leased (in a new file).
+        """
+        for _ in range(8):
+            lease = self.store.lease(*key, nbytes, self.lease_bytes, owner=conn.owner)
+            try:
+                return lease, self._writer(lease.file)
+            except FileNotFoundError:
+                lease.release()
+            except BaseException:
+                lease.release()
+                raise
+        raise ServerError(f"every file leased for run {key[0]!r} step {key[1]} was removed at once")
+
+
+_HANDLERS: dict[type[Any], tuple[str, _Handler]] = {
+    LeaseRequest: ("lease", DataPlaneRequests._lease),
+    FieldsRequest: ("fields", DataPlaneRequests._fields),
+    OpenRequest: ("open", DataPlaneRequests._open),
+    ReserveRequest: ("reserve", DataPlaneRequests._reserve),
+    CommitRequest: ("commit", DataPlaneRequests._commit),
+    AbortRequest: ("abort", DataPlaneRequests._abort),
+}
+"""The dispatch table: request type -> (kind, for the metrics; handler)."""
