@@ -5,7 +5,7 @@ Import what you need from here; the ``_*`` modules are private.
 >>> from payload_client import PayloadClient, clip_segments
 """
 
-from ._base import DEFAULT_SOCKET, CoveredRead, ReadResult, Window
+from ._base import DEFAULT_SOCKET
 from ._clients import AsyncPayloadClient, PayloadClient
 from ._errors import (
     STATUS_BY_ERROR,
@@ -29,7 +29,6 @@ from ._errors import (
     UnauthorizedError,
 )
 from ._ops import clip_segments, merge_pd_segments, shift_segments
-from ._read import Piece, WindowPlan, assemble, coverage, plan_window
 from ._router import merge_pd_responses, prefill_has_routed_experts
 from ._segment import (
     SUPPORTED_DTYPES,
@@ -40,6 +39,16 @@ from ._segment import (
     validate_segments,
 )
 from ._timeout import Timeout
+from ._windows import (
+    CoveredRead,
+    Piece,
+    ReadResult,
+    Window,
+    WindowPlan,
+    assemble,
+    coverage,
+    plan_window,
+)
 from ._wire import (
     FieldSpec,
     FieldsTable,

@@ -1,7 +1,8 @@
-"""The I/O-free half of the clients: building requests and decoding answers.
+"""The I/O-free half of the clients: building calls, choosing their transport, deciding retries.
 
-`PayloadClient` and `AsyncPayloadClient` only move the bytes a `Call` describes; everything
-that decides what to send and what an answer means lives here, once.
+`PayloadClient` and `AsyncPayloadClient` only move the bytes a `Call` describes, through
+the transport `BaseClient._route` names; everything that decides what to send, which way
+it goes, whether it goes again and what an answer means lives here, once.
 """
 
 from __future__ import annotations
@@ -11,17 +12,14 @@ import functools
 import math
 import os
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Generic, NamedTuple, TypeVar
+from collections.abc import Generator, Sequence
+from typing import Any, Generic, TypeVar
 
 import httpx
 import msgspec
 import numpy as np
 
-from ._dataplane import Steps, append_steps, read_steps
-from ._errors import InvalidRequestError, PayloadError, ProtocolError, error_from_wire
-from ._read import WindowPlan, coverage, direct_view, place, plan_window, prepare_output
+from ._errors import InvalidRequestError, PayloadError, ProtocolError
 from ._segment import (
     INT64_MAX,
     SUPPORTED_DTYPES,
@@ -30,6 +28,27 @@ from ._segment import (
     check_name,
 )
 from ._timeout import DEFAULT_TIMEOUT_S, Timeout
+from ._transports import (
+    AttemptError,
+    Call,
+    DataPlaneDownError,
+    Target,
+    append_steps,
+    read_steps,
+)
+from ._transports._dataplane_steps import Steps
+from ._windows import (
+    CoveredRead,
+    ReadResult,
+    Window,
+    WindowLike,
+    WindowPlan,
+    coverage,
+    direct_view,
+    place,
+    plan_window,
+    prepare_output,
+)
 from ._wire import (
     APPEND_CONTENT_TYPE,
     DATA_SOCKET_SUFFIX,
@@ -38,7 +57,6 @@ from ._wire import (
     AppendItem,
     AppendRequest,
     AppendResponse,
-    ErrorBody,
     Extent,
     FieldsTable,
     GcReport,
@@ -49,212 +67,23 @@ from ._wire import (
     Usage,
 )
 
-__all__ = [
-    "DEFAULT_SOCKET",
-    "BaseClient",
-    "Call",
-    "CoveredRead",
-    "ReadResult",
-    "Window",
-    "WindowLike",
-]
+__all__ = ["DEFAULT_SOCKET", "BaseClient"]
 
 DEFAULT_SOCKET = "/run/payloadd/payloadd.sock"
 """Socket path used when neither ``socket_path``, ``base_url`` nor ``PAYLOADD_SOCKET`` is given."""
 
 T = TypeVar("T")
+HTTPT = TypeVar("HTTPT")
+"""The client's HTTP transport (`HTTPTransport` or `AsyncHTTPTransport`)."""
+DataPlaneT = TypeVar("DataPlaneT")
+"""The client's data plane transport (`SyncDataPlane` or `AsyncDataPlane`)."""
+
 HTTP_CHUNK = 256 << 10
 """Row bytes go to the HTTP stack in memoryview slices of at most this many bytes."""
 
 _encoder = msgspec.msgpack.Encoder()
 _DTYPE_NAMES = {np.dtype(name).newbyteorder("<"): name for name in SUPPORTED_DTYPES}
 _append_response = msgspec.msgpack.Decoder(AppendResponse)
-_error_json = msgspec.json.Decoder(ErrorBody)
-
-
-class Window(NamedTuple):
-    """One window to read in `PayloadClient.read_many`.
-
-    Attributes
-    ----------
-    segments : sequence of PayloadSegment
-        Segments of any fields.
-    field : str
-        Field to read.
-    lo, hi : int
-        Token positions ``[lo, hi)`` (end exclusive).
-    fill : int or float
-        Value of entries no row covers.
-    out : numpy.ndarray, optional
-        Array to read into (see `PayloadClient.read_field`).
-    dtype : numpy dtype, optional
-        Output dtype (see `PayloadClient.read_field`).
-    coverage : bool, default False
-        Also say which rows are real: the window's result is then a `CoveredRead`
-        ``(array, covered)`` instead of the bare array.
-    """
-
-    segments: Sequence[PayloadSegment]
-    field: str
-    lo: int
-    hi: int
-    fill: int | float
-    out: np.ndarray | None = None
-    dtype: Any = None
-    coverage: bool = False
-
-
-WindowLike = Window | tuple[Sequence[PayloadSegment], str, int, int, int | float]
-"""A `Window` or a plain ``(segments, field, lo, hi, fill)`` tuple."""
-
-
-class CoveredRead(NamedTuple):
-    """A window read with its coverage (``coverage=True``): unpacks as ``(array, covered)``.
-
-    Attributes
-    ----------
-    array : numpy.ndarray or None
-        What the read returns without coverage: ``[hi - lo, *row_shape]``, or ``None``
-        when no segment has the field.
-    covered : numpy.ndarray
-        ``bool`` ``[hi - lo]``, a fresh array: ``covered[i]`` is ``True`` when some segment
-        of the field has a row at token position ``lo + i`` (so ``array[i]`` holds real
-        values, padded with fill only beyond that row's own shape), ``False`` when
-        ``array[i]`` is all fill. All ``False`` when ``array`` is ``None`` or the window is
-        empty; placeholders (segments of no rows) cover nothing.
-    """
-
-    array: np.ndarray | None
-    covered: np.ndarray
-
-
-ReadResult = np.ndarray | CoveredRead | None
-"""One window's result in `PayloadClient.read_many`: a `CoveredRead` for windows asking
-for coverage, else the array or ``None``."""
-
-
-@dataclass
-class Call(Generic[T]):
-    """One HTTP exchange, fully described: what to send and how to read the answer.
-
-    Attributes
-    ----------
-    method, path : str
-        Request line.
-    headers : dict
-        Extra request headers.
-    body : callable, optional
-        Builds the body (bytes-like chunks, sent in order without joining) when the call
-        goes over HTTP; ``Content-Length`` is set from them.
-    local : bool
-        True when the answer is known without asking the daemon (``decode(b"")`` is it).
-    fast : callable, optional
-        The same exchange on the data plane: ``fast(data_plane)`` gives the steps whose
-        result is the call's result.
-    expected : int or None
-        Exact length of a successful answer's body when known in advance; the body is then
-        received into one preallocated buffer.
-    targets : callable, optional
-        With ``expected``: gives the buffers the body is received into, in order, instead
-        (``(bytes view, called once it is full or None)``; their sizes add up to
-        ``expected``), e.g. the output arrays themselves.
-    decode : callable
-        Turns the successful answer's body into the result.
-    idempotent : bool
-        True when sending the call twice has the effect of sending it once (a read, stats,
-        health): it is retried once, on a new connection, when its connection drops. Other
-        calls (an append) are never re-sent by the client.
-    """
-
-    method: str
-    path: str
-    decode: Callable[[Any], T]
-    headers: dict[str, str] = field(default_factory=dict)
-    body: Callable[[], list[Any]] | None = None
-    expected: int | None = None
-    local: bool = False
-    fast: Callable[[Any], Steps[T]] | None = None
-    targets: Callable[[], list[Target]] | None = None
-    idempotent: bool = False
-
-    def http_body(self) -> tuple[dict[str, str], list[Any]]:
-        """The request headers and body chunks for HTTP (built only when HTTP is used)."""
-        chunks = self.body() if self.body is not None else []
-        headers = dict(self.headers)
-        if chunks:
-            headers["Content-Length"] = str(sum(memoryview(c).nbytes for c in chunks))
-        return headers, chunks
-
-    def new_sink(self) -> _Sink:
-        """Return a buffer to receive the answer's body into."""
-        return _Sink(self.expected, self.targets() if self.targets is not None else None)
-
-    def raise_for_answer(self, status: int, body: bytes) -> None:
-        """Raise the `PayloadError` a 4xx/5xx answer stands for."""
-        if status < 400:
-            return
-        try:
-            err = _error_json.decode(body)
-            raise error_from_wire(status, err.error, err.message)
-        except msgspec.DecodeError:
-            text = body[:200].decode("utf-8", "replace")
-            raise error_from_wire(status, None, text or f"HTTP {status}") from None
-
-
-Target = tuple[memoryview, Callable[[], None] | None]
-"""A buffer an answer's body is received into, and what to do once it is full."""
-
-
-class _Sink:
-    """Receives a body chunk by chunk: into one preallocated buffer when its size is known,
-    or straight into the given targets."""
-
-    def __init__(self, expected: int | None, targets: list[Target] | None = None):
-        self.expected = expected
-        self.at = 0
-        self.parts: list[bytes] = []
-        if targets is None:
-            self.buf = bytearray(expected) if expected else None
-            targets = [(memoryview(self.buf), None)] if self.buf is not None else []
-        else:
-            self.buf = None
-        self.targets = [(view, done) for view, done in targets if view.nbytes or done]
-        self.keep = expected is None
-        self.i = 0  # current target
-        self.t_at = 0  # bytes of it received
-        self._advance()
-
-    def _advance(self) -> None:  # pass and finish targets that are full
-        while self.i < len(self.targets) and self.t_at == self.targets[self.i][0].nbytes:
-            done = self.targets[self.i][1]
-            if done is not None:
-                done()
-            self.i, self.t_at = self.i + 1, 0
-
-    def write(self, chunk: bytes) -> None:
-        n = len(chunk)
-        if self.keep:
-            self.parts.append(chunk)
-            self.at += n
-            return
-        if self.at + n > (self.expected or 0):
-            raise ProtocolError(f"answer longer than the {self.expected} bytes expected")
-        data = memoryview(chunk)
-        while data.nbytes:
-            view = self.targets[self.i][0]
-            k = min(view.nbytes - self.t_at, data.nbytes)
-            view[self.t_at : self.t_at + k] = data[:k]
-            self.t_at += k
-            data = data[k:]
-            self._advance()
-        self.at += n
-
-    def result(self) -> Any:
-        if self.expected is not None:
-            if self.at != self.expected:
-                raise ProtocolError(f"answer has {self.at} bytes, expected {self.expected}")
-            return self.buf if self.buf is not None else b""
-        return b"".join(self.parts)
 
 
 def _rows_for_wire(rows: Any) -> np.ndarray:
@@ -281,28 +110,13 @@ def _then(steps: Steps[None], result: T) -> Steps[T]:
     return result
 
 
-class BaseClient:
-    """Request building and answer decoding shared by the sync and async clients.
+class BaseClient(Generic[HTTPT, DataPlaneT]):
+    """What the sync and async clients share: their constructor, call building, the choice
+    of transport and of retries, answer decoding. It does no I/O.
 
-    Parameters
-    ----------
-    socket_path : str or os.PathLike, optional
-        Unix socket of the daemon. Default: ``$PAYLOADD_SOCKET`` or `DEFAULT_SOCKET`.
-    base_url : str, optional
-        ``http://host:port`` of a daemon's TCP listener instead of a socket.
-    token : str, optional
-        Admin/TCP token, sent as ``Authorization: Bearer``.
-    timeout : float, Timeout or httpx.Timeout, default 60.0
-        Seconds for connect, read, write and pool waits, or a `Timeout` setting each (and
-        how long a pooled connection may idle).
-    data_plane : bool, default True
-        Move row bytes through file descriptors the daemon passes over ``<socket>.data``
-        when it serves one (same node); else, and always over TCP, over HTTP.
-
-    Raises
-    ------
-    InvalidRequestError
-        If both ``socket_path`` and ``base_url`` are given, or ``timeout`` is not valid.
+    The parameters, errors and retry rules are those of `PayloadClient` (see there).
+    A subclass gives the transports (`_open_http`, `_open_data_plane`) and runs the effects
+    of `_route` with `drive` or `drive_async`.
     """
 
     def __init__(
@@ -328,8 +142,20 @@ class BaseClient:
         self.headers = {"User-Agent": "payload-client", "Accept": MSGPACK_CONTENT_TYPE}
         if token:
             self.headers["Authorization"] = f"Bearer {token}"
+        self._data_plane: DataPlaneT | None = (
+            self._open_data_plane(self.data_socket) if self.data_socket else None
+        )
+        self._http: HTTPT = self._open_http()
 
-    # -- data plane ---------------------------------------------------------------------
+    def _open_http(self) -> HTTPT:
+        """The HTTP transport of this client's socket or URL (no I/O yet)."""
+        raise NotImplementedError
+
+    def _open_data_plane(self, path: str) -> DataPlaneT:
+        """The data plane transport of the data socket ``path`` (no I/O yet)."""
+        raise NotImplementedError
+
+    # -- route and retries --------------------------------------------------------------
 
     _retry_data_plane_at = 0.0
     DATA_PLANE_RETRY_S = 5.0
@@ -340,6 +166,37 @@ class BaseClient:
 
     def _data_plane_failed(self) -> None:
         self._retry_data_plane_at = time.monotonic() + self.DATA_PLANE_RETRY_S
+
+    def _route(self, call: Call[T]) -> Generator[HTTPT | DataPlaneT, Any, T]:
+        """The transports ``call`` takes, attempt by attempt, as effects for `drive`.
+
+        Yields a transport; receives the call's result through it, or has the attempt's
+        exception thrown in. A call answered locally yields nothing. One with data plane
+        steps goes to the data plane when this client has one and it is due; if it is down
+        (`DataPlaneDownError`: nothing reached a file), HTTP carries the call, and the next
+        ones for `DATA_PLANE_RETRY_S`. Over HTTP, an idempotent call whose connection drops
+        is made once more (a new connection: httpx never reuses one that failed); any other
+        failure (`AttemptError`) is raised as the `TransportError` it stands for. Every
+        other error is the call's, raised as it is.
+        """
+        if call.local:
+            return call.decode(b"")
+        data_plane = self._data_plane
+        if call.data_plane_steps is not None and data_plane is not None and self._data_plane_due():
+            try:
+                result: T = yield data_plane
+                return result
+            except DataPlaneDownError:  # raised only before any row reached a file
+                self._data_plane_failed()
+        for attempt in (1, 2):
+            try:
+                result = yield self._http
+                return result
+            except AttemptError as exc:
+                if attempt == 1 and call.idempotent and exc.dropped:
+                    continue
+                raise exc.error(retried=attempt > 1) from exc.cause
+        raise AssertionError("unreachable")
 
     # -- append -------------------------------------------------------------------------
 
@@ -379,7 +236,7 @@ class BaseClient:
             decode=lambda answer: self._decode_append(answer, len(headers)),
             headers={"Content-Type": APPEND_CONTENT_TYPE},
             body=body,
-            fast=lambda dp: append_steps(headers, bodies, dp.leases),
+            data_plane_steps=lambda dp: append_steps(headers, bodies, dp.leases),
         )
 
     @staticmethod
@@ -460,7 +317,9 @@ class BaseClient:
             targets=targets,
             expected=total,
             local=not pieces,
-            fast=lambda dp: _then(read_steps(plans, outs, dp.cache, dp.scratch), results),
+            data_plane_steps=lambda dp: _then(
+                read_steps(plans, outs, dp.cache, dp.scratch), results
+            ),
             idempotent=True,
         )
 

@@ -1,27 +1,32 @@
 """The two thin shells over `BaseClient`: sync (`PayloadClient`) and async (`AsyncPayloadClient`).
 
-They only move bytes; `BaseClient` builds every request and decodes every answer.
-httpx errors are translated once, by `_transport.translate`, into the `PayloadError` tree.
+They only do I/O: each runs the effects of `BaseClient._route` (which transport a call takes,
+what is retried) with `drive` or `drive_async`, through its HTTP transport
+(`HTTPTransport`, `AsyncHTTPTransport`) and its data plane (`SyncDataPlane`,
+`AsyncDataPlane`). `BaseClient` builds every call, decodes every answer, and holds the one
+constructor both share; httpx errors are translated once, in `payload_client._transports._http`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
 from collections.abc import Sequence
 from types import TracebackType
 from typing import Any, Literal, TypeVar, overload
 
-import httpx
 import numpy as np
 
-from ._base import BaseClient, Call, CoveredRead, ReadResult, Window, WindowLike
-from ._dataplane import DataPlaneDownError, note_steps
-from ._drivers import AsyncDataPlane, SyncDataPlane
-from ._errors import TransportError
+from ._base import BaseClient
 from ._segment import PayloadSegment
-from ._timeout import DEFAULT_TIMEOUT_S, Timeout
-from ._transport import Body, dropped, translate
+from ._transports import (
+    AsyncDataPlane,
+    AsyncHTTPTransport,
+    Call,
+    HTTPTransport,
+    SyncDataPlane,
+    drive,
+    drive_async,
+)
+from ._windows import CoveredRead, ReadResult, Window, WindowLike
 from ._wire import FieldsTable, GcReport, Health, Stats, Usage
 
 __all__ = ["AsyncPayloadClient", "PayloadClient"]
@@ -29,7 +34,9 @@ __all__ = ["AsyncPayloadClient", "PayloadClient"]
 T = TypeVar("T")
 
 
-_DOC_ARGS = """
+class PayloadClient(BaseClient[HTTPTransport, SyncDataPlane]):
+    """Blocking client of a payloadd daemon; also a context manager.
+
     Parameters
     ----------
     socket_path : str or os.PathLike, optional
@@ -61,71 +68,18 @@ _DOC_ARGS = """
     whole body was sent, the error (`ConnectError`, `TimeoutError`, `ConnectionLostError`)
     says it was not stored; after that, `AppendInDoubtError`: it may or may not be stored.
     On the data plane, an append whose rows were written is never sent again over HTTP.
-"""
+    """
 
-
-class PayloadClient(BaseClient):
-    __doc__ = (
-        """Blocking client of a payloadd daemon; also a context manager.
-"""
-        + _DOC_ARGS
-    )
-
-    def __init__(
-        self,
-        socket_path: str | os.PathLike[str] | None = None,
-        *,
-        base_url: str | None = None,
-        token: str | None = None,
-        timeout: float | Timeout | httpx.Timeout = DEFAULT_TIMEOUT_S,
-        data_plane: bool = True,
-    ) -> None:
-        super().__init__(
-            socket_path, base_url=base_url, token=token, timeout=timeout, data_plane=data_plane
+    def _open_http(self) -> HTTPTransport:
+        return HTTPTransport(
+            self.socket_path, self.base_url, self.headers, self.timeout, self.where
         )
-        t = self.timeout
-        self._dp = SyncDataPlane(self.data_socket, t.read, t.connect) if self.data_socket else None
-        timeout, limits = t.for_httpx()
-        transport = None
-        if self.socket_path:
-            transport = httpx.HTTPTransport(uds=self.socket_path, limits=limits)
-        self._http = httpx.Client(
-            transport=transport,
-            base_url=self.base_url,
-            headers=self.headers,
-            timeout=timeout,
-            limits=limits,
-        )
+
+    def _open_data_plane(self, path: str) -> SyncDataPlane:
+        return SyncDataPlane(path, self.timeout.read, self.timeout.connect)
 
     def _send(self, call: Call[T]) -> T:
-        if call.local:
-            return call.decode(b"")
-        if call.fast is not None and self._dp is not None and self._data_plane_due():
-            try:
-                return self._dp.run(call.fast(self._dp))
-            except DataPlaneDownError:  # raised only before any row reached a file
-                self._data_plane_failed()
-        for attempt in (1, 2):
-            headers, chunks = call.http_body()
-            body = Body(chunks)
-            try:
-                return self._exchange(call, headers, body)
-            except httpx.HTTPError as exc:
-                if attempt == 1 and call.idempotent and dropped(exc):
-                    continue  # a new connection: httpx never reuses one that failed
-                raise translate(
-                    exc, self.where, idempotent=call.idempotent, sent=body.sent, retried=attempt > 1
-                ) from exc
-        raise AssertionError("unreachable")
-
-    def _exchange(self, call: Call[T], headers: dict[str, str], body: Body) -> T:
-        with self._http.stream(call.method, call.path, headers=headers, content=body.sync()) as r:
-            if r.status_code >= 400:
-                call.raise_for_answer(r.status_code, r.read())
-            sink = call.new_sink()
-            for chunk in r.iter_raw():
-                sink.write(chunk)
-        return call.decode(sink.result())
+        return drive(self._route(call), lambda transport: transport.handle_call(call))
 
     def append(
         self, field: str, rows: np.ndarray, pos: int, *, run: str, step: int
@@ -399,7 +353,8 @@ class PayloadClient(BaseClient):
 
     def stats(self) -> Stats:
         """Return the daemon's counters (`Stats`), this client's appends included."""
-        self._tell_counters(ack=True)
+        if self._data_plane is not None:
+            self._data_plane.tell_counters(ack=True)
         return self._send(self._stats_call())
 
     def usage(self, *, max_steps: int | None = None, ledger: int | None = None) -> Usage:
@@ -431,20 +386,15 @@ class PayloadClient(BaseClient):
         """
         return self._send(self._usage_call(max_steps, ledger))
 
-    def _tell_counters(self, ack: bool = False) -> None:
-        if self._dp is not None and self._dp.sock is not None:
-            with contextlib.suppress(DataPlaneDownError, TransportError):
-                self._dp.run(note_steps(self._dp.leases, ack))
-
     def health(self) -> Health:
         """Return the daemon's health answer; raises `TransportError` when it is down."""
         return self._send(self._health_call())
 
     def close(self) -> None:
         """Close the connection pool, the data plane and its cached descriptors."""
-        if self._dp is not None:
-            self._tell_counters()
-            self._dp.close()
+        if self._data_plane is not None:
+            self._data_plane.tell_counters()
+            self._data_plane.close()
         self._http.close()
 
     def __enter__(self) -> PayloadClient:
@@ -459,71 +409,26 @@ class PayloadClient(BaseClient):
         self.close()
 
 
-class AsyncPayloadClient(BaseClient):
-    __doc__ = (
-        """Asyncio client of a payloadd daemon: the methods of `PayloadClient`, awaitable.
-"""
-        + _DOC_ARGS
-    )
+class AsyncPayloadClient(BaseClient[AsyncHTTPTransport, AsyncDataPlane]):
+    """Asyncio client of a payloadd daemon: the methods of `PayloadClient`, awaitable; also
+    an async context manager.
 
-    def __init__(
-        self,
-        socket_path: str | os.PathLike[str] | None = None,
-        *,
-        base_url: str | None = None,
-        token: str | None = None,
-        timeout: float | Timeout | httpx.Timeout = DEFAULT_TIMEOUT_S,
-        data_plane: bool = True,
-    ) -> None:
-        super().__init__(
-            socket_path, base_url=base_url, token=token, timeout=timeout, data_plane=data_plane
+    Its parameters, the errors its constructor raises and its retry rules are those of
+    `PayloadClient` (see there).
+    """
+
+    def _open_http(self) -> AsyncHTTPTransport:
+        return AsyncHTTPTransport(
+            self.socket_path, self.base_url, self.headers, self.timeout, self.where
         )
-        t = self.timeout
-        self._adp = (
-            AsyncDataPlane(self.data_socket, t.read, t.connect) if self.data_socket else None
-        )
-        timeout, limits = t.for_httpx()
-        transport = None
-        if self.socket_path:
-            transport = httpx.AsyncHTTPTransport(uds=self.socket_path, limits=limits)
-        self._http = httpx.AsyncClient(
-            transport=transport,
-            base_url=self.base_url,
-            headers=self.headers,
-            timeout=timeout,
-            limits=limits,
-        )
+
+    def _open_data_plane(self, path: str) -> AsyncDataPlane:
+        return AsyncDataPlane(path, self.timeout.read, self.timeout.connect)
 
     async def _send(self, call: Call[T]) -> T:
-        if call.local:
-            return call.decode(b"")
-        if call.fast is not None and self._adp is not None and self._data_plane_due():
-            try:
-                return await self._adp.run(call.fast(self._adp))
-            except DataPlaneDownError:  # raised only before any row reached a file
-                self._data_plane_failed()
-        for attempt in (1, 2):
-            headers, chunks = call.http_body()
-            body = Body(chunks)
-            try:
-                return await self._exchange(call, headers, body)
-            except httpx.HTTPError as exc:
-                if attempt == 1 and call.idempotent and dropped(exc):
-                    continue
-                raise translate(
-                    exc, self.where, idempotent=call.idempotent, sent=body.sent, retried=attempt > 1
-                ) from exc
-        raise AssertionError("unreachable")
-
-    async def _exchange(self, call: Call[T], headers: dict[str, str], body: Body) -> T:
-        content = body.async_()
-        async with self._http.stream(call.method, call.path, headers=headers, content=content) as r:
-            if r.status_code >= 400:
-                call.raise_for_answer(r.status_code, await r.aread())
-            sink = call.new_sink()
-            async for chunk in r.aiter_raw():
-                sink.write(chunk)
-        return call.decode(sink.result())
+        return await drive_async(
+            self._route(call), lambda transport: transport.handle_async_call(call)
+        )
 
     async def append(
         self, field: str, rows: np.ndarray, pos: int, *, run: str, step: int
@@ -623,17 +528,13 @@ class AsyncPayloadClient(BaseClient):
 
     async def stats(self) -> Stats:
         """Awaitable `PayloadClient.stats`."""
-        await self._tell_counters(ack=True)
+        if self._data_plane is not None:
+            await self._data_plane.tell_counters(ack=True)
         return await self._send(self._stats_call())
 
     async def usage(self, *, max_steps: int | None = None, ledger: int | None = None) -> Usage:
         """Awaitable `PayloadClient.usage`."""
         return await self._send(self._usage_call(max_steps, ledger))
-
-    async def _tell_counters(self, ack: bool = False) -> None:
-        if self._adp is not None and self._adp.sock is not None:
-            with contextlib.suppress(DataPlaneDownError, TransportError):
-                await self._adp.run(note_steps(self._adp.leases, ack))
 
     async def health(self) -> Health:
         """Awaitable `PayloadClient.health`."""
@@ -641,9 +542,9 @@ class AsyncPayloadClient(BaseClient):
 
     async def close(self) -> None:
         """Close the connection pool, the data plane and its cached descriptors."""
-        if self._adp is not None:
-            await self._tell_counters()
-            self._adp.close()
+        if self._data_plane is not None:
+            await self._data_plane.tell_counters()
+            await self._data_plane.aclose()
         await self._http.aclose()
 
     async def __aenter__(self) -> AsyncPayloadClient:

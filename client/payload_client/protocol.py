@@ -21,12 +21,11 @@ by appending fields with defaults.
 from __future__ import annotations
 
 from ._base import DEFAULT_SOCKET
-from ._dataplane import MAX_FDS
-from ._descriptors import LEASES
 from ._errors import STATUS_BY_ERROR, UnauthorizedError, status_of
 from ._fields import DEFAULT_FIELDS, check_field, check_item
-from ._read import PAGE, page_matched
 from ._segment import INT64_MAX, check_name, check_relative_path
+from ._transports import LEASES, MAX_FDS
+from ._windows import PAGE, page_matched
 from ._wire import (
     APPEND_CONTENT_TYPE,
     DATA_SOCKET_SUFFIX,

@@ -26,8 +26,8 @@ from payload_client import (
     TransportError,
     UnauthorizedError,
 )
-from payload_client._base import _Sink
 from payload_client._errors import error_from_wire, status_of
+from payload_client._transports._call import _Sink
 
 
 def test_importing_the_client_loads_no_server_stack() -> None:

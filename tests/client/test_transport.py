@@ -38,8 +38,8 @@ from payload_client import (
     TimeoutError,
     TransportError,
 )
-from payload_client._descriptors import NOTE_EVERY
-from payload_client._transport import translate
+from payload_client._transports._descriptors import NOTE_EVERY
+from payload_client._transports._http import translate
 from payload_client._wire import CommitRequest, NoteRequest
 from payloadd.bench._daemon_process import start_daemon
 from tests.conftest import Daemon
@@ -250,13 +250,13 @@ async def test_reads_survive_restarts_and_answers_cut_midway(tmp_path: Path) -> 
         # killed once the answer's head arrived, restarted: the read goes again, once
         sent: list[str] = []
         cut: list[Callable[[], None]] = [restart]
-        h._http.event_hooks["request"].append(lambda r: sent.append(r.url.path))
+        h._http.client.event_hooks["request"].append(lambda r: sent.append(r.url.path))
 
         def on_answer(r: httpx.Response) -> None:
             if r.url.path == "/v1/read" and cut:
                 cut.pop()()
 
-        h._http.event_hooks["response"].append(on_answer)
+        h._http.client.event_hooks["response"].append(on_answer)
         check(h.read_field(segs, R, 100, 8000, 0, dtype=np.uint8))
         assert sent == ["/v1/read", "/v1/read"] and len(procs) == 2
 
@@ -280,8 +280,8 @@ async def test_reads_survive_restarts_and_answers_cut_midway(tmp_path: Path) -> 
             if r.url.path == "/v1/read" and acut:
                 await asyncio.to_thread(acut.pop())
 
-        ah._http.event_hooks["request"].append(alog)
-        ah._http.event_hooks["response"].append(aon_answer)
+        ah._http.client.event_hooks["request"].append(alog)
+        ah._http.client.event_hooks["response"].append(aon_answer)
         check(await ah.read_field(segs, R, 100, 8000, 0, dtype=np.uint8))
         assert asent == ["/v1/read", "/v1/read"] and len(procs) == 3
 
@@ -322,7 +322,7 @@ async def test_an_append_cut_off_says_whether_it_may_be_stored(tmp_path: Path) -
             async def on_request(r: httpx.Request) -> None:
                 sent.set()
 
-            ac._http.event_hooks["request"].append(on_request)
+            ac._http.client.event_hooks["request"].append(on_request)
             _stop(proc.pid)
             try:
                 whole = threading.Thread(target=append, args=("whole", c1, small))
@@ -398,15 +398,15 @@ async def test_timeouts_fire_over_http_and_on_the_data_plane(
                 np.testing.assert_array_equal(await ad.read_field(seg, R, 0, 4, 0), rows)
 
             # a reservation (rows above the file size) whose commit gets no answer is in doubt
-            assert d._dp is not None
-            exchange = d._dp._exchange
+            assert d._data_plane is not None
+            exchange = d._data_plane._exchange
 
             def stop_at_commit(request: Any, reply: bool = True) -> Any:
                 if isinstance(request, CommitRequest):
                     _stop(proc.pid)
                 return exchange(request, reply)
 
-            monkeypatch.setattr(d._dp, "_exchange", stop_at_commit)
+            monkeypatch.setattr(d._data_plane, "_exchange", stop_at_commit)
             big = _rows(7, 200)  # 76800 bytes > --max-file-bytes: reserved, not leased
             try:
                 with pytest.raises(AppendInDoubtError, match=r"commit .* may or may not"):
@@ -437,8 +437,8 @@ async def test_data_plane_appends_around_a_daemon_death_are_stored_once(
                 for k, b in enumerate(blocks[: NOTE_EVERY - 1])
             ]
             # this append's rows are written, then its counters note finds the daemon dead
-            assert c._dp is not None
-            exchange = c._dp._exchange
+            assert c._data_plane is not None
+            exchange = c._data_plane._exchange
 
             def die_before_note(request: Any, reply: bool = True) -> Any:
                 if isinstance(request, NoteRequest):
@@ -446,7 +446,7 @@ async def test_data_plane_appends_around_a_daemon_death_are_stored_once(
                     procs[0].wait()
                 return exchange(request, reply)
 
-            monkeypatch.setattr(c._dp, "_exchange", die_before_note)
+            monkeypatch.setattr(c._data_plane, "_exchange", die_before_note)
             last = NOTE_EVERY - 1
             segs.append(c.append(R, blocks[last], 16 * last, run="die", step=0))
             monkeypatch.undo()

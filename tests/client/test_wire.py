@@ -27,8 +27,9 @@ import pytest
 
 from payload_client import PayloadSegment
 from payload_client import _base as client_base
-from payload_client import _drivers as client_drivers
 from payload_client import _wire as wire
+from payload_client._transports import _call as client_call
+from payload_client._transports import _dataplane as client_drivers
 from payload_client._wire import (
     APPEND_CONTENT_TYPE,
     DATA_SOCKET_SUFFIX,
@@ -481,7 +482,7 @@ PEER_DECODERS: list[tuple[str, Any, type[msgspec.Struct]]] = [
     ("daemon read msgpack", daemon_app._read_msgpack, ReadRequest),
     ("daemon read json", daemon_app._read_json, ReadRequest),
     ("client append answer", client_base._append_response, AppendResponse),
-    ("client error json", client_base._error_json, ErrorBody),
+    ("client error json", client_call._error_json, ErrorBody),
     *[
         ("daemon data plane", daemon_dataplane._decoder, cls)
         for cls in (

@@ -20,10 +20,10 @@ from payload_client import (
     PayloadTooLargeError,
     SegmentFileError,
     Window,
-    _descriptors,
     clip_segments,
     shift_segments,
 )
+from payload_client._transports import _descriptors
 from payload_client._wire import APPEND_CONTENT_TYPE, FRAME_PREFIX, AppendItem, AppendRequest
 from tests.conftest import Daemon
 from tests.reference import dense_read
@@ -420,7 +420,7 @@ def test_symlinked_directories_cannot_lead_out_of_the_root(
 def test_file_paths_that_leave_the_root_are_refused_on_both_planes(
     http: httpx.Client, daemon: Daemon, path: str, match: str
 ) -> None:
-    from payload_client._drivers import SyncDataPlane
+    from payload_client._transports import SyncDataPlane
     from payload_client._wire import ErrorReply, OpenRequest
 
     r = http.post("/v1/read", json={"extents": [[path, 0, 1, 1]]})

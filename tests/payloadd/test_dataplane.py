@@ -21,8 +21,8 @@ from payload_client import (
     PayloadSegment,
     SegmentFileError,
     StorageFullError,
-    _descriptors,
 )
+from payload_client._transports import _descriptors
 from payload_client._wire import FRAME_PREFIX, AppendItem, ReserveRequest
 from payloadd.bench._daemon_process import start_daemon
 from tests.conftest import Daemon
@@ -192,7 +192,7 @@ def test_a_cancelled_exchange_never_hands_its_reply_to_the_next(daemon: Daemon) 
                     await task
                 got = await c.read_field(y, R, 0, 4, 0)
                 assert got is not None and (got == 2).all()
-                c._adp.cache.clear() if c._adp else None  # make the next read ask again
+                c._data_plane.cache.clear() if c._data_plane else None  # make the next read ask again
 
     asyncio.run(main())
 
@@ -253,7 +253,7 @@ def test_a_stuck_daemon_times_out(tmp_path: Path) -> None:
     import time
 
     from payload_client import TimeoutError
-    from payload_client._drivers import SyncDataPlane
+    from payload_client._transports import SyncDataPlane
     from payload_client._wire import OpenRequest
 
     sock = tmp_path / "payloadd.sock"
@@ -283,8 +283,8 @@ def test_what_a_client_does_to_its_descriptor_never_reaches_the_daemon(daemon: D
         PayloadClient(daemon.socket, data_plane=False) as http,
     ):
         fast.append(R, np.zeros((1, 2), np.uint8), 0, run="flags", step=0)
-        assert fast._dp is not None
-        (lease,) = fast._dp.leases.items.values()
+        assert fast._data_plane is not None
+        (lease,) = fast._data_plane.leases.items.values()
         fcntl.fcntl(lease.fd, fcntl.F_SETFL, fcntl.fcntl(lease.fd, fcntl.F_GETFL) | os.O_APPEND)
         rows = np.full((3, 2), 5, np.uint8)
         seg = http.append(R, rows, 0, run="flags", step=0)  # the daemon's own pwrite
@@ -334,8 +334,7 @@ def test_after_a_restart_reads_and_appends_stay_on_the_data_plane(tmp_path: Path
 def test_a_lease_whose_file_gc_removes_at_once_is_placed_again(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from payload_client._dataplane import append_steps
-    from payload_client._drivers import SyncDataPlane
+    from payload_client._transports import SyncDataPlane, append_steps
     from payload_client._wire import Extent, GcReport, GcRequest
     from payloadd import Store
     from payloadd.server._dataplane_server import DataPlaneServer

@@ -178,7 +178,7 @@ def test_beyond_the_data_plane_share_clients_fall_back_to_http(tmp_path: Path) -
             np.testing.assert_array_equal(c.read_field([seg], R, 0, 4, 0), rows)
             after = c.stats()
             assert after.leases == before.leases and after.appends == before.appends + 1
-            metrics = c._http.get("/metrics").text
+            metrics = c._http.client.get("/metrics").text
             assert 'payloadd_refused_total{reason="connections",transport="data_plane"} 0' not in (
                 metrics
             )

@@ -15,8 +15,8 @@ from payload_client import (
     PayloadClient,
     PayloadSegment,
     StorageFullError,
-    _descriptors,
 )
+from payload_client._transports import _descriptors
 from payload_client._wire import AppendItem
 from payloadd import Store
 from payloadd.bench._daemon_process import start_daemon

@@ -117,8 +117,10 @@ def test_a_daemon_under_interval_flushes_both_transports(tmp_path: Path) -> None
         flushed = s.files_flushed
         with PayloadClient(sock) as fast:
             segs = fast.append(R, rows, 0, run="dp", step=0)  # a lease: dirty while it lasts
-            assert fast._dp is not None and fast._dp.leases.items
-            assert not next(iter(fast._dp.leases.items.values())).fsync  # the flusher does it
+            assert fast._data_plane is not None and fast._data_plane.leases.items
+            assert not next(
+                iter(fast._data_plane.leases.items.values())
+            ).fsync  # the flusher does it
             # the leased file is fsync'd at every flush, for as long as the lease lasts
             s = _wait_for(probe, lambda s: s.files_flushed >= flushed + 3)
             assert s.files_dirty == 1

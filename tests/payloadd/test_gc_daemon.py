@@ -24,8 +24,8 @@ from payload_client import (
     InvalidRequestError,
     PayloadClient,
     PayloadSegment,
-    _descriptors,
 )
+from payload_client._transports import _descriptors
 from payloadd.bench._daemon_process import start_daemon
 from tests.conftest import Daemon
 

@@ -69,8 +69,8 @@ def test_a_hostile_writer_reaches_nobody_elses_rows(tmp_path: Path) -> None:
                     rows = rng.integers(0, 128, (int(rng.integers(1, 30)), 48, 8), np.uint8)
                     honest.append((rows, c.append(R, rows, 100 * k, run="r", step=0)))
             mine = hostile.append(R, np.ones((5, 48, 8), np.uint8), 0, run="r", step=0)
-            assert hostile._dp is not None
-            (lease,) = hostile._dp.leases.items.values()  # its write descriptor
+            assert hostile._data_plane is not None
+            (lease,) = hostile._data_plane.leases.items.values()  # its write descriptor
             assert lease.file == mine[0].file
             assert all(s.file != lease.file for _, segs in honest for s in segs)
             _vandalise(lease.fd)

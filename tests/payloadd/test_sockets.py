@@ -72,7 +72,7 @@ def test_second_daemon_refuses_and_leaves_the_live_one_untouched(tmp_path: Path)
             with PayloadClient(sock, data_plane=data_plane) as c:
                 got = c.read_field(segs, "f", 0, 4, 0)
                 np.testing.assert_array_equal(got, np.arange(8).reshape(4, 2))
-                assert (c._dp is not None and c._dp.sock is not None) == data_plane
+                assert (c._data_plane is not None and c._data_plane.sock is not None) == data_plane
         assert proc.poll() is None
 
 

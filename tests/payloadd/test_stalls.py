@@ -161,7 +161,7 @@ def test_a_client_that_stops_reading_an_answer_lets_go_of_its_files(
     _wait_for(lambda: held() == 1, seconds=15)  # cut off after request_timeout_s
     s.close()
     with PayloadClient(d.socket, data_plane=False) as c:  # its descriptors are given back
-        metrics = c._http.get("/metrics").text
+        metrics = c._http.client.get("/metrics").text
     assert "\npayloadd_request_descriptors 0.0\n" in metrics
     with PayloadClient(d.socket) as c:
         c.gc(run="slow", before_step=0)
@@ -318,6 +318,6 @@ def test_a_large_append_holds_no_memory_in_flight_while_it_streams(
     with PayloadClient(d.socket, data_plane=False) as c:
         _wait_for(lambda: len(_files(d, "flow")) == 1)
         time.sleep(0.2)
-        metrics = c._http.get("/metrics").text
+        metrics = c._http.client.get("/metrics").text
     assert "\npayloadd_inflight_bytes 0.0\n" in metrics
     s.close()

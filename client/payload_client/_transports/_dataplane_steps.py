@@ -1,4 +1,4 @@
-"""The data plane: row bytes by file descriptor, for clients on the daemon's node.
+"""The data plane's operations: row bytes by file descriptor, for clients on the daemon's node.
 
 The daemon keeps naming, placement, permissions and lifecycle; the client never opens a
 payload path. Over a second Unix socket (``<socket>.data``) it asks the daemon to reserve
@@ -9,7 +9,9 @@ when the stored dtype is the output dtype, else into a reused buffer that numpy 
 
 Each operation is written once, here, as a generator of steps (`Exchange`: a request and its
 reply with descriptors; `Blocking`: file I/O; `Fresh`: drop what a gone daemon handed out);
-`payload_client._drivers.SyncDataPlane` and ``AsyncDataPlane`` only run them.
+the data plane transports (`payload_client._transports._dataplane.SyncDataPlane` and
+``AsyncDataPlane``) only run them. ("Steps" here are steps of an operation, not training
+steps.)
 """
 
 from __future__ import annotations
@@ -24,8 +26,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from ._descriptors import Lease, LeaseCache, ReadCache, Scratch
-from ._errors import (
+from .._errors import (
     AppendInDoubtError,
     ProtocolError,
     SegmentFileError,
@@ -33,10 +34,10 @@ from ._errors import (
     TransportError,
     error_from_wire,
 )
-from ._fields import check_item
-from ._read import PAGE, WindowPlan, direct_view, page_matched, place
-from ._segment import PayloadSegment
-from ._wire import (
+from .._fields import check_item
+from .._segment import PayloadSegment
+from .._windows import PAGE, WindowPlan, direct_view, page_matched, place
+from .._wire import (
     AbortRequest,
     AppendItem,
     CommitReply,
@@ -54,11 +55,12 @@ from ._wire import (
     ReserveReply,
     ReserveRequest,
 )
+from ._base import DataPlaneDownError
+from ._descriptors import LeaseCache, LeasedRange, ReadCache, Scratch
 
 __all__ = [
     "MAX_FDS",
     "Blocking",
-    "DataPlaneDownError",
     "Exchange",
     "Fresh",
     "Steps",
@@ -71,16 +73,6 @@ __all__ = [
 T = TypeVar("T")
 MAX_FDS = 250
 """Most descriptors one reply may carry (Linux passes at most 253 in one message)."""
-
-
-class DataPlaneDownError(Exception):
-    """The data plane cannot be used right now; the caller falls back to HTTP.
-
-    It leaves the steps only while nothing of the call reached a file: once an append's rows
-    are written, a failing exchange ends in the segments (a lease append: the note is only
-    counters) or in `AppendInDoubtError` (a reservation whose commit was lost), never in the
-    rows being sent again over HTTP.
-    """
 
 
 @dataclass
@@ -201,7 +193,7 @@ def reserve_steps(
 
 
 def _write_leased(
-    places: list[tuple[tuple[str, int, str], Lease, int]], bodies: Sequence[memoryview]
+    places: list[tuple[tuple[str, int, str], LeasedRange, int]], bodies: Sequence[memoryview]
 ) -> list[tuple[str, int, str]]:
     """pwrite each item at its place (fsync where the lease says so); return the keys whose
     file garbage collection removed meanwhile: those rows are not acknowledged."""
@@ -213,8 +205,8 @@ def _write_leased(
 
 
 def _claims(
-    places: list[tuple[tuple[str, int, str], Lease, int]], sizes: list[int]
-) -> list[tuple[Lease, int, int]]:
+    places: list[tuple[tuple[str, int, str], LeasedRange, int]], sizes: list[int]
+) -> list[tuple[LeasedRange, int, int]]:
     """The ``(lease, offset, nbytes)`` of each item placed so far."""
     return [(lease, at, n) for (_, lease, at), n in zip(places, sizes[: len(places)], strict=True)]
 
@@ -241,7 +233,7 @@ def append_steps(
         check_item(leases.fields, item, i)
     sizes = [b.nbytes for b in bodies]
     while True:
-        places: list[tuple[tuple[str, int, str], Lease, int]] = []
+        places: list[tuple[tuple[str, int, str], LeasedRange, int]] = []
         too_large = False
         leases.begin()  # no lease descriptor is closed while this append writes
         try:
@@ -264,7 +256,9 @@ def append_steps(
                                 os.close(fd)
                             raise ProtocolError(f"lease sent {len(fds)} descriptors, expected 1")
                         end = reply.offset + reply.nbytes
-                        leases.put(key, Lease(reply.file, fds[0], reply.offset, end, reply.fsync))
+                        leases.put(
+                            key, LeasedRange(reply.file, fds[0], reply.offset, end, reply.fsync)
+                        )
                         got = leases.claim(key, n)
                         if got is None:
                             raise ProtocolError(f"lease of {reply.nbytes} bytes cannot hold {n}")

@@ -1,9 +1,10 @@
-"""Drivers of the data plane: they run the steps of `payload_client._dataplane`.
+"""The data plane transports: they run the steps of `payload_client._transports._dataplane_steps`.
 
 `SyncDataPlane` (blocking sockets, a lock) and `AsyncDataPlane` (asyncio) only carry frames
 (``u32 length | msgpack``, descriptors as SCM_RIGHTS) and run file I/O; every decision is in
-the steps. Both notice a daemon restart (the peer closed the connection) and a fork (another
-process id) before they hand out anything cached.
+the steps, and the loop that runs them is `drive` (`drive_async`), shared with the clients.
+Both notice a daemon restart (the peer closed the connection) and a fork (another process
+id) before they hand out anything cached.
 """
 
 from __future__ import annotations
@@ -16,24 +17,18 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Callable
 from typing import Any, TypeVar
 
 import msgspec
 import numpy as np
 
+from .._errors import ProtocolError, TimeoutError, TransportError
+from .._wire import FRAME_PREFIX, DataReply, DataRequest, NoteRequest
 from . import _descriptors
-from ._dataplane import (
-    MAX_FDS,
-    Blocking,
-    DataPlaneDownError,
-    Exchange,
-    Fresh,
-    Steps,
-)
+from ._base import AsyncTransport, DataPlaneDownError, Transport, drive, drive_async
+from ._call import Call
+from ._dataplane_steps import MAX_FDS, Blocking, Exchange, Fresh, Steps, note_steps
 from ._descriptors import LeaseCache, ReadCache, Scratch
-from ._errors import ProtocolError, TimeoutError, TransportError
-from ._wire import FRAME_PREFIX, DataReply, DataRequest, NoteRequest
 
 __all__ = ["AsyncDataPlane", "SyncDataPlane"]
 
@@ -52,9 +47,6 @@ def _after_fork() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork)
-
-
-# -- drivers -----------------------------------------------------------------------------
 
 
 def _frame(request: DataRequest) -> bytes:
@@ -211,6 +203,16 @@ class _DataPlane:
         self._told = now
         return NoteRequest(0, 0, 0, runs=sorted(runs))
 
+    def _noted(self, steps: Steps[T]) -> Steps[T]:
+        """``steps``, then the note of the runs in use when one is due (only counters: a
+        failure of it fails nothing)."""
+        result = yield from steps
+        note = self._use_note()
+        if note is not None:
+            with contextlib.suppress(DataPlaneDownError, TransportError):
+                yield Exchange(note, reply=False)
+        return result
+
     def _refresh(self) -> None:
         """Drop what a parent process or a daemon that went away handed out; call only when
         no reply is on its way."""
@@ -224,7 +226,7 @@ class _DataPlane:
             self.leases.drop_removed()
 
 
-class SyncDataPlane(_DataPlane):
+class SyncDataPlane(_DataPlane, Transport):
     """Runs data-plane steps with blocking sockets; thread-safe (exchanges are serialised).
 
     Parameters
@@ -293,29 +295,36 @@ class SyncDataPlane(_DataPlane):
         """
         with self.lock:
             self._check_owner()
-        resume: Callable[[Any], Exchange | Blocking | Fresh] = steps.send
-        value: Any = None
-        while True:
-            try:
-                step = resume(value)
-            except StopIteration as stop:
-                note = self._use_note()
-                if note is not None:  # only counters: a failure here fails nothing
-                    with contextlib.suppress(DataPlaneDownError, TransportError):
-                        self._exchange(note, reply=False)
-                return stop.value  # type: ignore[no-any-return]
-            try:
-                if isinstance(step, Exchange):
-                    value = self._exchange(step.request, step.reply)
-                elif isinstance(step, Fresh):
-                    with self.lock:
-                        self._refresh()
-                    value = None
-                else:
-                    value = step.fn()
-                resume = steps.send
-            except Exception as exc:
-                value, resume = exc, steps.throw
+        return drive(self._noted(steps), self._perform)
+
+    def _perform(self, step: Exchange | Blocking | Fresh) -> Any:
+        if isinstance(step, Exchange):
+            return self._exchange(step.request, step.reply)
+        if isinstance(step, Fresh):
+            with self.lock:
+                self._refresh()
+            return None
+        return step.fn()
+
+    def handle_call(self, call: Call[T]) -> T:
+        """Run the call's data plane steps (`Call.data_plane_steps`).
+
+        Raises
+        ------
+        DataPlaneDownError
+            The data plane cannot be used now; nothing of the call reached a file.
+        PayloadError
+            As the steps raise it (the daemon's error, a timeout, an append in doubt).
+        """
+        assert call.data_plane_steps is not None
+        return self.run(call.data_plane_steps(self))
+
+    def tell_counters(self, ack: bool = False) -> None:
+        """Tell the daemon's counters about the appends placed in leases and not told yet
+        (with ``ack``, once it has counted them); a failure is ignored."""
+        if self.sock is not None:
+            with contextlib.suppress(DataPlaneDownError, TransportError):
+                self.run(note_steps(self.leases, ack))
 
     def close(self) -> None:
         """Close the socket and every cached descriptor."""
@@ -323,7 +332,7 @@ class SyncDataPlane(_DataPlane):
             self._drop()
 
 
-class AsyncDataPlane(_DataPlane):
+class AsyncDataPlane(_DataPlane, AsyncTransport):
     """Runs data-plane steps on the event loop; file I/O above 1 MiB goes to a thread."""
 
     def __init__(
@@ -406,34 +415,32 @@ class AsyncDataPlane(_DataPlane):
         before every exchange.
         """
         self._check_owner()
-        resume: Callable[[Any], Exchange | Blocking | Fresh] = steps.send
-        value: Any = None
-        while True:
-            try:
-                step = resume(value)
-            except StopIteration as stop:
-                note = self._use_note()
-                if note is not None:  # only counters: a failure here fails nothing
-                    with contextlib.suppress(DataPlaneDownError, TransportError):
-                        await self._exchange(note, reply=False)
-                return stop.value  # type: ignore[no-any-return]
-            try:
-                if isinstance(step, Exchange):
-                    value = await self._exchange(step.request, step.reply)
-                elif isinstance(step, Fresh):
-                    if self.lock is None or not self.lock.locked():  # no reply on its way
-                        self._refresh()
-                    else:
-                        self._check_owner(exact=True)
-                    value = None
-                elif step.nbytes > THREAD_BYTES:
-                    value = await asyncio.to_thread(step.fn)
-                else:
-                    value = step.fn()
-                resume = steps.send
-            except Exception as exc:
-                value, resume = exc, steps.throw
+        return await drive_async(self._noted(steps), self._perform)
 
-    def close(self) -> None:
+    async def _perform(self, step: Exchange | Blocking | Fresh) -> Any:
+        if isinstance(step, Exchange):
+            return await self._exchange(step.request, step.reply)
+        if isinstance(step, Fresh):
+            if self.lock is None or not self.lock.locked():  # no reply on its way
+                self._refresh()
+            else:
+                self._check_owner(exact=True)
+            return None
+        if step.nbytes > THREAD_BYTES:
+            return await asyncio.to_thread(step.fn)
+        return step.fn()
+
+    async def handle_async_call(self, call: Call[T]) -> T:
+        """Awaitable `SyncDataPlane.handle_call`."""
+        assert call.data_plane_steps is not None
+        return await self.run(call.data_plane_steps(self))
+
+    async def tell_counters(self, ack: bool = False) -> None:
+        """Awaitable `SyncDataPlane.tell_counters`."""
+        if self.sock is not None:
+            with contextlib.suppress(DataPlaneDownError, TransportError):
+                await self.run(note_steps(self.leases, ack))
+
+    async def aclose(self) -> None:
         """Close the socket and every cached descriptor."""
         self._drop()

@@ -1,8 +1,10 @@
-"""Window read semantics (DESIGN §4), split into an I/O-free plan and an assembly step.
+"""Windows: what a read asks for, its I/O-free plan, and how fetched bytes lay out (DESIGN §4).
 
+`Window` is one window a client reads (`CoveredRead`, `ReadResult`: what it gives back).
 `plan_window` turns segments and a window into the byte extents to fetch; whoever holds the
-bytes (the daemon over HTTP, a test reading files) fetches them; `assemble` lays them into the
-output array. The semantics live here once, whatever carries the bytes.
+bytes (the daemon over HTTP, the data plane, a test reading files) fetches them; `assemble`
+(or `place`, piece by piece) lays them into the output array. The semantics live here once,
+whatever carries the bytes.
 """
 
 from __future__ import annotations
@@ -26,7 +28,11 @@ from ._segment import (
 
 __all__ = [
     "PAGE",
+    "CoveredRead",
     "Piece",
+    "ReadResult",
+    "Window",
+    "WindowLike",
     "WindowPlan",
     "assemble",
     "coverage",
@@ -48,6 +54,67 @@ _MATCHED_OUTPUT = 64 << 10
 _KIND = {name: np.dtype(name).kind for name in SUPPORTED_DTYPES}
 _STORED = {name: np.dtype(name).newbyteorder("<") for name in SUPPORTED_DTYPES}
 """The on-disk (little-endian) dtype of each stored dtype name."""
+
+
+class Window(NamedTuple):
+    """One window to read in `PayloadClient.read_many`.
+
+    Attributes
+    ----------
+    segments : sequence of PayloadSegment
+        Segments of any fields.
+    field : str
+        Field to read.
+    lo, hi : int
+        Token positions ``[lo, hi)`` (end exclusive).
+    fill : int or float
+        Value of entries no row covers.
+    out : numpy.ndarray, optional
+        Array to read into (see `PayloadClient.read_field`).
+    dtype : numpy dtype, optional
+        Output dtype (see `PayloadClient.read_field`).
+    coverage : bool, default False
+        Also say which rows are real: the window's result is then a `CoveredRead`
+        ``(array, covered)`` instead of the bare array.
+    """
+
+    segments: Sequence[PayloadSegment]
+    field: str
+    lo: int
+    hi: int
+    fill: int | float
+    out: np.ndarray | None = None
+    dtype: Any = None
+    coverage: bool = False
+
+
+WindowLike = Window | tuple[Sequence[PayloadSegment], str, int, int, int | float]
+"""A `Window` or a plain ``(segments, field, lo, hi, fill)`` tuple."""
+
+
+class CoveredRead(NamedTuple):
+    """A window read with its coverage (``coverage=True``): unpacks as ``(array, covered)``.
+
+    Attributes
+    ----------
+    array : numpy.ndarray or None
+        What the read returns without coverage: ``[hi - lo, *row_shape]``, or ``None``
+        when no segment has the field.
+    covered : numpy.ndarray
+        ``bool`` ``[hi - lo]``, a fresh array: ``covered[i]`` is ``True`` when some segment
+        of the field has a row at token position ``lo + i`` (so ``array[i]`` holds real
+        values, padded with fill only beyond that row's own shape), ``False`` when
+        ``array[i]`` is all fill. All ``False`` when ``array`` is ``None`` or the window is
+        empty; placeholders (segments of no rows) cover nothing.
+    """
+
+    array: np.ndarray | None
+    covered: np.ndarray
+
+
+ReadResult = np.ndarray | CoveredRead | None
+"""One window's result in `PayloadClient.read_many`: a `CoveredRead` for windows asking
+for coverage, else the array or ``None``."""
 
 
 class Piece(NamedTuple):

@@ -15,7 +15,7 @@ from typing import Generic, TypeVar
 
 import numpy as np
 
-from ._wire import AppendItem, FieldsTable, NoteRequest
+from .._wire import AppendItem, FieldsTable, NoteRequest
 
 __all__ = [
     "CACHE_FDS",
@@ -24,8 +24,8 @@ __all__ = [
     "KEPT_SCRATCH",
     "LEASES",
     "NOTE_EVERY",
-    "Lease",
     "LeaseCache",
+    "LeasedRange",
     "ReadCache",
     "Scratch",
 ]
@@ -139,8 +139,9 @@ class ReadCache(_Cache[str, int]):
 
 
 @dataclass
-class Lease:
-    """A byte range of ``file`` this client places rows in: ``[next, end)`` is still free."""
+class LeasedRange:
+    """A byte range of ``file`` the daemon leased to this client to place rows in:
+    ``[next, end)`` is still free."""
 
     file: str
     fd: int
@@ -149,7 +150,7 @@ class Lease:
     fsync: bool
 
 
-class LeaseCache(_Cache[tuple[str, int, str], Lease]):
+class LeaseCache(_Cache[tuple[str, int, str], LeasedRange]):
     """The client's current lease of each ``(run, step, field)``."""
 
     def __init__(self, size: int = LEASES) -> None:
@@ -199,7 +200,7 @@ class LeaseCache(_Cache[tuple[str, int, str], Lease]):
         with self.lock:
             return self._take() if self.unnoted[0] else None
 
-    def claim(self, key: tuple[str, int, str], nbytes: int) -> tuple[Lease, int] | None:
+    def claim(self, key: tuple[str, int, str], nbytes: int) -> tuple[LeasedRange, int] | None:
         """Take ``nbytes`` of the key's lease: ``(lease, offset)``, or ``None`` if it has
         no lease or too little room left. Call between `begin` and `end`; after writing,
         check that the lease's file was not removed (`append_steps`)."""
@@ -212,7 +213,7 @@ class LeaseCache(_Cache[tuple[str, int, str], Lease]):
             self.used.add(lease.file)
             return lease, offset
 
-    def unclaim(self, claims: Sequence[tuple[Lease, int, int]]) -> None:
+    def unclaim(self, claims: Sequence[tuple[LeasedRange, int, int]]) -> None:
         """Give back ``(lease, offset, nbytes)`` claims of an append that wrote nothing,
         last first; a claim followed by another one stays taken (its bytes stay a hole)."""
         with self.lock:

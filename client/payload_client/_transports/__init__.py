@@ -1,0 +1,45 @@
+"""How a call reaches the daemon: one interface (`Transport`, `AsyncTransport`), two ways.
+
+- `HTTPTransport` / `AsyncHTTPTransport` (`._http`): the HTTP control plane, over the Unix
+  socket or TCP.
+- `SyncDataPlane` / `AsyncDataPlane` (`._dataplane`): row bytes through file descriptors the
+  daemon passes over ``<socket>.data``; their operations are the steps of
+  `._dataplane_steps`, their descriptor caches and leases in `._descriptors`.
+
+A `Call` (`._call`) describes one exchange for either. Which transport a call takes, and what
+is retried, is decided by `payload_client._base.BaseClient`, not here.
+"""
+
+from ._base import (
+    AsyncTransport,
+    AttemptError,
+    DataPlaneDownError,
+    Transport,
+    drive,
+    drive_async,
+)
+from ._call import Call, Target
+from ._dataplane import AsyncDataPlane, SyncDataPlane
+from ._dataplane_steps import MAX_FDS, append_steps, note_steps, read_steps
+from ._descriptors import LEASES
+from ._http import AsyncHTTPTransport, HTTPTransport
+
+__all__ = [
+    "LEASES",
+    "MAX_FDS",
+    "AsyncDataPlane",
+    "AsyncHTTPTransport",
+    "AsyncTransport",
+    "AttemptError",
+    "Call",
+    "DataPlaneDownError",
+    "HTTPTransport",
+    "SyncDataPlane",
+    "Target",
+    "Transport",
+    "append_steps",
+    "drive",
+    "drive_async",
+    "note_steps",
+    "read_steps",
+]

@@ -1,0 +1,147 @@
+"""The transport interface: one call carried one way, sync (`Transport`) or async
+(`AsyncTransport`), as httpx's ``BaseTransport.handle_request`` and its async twin.
+
+A transport makes one attempt at a `Call` and gives its result or raises. Which transport a
+call takes, and whether a failed attempt is made again, is the client's choice
+(`payload_client._base.BaseClient`); a transport only tells it what happened:
+`DataPlaneDownError` (this transport cannot be used now, nothing of the call reached a file)
+or `AttemptError` (the attempt failed below the client's error tree: the client decides
+whether to try again and which `TransportError` to raise).
+
+`drive` and `drive_async` run a generator of effects (the client's route, the data plane's
+steps) to its result: the one loop both the sync and the async side use.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Awaitable, Callable, Generator
+from typing import Any, TypeVar
+
+from .._errors import TransportError
+from ._call import Call
+
+__all__ = [
+    "AsyncTransport",
+    "AttemptError",
+    "DataPlaneDownError",
+    "Transport",
+    "drive",
+    "drive_async",
+]
+
+T = TypeVar("T")
+E = TypeVar("E")
+
+
+class DataPlaneDownError(Exception):
+    """The data plane cannot be used right now; the caller falls back to HTTP.
+
+    It leaves the steps only while nothing of the call reached a file: once an append's rows
+    are written, a failing exchange ends in the segments (a lease append: the note is only
+    counters) or in `AppendInDoubtError` (a reservation whose commit was lost), never in the
+    rows being sent again over HTTP.
+    """
+
+
+class AttemptError(Exception):
+    """One attempt at a call failed below the client's error tree.
+
+    Parameters
+    ----------
+    cause : Exception
+        What the transport's library raised.
+    dropped : bool
+        Whether the connection broke (reset, or closed before the whole answer): an
+        idempotent call is worth one more attempt, on a new connection.
+    """
+
+    def __init__(self, cause: Exception, *, dropped: bool) -> None:
+        super().__init__(cause)
+        self.cause = cause
+        self.dropped = dropped
+
+    def error(self, *, retried: bool) -> TransportError:
+        """The `TransportError` to raise for this failure.
+
+        Parameters
+        ----------
+        retried : bool
+            Whether this was the call's second attempt.
+        """
+        raise NotImplementedError
+
+
+class Transport(abc.ABC):
+    """Carries a call with blocking I/O."""
+
+    @abc.abstractmethod
+    def handle_call(self, call: Call[T]) -> T:
+        """Make one attempt at ``call``; return its result.
+
+        Raises
+        ------
+        DataPlaneDownError, AttemptError
+            As this module says; any `PayloadError` as the daemon answered it.
+        """
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Close the connections and whatever the daemon handed out on them."""
+
+
+class AsyncTransport(abc.ABC):
+    """Carries a call on the event loop: `Transport`, awaitable."""
+
+    @abc.abstractmethod
+    async def handle_async_call(self, call: Call[T]) -> T:
+        """Awaitable `Transport.handle_call`."""
+
+    @abc.abstractmethod
+    async def aclose(self) -> None:
+        """Awaitable `Transport.close`."""
+
+
+def drive(effects: Generator[E, Any, T], perform: Callable[[E], Any]) -> T:
+    """Run ``effects`` to its result, performing each effect it yields.
+
+    Parameters
+    ----------
+    effects : generator
+        Yields effects; receives each one's result, or has its `Exception` thrown in.
+    perform : callable
+        Performs one effect (the I/O), returns its result.
+
+    Returns
+    -------
+    object
+        What ``effects`` returns.
+    """
+    resume: Callable[[Any], E] = effects.send
+    value: Any = None
+    while True:
+        try:
+            effect = resume(value)
+        except StopIteration as stop:
+            result: T = stop.value
+            return result
+        try:
+            value, resume = perform(effect), effects.send
+        except Exception as exc:
+            value, resume = exc, effects.throw
+
+
+async def drive_async(effects: Generator[E, Any, T], perform: Callable[[E], Awaitable[Any]]) -> T:
+    """Awaitable `drive`: ``perform`` gives an awaitable."""
+    resume: Callable[[Any], E] = effects.send
+    value: Any = None
+    while True:
+        try:
+            effect = resume(value)
+        except StopIteration as stop:
+            result: T = stop.value
+            return result
+        try:
+            value, resume = await perform(effect), effects.send
+        except Exception as exc:
+            value, resume = exc, effects.throw

@@ -1,0 +1,289 @@
+"""The HTTP transports (`HTTPTransport`, `AsyncHTTPTransport`): where the clients meet httpx.
+
+Each makes one attempt at a `Call` over the daemon's Unix socket (or a TCP URL) and streams
+the answer into the call's sink. An httpx error leaves as an `AttemptError` that knows
+whether the connection dropped and whether the whole body was sent; the client retries an
+idempotent call (a read, stats, health) once when its connection drops, and never re-sends
+any other call (an append). httpx errors are translated once, by `translate`: the error of a
+failed append says whether it was provably not stored (its body never fully left) or may
+have been.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from typing import Any, TypeVar
+
+import httpx
+
+from .._errors import (
+    AppendInDoubtError,
+    ConnectError,
+    ConnectionLostError,
+    ProtocolError,
+    TimeoutError,
+    TransportError,
+)
+from .._timeout import Timeout
+from ._base import AsyncTransport, AttemptError, Transport
+from ._call import Call
+
+__all__ = [
+    "AsyncHTTPTransport",
+    "Body",
+    "HTTPAttemptError",
+    "HTTPTransport",
+    "dropped",
+    "translate",
+]
+
+T = TypeVar("T")
+
+_DROPPED = (httpx.ReadError, httpx.WriteError, httpx.CloseError, httpx.RemoteProtocolError)
+"""The connection broke: reset, closed by the daemon before its whole answer (it stopped,
+restarted, or closed an idle connection just as a request went out)."""
+
+_NOT_STORED = (
+    "nothing was stored: the append never fully reached the daemon; appending again is safe"
+)
+
+
+def dropped(exc: httpx.HTTPError) -> bool:
+    """Whether ``exc`` means the connection broke (worth one retry of an idempotent call)."""
+    return isinstance(exc, _DROPPED)
+
+
+class Body:
+    """A request body's chunks, and whether all of them were sent.
+
+    httpcore asks for the next chunk only after it has written the previous one, and writes
+    the end of the message (nothing, with ``Content-Length``) without a further send: once
+    the iterator is exhausted, every byte was handed to the kernel. Before that, the daemon
+    cannot have received the whole body, so it cannot have acted on it.
+    """
+
+    def __init__(self, chunks: list[Any]) -> None:
+        self.chunks = chunks
+        self.sent = not chunks  # no body: sent with the request line, as far as anyone knows
+
+    def sync(self) -> Iterator[Any] | None:
+        """The chunks for a sync request (``None`` without a body)."""
+        return self._sync() if self.chunks else None
+
+    def _sync(self) -> Iterator[Any]:
+        yield from self.chunks
+        self.sent = True
+
+    def async_(self) -> AsyncIterator[Any] | None:
+        """The chunks for an async request (``None`` without a body)."""
+        return self._async() if self.chunks else None
+
+    async def _async(self) -> AsyncIterator[Any]:
+        for chunk in self.chunks:
+            yield chunk
+        self.sent = True
+
+
+def translate(
+    exc: httpx.HTTPError, where: str, *, idempotent: bool, sent: bool, retried: bool
+) -> TransportError:
+    """The `TransportError` an httpx error stands for.
+
+    Parameters
+    ----------
+    exc : httpx.HTTPError
+        What httpx raised.
+    where : str
+        The daemon's socket or URL, for the message.
+    idempotent : bool
+        Whether the call may run twice with the same effect (then it was retried once if
+        ``retried``); if not, it is an append and the error says whether it may be stored.
+    sent : bool
+        Whether the whole request body had been sent (see `Body`).
+    retried : bool
+        Whether this was the second attempt.
+
+    Returns
+    -------
+    TransportError
+        `ConnectError`, `TimeoutError`, `ConnectionLostError`, `AppendInDoubtError`,
+        `ProtocolError`, or `TransportError` itself for anything else.
+    """
+    in_doubt = not idempotent and sent
+    fate = "" if idempotent else f"; {_NOT_STORED}"
+    if isinstance(exc, httpx.ConnectError):
+        return ConnectError(f"cannot connect to {where}: {exc}{fate}")
+    if in_doubt and isinstance(exc, (httpx.ReadTimeout, *_DROPPED)):
+        what = "timed out waiting for" if isinstance(exc, httpx.ReadTimeout) else "lost"
+        return AppendInDoubtError(
+            f"{what} the answer to an append from {where} ({exc!r}): the append may or may "
+            "not have been stored; it is not re-sent, and appending the rows again may store "
+            "them twice"
+        )
+    if isinstance(exc, httpx.TimeoutException):
+        return TimeoutError(f"timed out talking to {where}: {exc!r}{fate}")
+    if isinstance(exc, _DROPPED):
+        again = " (also on the one retry, on a new connection)" if retried else ""
+        return ConnectionLostError(
+            f"connection to {where} dropped before the whole answer came{again}: {exc!r}{fate}"
+        )
+    if isinstance(exc, httpx.DecodingError):
+        return ProtocolError(f"malformed answer from {where}: {exc}")
+    return TransportError(f"transport error talking to {where}: {exc!r}")
+
+
+class HTTPAttemptError(AttemptError):
+    """An httpx error of one attempt, with what `translate` needs to name it.
+
+    Parameters
+    ----------
+    cause : httpx.HTTPError
+        What httpx raised.
+    where : str
+        The daemon's socket or URL.
+    idempotent : bool
+        Whether the call may run twice with the same effect.
+    sent : bool
+        Whether the whole request body had been sent when it failed (see `Body`).
+    """
+
+    def __init__(self, cause: httpx.HTTPError, where: str, *, idempotent: bool, sent: bool):
+        super().__init__(cause, dropped=dropped(cause))
+        self.http_error = cause
+        self.where = where
+        self.idempotent = idempotent
+        self.sent = sent
+
+    def error(self, *, retried: bool) -> TransportError:
+        """The translated error (`translate`)."""
+        return translate(
+            self.http_error, self.where, idempotent=self.idempotent, sent=self.sent, retried=retried
+        )
+
+
+def _httpx_settings(
+    timeout: Timeout, headers: dict[str, str], base_url: str
+) -> tuple[httpx.Limits, dict[str, Any]]:
+    httpx_timeout, limits = timeout.for_httpx()
+    client = {"base_url": base_url, "headers": headers, "timeout": httpx_timeout, "limits": limits}
+    return limits, client
+
+
+class HTTPTransport(Transport):
+    """Carries calls over HTTP with a blocking httpx client (a connection pool).
+
+    Parameters
+    ----------
+    socket_path : str or None
+        The daemon's Unix socket; ``None``: ``base_url`` over TCP.
+    base_url : str
+        ``http://host:port``, or the placeholder host of a socket.
+    headers : dict
+        Headers of every request (user agent, accept, authorisation).
+    timeout : Timeout
+        Time limits, and how long a pooled connection may idle.
+    where : str
+        The daemon's socket or URL, for error messages.
+
+    Attributes
+    ----------
+    client : httpx.Client
+        The connection pool.
+    """
+
+    def __init__(
+        self,
+        socket_path: str | None,
+        base_url: str,
+        headers: dict[str, str],
+        timeout: Timeout,
+        where: str,
+    ) -> None:
+        limits, settings = _httpx_settings(timeout, headers, base_url)
+        transport = httpx.HTTPTransport(uds=socket_path, limits=limits) if socket_path else None
+        self.client = httpx.Client(transport=transport, **settings)
+        self.where = where
+
+    def handle_call(self, call: Call[T]) -> T:
+        """Send ``call`` once and decode its answer.
+
+        Raises
+        ------
+        HTTPAttemptError
+            httpx failed (cannot connect, timed out, connection dropped).
+        PayloadError
+            The daemon's error answer (4xx/5xx), or a malformed answer (`ProtocolError`).
+        """
+        headers, chunks = call.http_body()
+        body = Body(chunks)
+        try:
+            with self.client.stream(
+                call.method, call.path, headers=headers, content=body.sync()
+            ) as r:
+                if r.status_code >= 400:
+                    call.raise_for_answer(r.status_code, r.read())
+                sink = call.new_sink()
+                for chunk in r.iter_raw():
+                    sink.write(chunk)
+        except httpx.HTTPError as exc:
+            raise HTTPAttemptError(
+                exc, self.where, idempotent=call.idempotent, sent=body.sent
+            ) from exc
+        return call.decode(sink.result())
+
+    def close(self) -> None:
+        """Close the connection pool."""
+        self.client.close()
+
+
+class AsyncHTTPTransport(AsyncTransport):
+    """Carries calls over HTTP with an async httpx client: `HTTPTransport`, awaitable.
+
+    Parameters
+    ----------
+    socket_path, base_url, headers, timeout, where
+        As `HTTPTransport`.
+
+    Attributes
+    ----------
+    client : httpx.AsyncClient
+        The connection pool.
+    """
+
+    def __init__(
+        self,
+        socket_path: str | None,
+        base_url: str,
+        headers: dict[str, str],
+        timeout: Timeout,
+        where: str,
+    ) -> None:
+        limits, settings = _httpx_settings(timeout, headers, base_url)
+        transport = (
+            httpx.AsyncHTTPTransport(uds=socket_path, limits=limits) if socket_path else None
+        )
+        self.client = httpx.AsyncClient(transport=transport, **settings)
+        self.where = where
+
+    async def handle_async_call(self, call: Call[T]) -> T:
+        """Awaitable `HTTPTransport.handle_call`."""
+        headers, chunks = call.http_body()
+        body = Body(chunks)
+        try:
+            async with self.client.stream(
+                call.method, call.path, headers=headers, content=body.async_()
+            ) as r:
+                if r.status_code >= 400:
+                    call.raise_for_answer(r.status_code, await r.aread())
+                sink = call.new_sink()
+                async for chunk in r.aiter_raw():
+                    sink.write(chunk)
+        except httpx.HTTPError as exc:
+            raise HTTPAttemptError(
+                exc, self.where, idempotent=call.idempotent, sent=body.sent
+            ) from exc
+        return call.decode(sink.result())
+
+    async def aclose(self) -> None:
+        """Close the connection pool."""
+        await self.client.aclose()
