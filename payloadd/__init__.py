@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from payloadd._version import __version__
 
 if TYPE_CHECKING:
     from payloadd.server._app import create_app

@@ -47,7 +47,7 @@ import numpy as np
 
 from payload_client import AsyncPayloadClient, PayloadClient, PayloadSegment
 from payload_client.protocol import PAGE, page_matched
-from payloadd import __version__
+from payloadd._version import __version__
 from payloadd.bench._daemon_process import start_daemon
 from payloadd.bench._ray import PAYLOADD, RAY, bench_ray, ray_available
 from payloadd.bench._rl import bench_rl

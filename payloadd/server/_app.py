@@ -35,7 +35,7 @@ from payload_client.protocol import (
     Stats,
     Usage,
 )
-from payloadd import __version__
+from payloadd._version import __version__
 from payloadd.server._access import ERROR_CLASS, AccessMiddleware
 from payloadd.server._auth import TokenGuard, load_admin_token
 from payloadd.server._daemon import Daemon

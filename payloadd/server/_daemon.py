@@ -21,7 +21,7 @@ from typing import Any
 from starlette.concurrency import run_in_threadpool
 
 from payload_client.protocol import DATA_SOCKET_SUFFIX
-from payloadd import __version__
+from payloadd._version import __version__
 from payloadd.server._dataplane_server import DataPlaneServer
 from payloadd.server._metrics import Metrics, StoreMetrics
 from payloadd.settings._settings import Settings
