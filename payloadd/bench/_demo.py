@@ -29,6 +29,7 @@ from payload_client import (
     clip_segments,
     shift_segments,
 )
+from payloadd.bench._rl_batch import EXPERTS, LAYERS, MASK, MASK_FILL, ROUTED, ROUTED_FILL, TOP_K
 
 __all__ = [
     "CPResult",
@@ -40,11 +41,6 @@ __all__ = [
     "train_step",
     "write_samples",
 ]
-
-ROUTED = "routed_experts"
-MASK = "sampling_mask"
-LAYERS, TOP_K, EXPERTS = 48, 8, 128  # Qwen3-30B-A3B
-MASK_FILL, ROUTED_FILL = -1, 0
 
 
 @dataclass

@@ -254,8 +254,8 @@ def _windows(
     fields = list(dict.fromkeys(s.field for s in segs))
     fills: dict[str, Any] = {}
     if args.fill is None and fields:
-        table = c.fields()  # a failure ends the command (exit 1)
-        fills = {name: spec.fill for name, spec in table.fields.items()}
+        fields_table = c.fields()  # a failure ends the command (exit 1)
+        fills = {name: spec.fill for name, spec in fields_table.fields.items()}
     plans = []
     for f in fields:
         fill = args.fill if args.fill is not None else fills.get(f, 0)

@@ -188,15 +188,15 @@ def render(stats: Stats, usage: Usage, r: dict[str, float] | None, where: str) -
     else:
         lines.append("no runs on disk")
     lines.append("")
-    led = usage.ledger
+    ledger = usage.ledger
     n = usage.ledger_entries
     lines.append(
         f"GC ledger: {n} collection{'' if n == 1 else 's'} ({human_bytes(usage.ledger_bytes)})"
-        + (f", the last {len(led)}:" if led else "")
+        + (f", the last {len(ledger)}:" if ledger else "")
     )
-    if led:
+    if ledger:
         rows = []
-        for e in led:
+        for e in ledger:
             at = datetime.datetime.fromtimestamp(e.at, datetime.UTC)
             size = "?" if e.bytes is None else human_bytes(e.bytes)
             rows.append([at.strftime("%Y-%m-%d %H:%M:%S"), e.reason, e.run,
