@@ -14,17 +14,12 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import itertools
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import cast
 
-import msgspec
 import numpy as np
 
 from payload_client import (
@@ -34,14 +29,18 @@ from payload_client import (
     clip_segments,
     shift_segments,
 )
-from payloadd.bench._daemon_process import start_daemon
+from payloadd.bench._rl_batch import EXPERTS, LAYERS, MASK, MASK_FILL, ROUTED, ROUTED_FILL, TOP_K
 
-__all__ = ["Sample", "add_demo_flags", "run_demo"]
-
-ROUTED = "routed_experts"
-MASK = "sampling_mask"
-LAYERS, TOP_K, EXPERTS = 48, 8, 128  # Qwen3-30B-A3B
-MASK_FILL, ROUTED_FILL = -1, 0
+__all__ = [
+    "CPResult",
+    "MicroBatch",
+    "Sample",
+    "inline_tensors",
+    "make_samples",
+    "pack",
+    "train_step",
+    "write_samples",
+]
 
 
 @dataclass
@@ -230,97 +229,3 @@ async def train_step(
             result.mismatches += not ok
             result.bytes_read += sum(a.nbytes for a in (routed, mask) if a is not None)
     return result
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _degrees(text: str) -> list[int]:
-    try:
-        return [_positive(part) for part in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected CP degrees like 1,2,4, got {text!r}") from None
-
-
-def add_demo_flags(p: argparse.ArgumentParser) -> None:
-    """Flags of ``payloadd demo``."""
-    p.add_argument("--samples", type=_positive, default=24, help="multi-turn samples [24]")
-    p.add_argument(
-        "--max-tokens", type=_positive, default=8192, help="tokens per sample, at most [8192]"
-    )
-    p.add_argument("--seq-len", type=_positive, default=8192,
-                   help="micro batch length in tokens; longer samples are truncated [8192]")  # fmt: skip
-    p.add_argument("--dp", type=_positive, default=2, help="data-parallel ranks [2]")
-    p.add_argument(
-        "--cp", type=_degrees, default=[1, 2, 4], help="context-parallel degrees to check [1,2,4]"
-    )
-    p.add_argument("--writers", type=_positive, default=8, help="concurrent inference writers [8]")
-    p.add_argument("--seed", type=int, default=0, help="random seed [0]")
-    p.add_argument(
-        "--root", type=Path, help="payload root to use [a temporary folder, removed after]"
-    )
-
-
-def _mb(n: float) -> str:
-    return f"{n / 1e6:,.1f} MB"
-
-
-async def _play(args: argparse.Namespace, socket: Path) -> int:
-    cps: list[int] = args.cp
-    t0 = time.perf_counter()
-    samples = make_samples(args.samples, args.max_tokens, args.seed)
-    gen_s = time.perf_counter() - t0
-    tokens = sum(s.tokens for s in samples)
-    row_bytes = sum(s.routed.nbytes for s in samples)
-    mask_bytes = sum(s.mask[a:b, :w].nbytes for s in samples for a, b, w in s.mask_runs)
-    async with AsyncPayloadClient(socket) as client:
-        t0 = time.perf_counter()
-        await write_samples(client, samples, args.writers, run="demo", step=0)
-        write_s = time.perf_counter() - t0
-        results = [await train_step(client, samples, args.seq_len, args.dp, cp) for cp in cps]
-        stats = await client.stats()
-    segments = sum(len(s.segments) for s in samples)
-    handle_wire = sum(len(msgspec.msgpack.encode(s.segments)) for s in samples)
-    inline_wire = row_bytes + sum(s.mask.nbytes for s in samples)
-    print(f"payloadd demo: {args.samples} samples, {tokens:,} tokens (generated in {gen_s:.1f} s)")
-    print(
-        f"  inference  wrote {_mb(row_bytes)} routing + {_mb(mask_bytes)} masks"
-        f" as {segments:,} segments with {args.writers} writers:"
-        f" {_mb((row_bytes + mask_bytes) / write_s)}/s"
-    )
-    print(
-        f"  orchestr.  handles {handle_wire / 1e3:,.1f} kB msgpack vs {_mb(inline_wire)} inline"
-        f" ({handle_wire / inline_wire:.4f}x)"
-    )
-    print(
-        f"  daemon     {stats.appends:,} appends ({stats.leases:,} leases),"
-        f" {stats.data_plane_requests:,} data-plane requests, {stats.reads:,} HTTP reads;"
-        f" root {stats.root}"
-    )
-    print(f"  trainer    {args.dp} DP ranks; windows read bit for bit against inline:")
-    failed = False
-    for r in results:
-        verdict = "parity OK" if r.mismatches == 0 and r.windows else "MISMATCH"
-        failed |= verdict != "parity OK"
-        print(
-            f"    CP {r.cp}: {r.windows:4d} windows, {r.mismatches} mismatches,"
-            f" {_mb(r.bytes_read / r.seconds)}/s into int32   {verdict}"
-        )
-    print("demo: " + ("FAILED" if failed else "OK"))
-    return 1 if failed else 0
-
-
-def run_demo(args: argparse.Namespace) -> int:
-    """Run the demo; return 0 when every window matched the inline path."""
-    tmp = Path(tempfile.mkdtemp(prefix="payloadd-demo-"))
-    root = args.root or tmp / "root"
-    socket = tmp / "payloadd.sock"
-    try:
-        with start_daemon(root, socket):
-            return asyncio.run(_play(args, socket))
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)

@@ -1,22 +1,89 @@
-"""What the client-side commands (``payloadd stat``, ``payloadd inspect``) share: where the
-daemon is, the admin token, and plain-text tables."""
+"""What the commands share: flag errors and the one path from an error to an exit status,
+where the daemon is, the admin token, and plain-text tables.
+
+A command ends in one of three ways besides success. A flag that cannot be used raises
+`FlagError`: `payloadd.cli._main.main` hands it to the command's parser (``parser.error``:
+the usage, ``payloadd X: error: ...`` on stderr, exit status 2), as argparse does with a
+flag it cannot parse. An input that cannot be used (a file the command reads) raises
+`InputError`, and a daemon or connection error ends the command with exit status 1: for
+both, `exit_status` prints one line ``payloadd X: ...`` on stderr.
+"""
 
 from __future__ import annotations
 
 import argparse
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from payload_client import DEFAULT_SOCKET, InvalidRequestError, PayloadClient
+from payload_client import DEFAULT_SOCKET, PayloadClient, PayloadError
 
-__all__ = ["FlagError", "add_connection_flags", "emit", "human_bytes", "open_client", "table"]
+__all__ = [
+    "FlagError",
+    "InputError",
+    "add_connection_flags",
+    "emit",
+    "exit_status",
+    "human_bytes",
+    "open_client",
+    "positive_int",
+    "table",
+]
 
 
-class FlagError(InvalidRequestError):
-    """A flag or an input file of a command is unusable; the message names what is wrong
-    (exit status 2). Raised by the command itself, never by the daemon."""
+class FlagError(ValueError):
+    """A flag is unusable: a value out of range, flags that do not go together, a file a flag
+    names that cannot be read. The message names the flag; the command's parser reports it
+    (exit status 2)."""
+
+
+class InputError(ValueError):
+    """An input of a command (a file it reads) is unusable; the message names what is wrong
+    (exit status 2)."""
+
+
+def exit_status(command: str, run: Callable[[], int], *, error_class: bool = True) -> int:
+    """Run a command's body; turn the error it ends with into a line and an exit status.
+
+    Parameters
+    ----------
+    command : str
+        The command's name, as the line starts: ``payloadd {command}: ...``.
+    run : callable
+        The body; returns the exit status when it ends without an error.
+    error_class : bool
+        Whether the line of a daemon or connection error names the error's class
+        (``payloadd stat: ConnectError: ...``).
+
+    Returns
+    -------
+    int
+        What ``run`` returned; 2 after an `InputError`; 1 after a `PayloadError` or an
+        `OSError`.
+
+    Raises
+    ------
+    FlagError
+        Passed on, for the command's parser to report.
+    """
+    try:
+        return run()
+    except InputError as exc:
+        print(f"payloadd {command}: {exc}", file=sys.stderr)
+        return 2
+    except (PayloadError, OSError) as exc:
+        what = f"{type(exc).__name__}: {exc}" if error_class else str(exc)
+        print(f"payloadd {command}: {what}", file=sys.stderr)
+        return 1
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 def add_connection_flags(parser: argparse.ArgumentParser) -> None:

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 import msgspec
 
-from payload_client import InvalidRequestError, PayloadError
-from payloadd.cli._common import add_connection_flags, open_client
+from payload_client import InvalidRequestError
+from payloadd.cli._common import (
+    FlagError,
+    InputError,
+    add_connection_flags,
+    exit_status,
+    open_client,
+)
 
 __all__ = ["add_gc_flags", "run_gc"]
 
@@ -38,21 +43,16 @@ def add_gc_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dry-run", action="store_true", help="report only, remove nothing")
 
 
-def run_gc(args: argparse.Namespace) -> int:
-    """Run ``payloadd gc``: print the report as JSON; exit status 1 on an error, 2 on flags
-    that do not go together, an invalid value or a token file that cannot be read."""
+def _check_flags(args: argparse.Namespace) -> None:
     if (args.run is None) != (args.before_step is None):
-        print("payloadd gc: --run and --before-step go together", file=sys.stderr)
-        return 2
+        raise FlagError("--run and --before-step go together")
     if args.delete_run is not None and (args.run is not None or args.ttl_s is not None):
-        print("payloadd gc: --delete-run goes alone (not with --run, --ttl-s)", file=sys.stderr)
-        return 2
+        raise FlagError("--delete-run goes alone (not with --run, --ttl-s)")
     if args.node is not None and args.run is None and args.ttl_s is None and not args.delete_run:
-        print(
-            "payloadd gc: --node needs --run and --before-step, --ttl-s, or --delete-run",
-            file=sys.stderr,
-        )
-        return 2
+        raise FlagError("--node needs --run and --before-step, --ttl-s, or --delete-run")
+
+
+def _collect(args: argparse.Namespace) -> int:
     try:
         with open_client(args, data_plane=True) as c:
             if args.delete_run is not None:
@@ -65,11 +65,20 @@ def run_gc(args: argparse.Namespace) -> int:
                     dry_run=args.dry_run,
                     node=args.node,
                 )
-    except InvalidRequestError as exc:  # a bad name or number, or an unreadable token file
-        print(f"payloadd gc: {exc}", file=sys.stderr)
-        return 2
-    except (PayloadError, OSError) as exc:
-        print(f"payloadd gc: {exc}", file=sys.stderr)
-        return 1
+    except InvalidRequestError as exc:  # a bad name or number, refused by the client or daemon
+        raise InputError(str(exc)) from None
     print(msgspec.json.format(msgspec.json.encode(report)).decode())
     return 0
+
+
+def run_gc(args: argparse.Namespace) -> int:
+    """Run ``payloadd gc``: print the report as JSON; exit status 1 on an error, 2 on a value
+    the client or the daemon refuses.
+
+    Raises
+    ------
+    FlagError
+        Flags that do not go together, or a token file that cannot be read.
+    """
+    _check_flags(args)
+    return exit_status("gc", lambda: _collect(args), error_class=False)

@@ -34,14 +34,16 @@ from payload_client import (
     row_nbytes,
     validate_segment,
 )
-from payloadd.cli._common import FlagError, add_connection_flags, emit, open_client
+from payloadd.cli._common import (
+    FlagError,
+    InputError,
+    add_connection_flags,
+    emit,
+    exit_status,
+    open_client,
+)
 
-__all__ = ["BadInputError", "add_inspect_flags", "load_segments", "run_inspect"]
-
-
-class BadInputError(FlagError):
-    """The segment file or a flag is unusable; the message names what is wrong (exit
-    status 2)."""
+__all__ = ["add_inspect_flags", "load_segments", "run_inspect"]
 
 
 def add_inspect_flags(parser: argparse.ArgumentParser) -> None:
@@ -85,21 +87,21 @@ def _segment_arrays(doc: Any) -> Iterator[tuple[str, Any]]:
         if "choices" in doc:
             choices = doc["choices"]
             if not isinstance(choices, list):
-                raise BadInputError("'choices' must be a list of objects with a 'payload'")
+                raise InputError("'choices' must be a list of objects with a 'payload'")
             for i, choice in enumerate(choices):
                 payload = choice.get("payload") if isinstance(choice, dict) else None
                 if payload is None:
                     continue
                 if not isinstance(payload, list):
-                    raise BadInputError(f"choices[{i}].payload must be a list of segments")
+                    raise InputError(f"choices[{i}].payload must be a list of segments")
                 yield from ((f"choices[{i}].payload[{j}]", s) for j, s in enumerate(payload))
             return
-        raise BadInputError(
+        raise InputError(
             'expected a list of segments, {"segments": ...} or {"choices": ...}; got an '
             f"object with keys {sorted(doc)[:5]}"
         )
     if not isinstance(doc, list):
-        raise BadInputError(f"expected a list of segments, got {type(doc).__name__}")
+        raise InputError(f"expected a list of segments, got {type(doc).__name__}")
     if doc and isinstance(doc[0], str):  # one segment
         yield "[0]", doc
         return
@@ -120,29 +122,29 @@ def load_segments(data: bytes) -> list[tuple[str, PayloadSegment]]:
 
     Raises
     ------
-    BadInputError
+    InputError
         Not JSON, not one of the forms, or a segment that is not a valid 7-element array
         (the message names it and what is wrong).
     """
     try:
         doc = msgspec.json.decode(data)
     except msgspec.DecodeError as exc:
-        raise BadInputError(f"not JSON: {exc}") from None
+        raise InputError(f"not JSON: {exc}") from None
     out = []
     for where, raw in _segment_arrays(doc):
         if not isinstance(raw, list):
-            raise BadInputError(
+            raise InputError(
                 f"segment {where} must be an array [field, file, offset, pos, rows, dtype, "
                 f"shape], got {type(raw).__name__}"
             )
         try:
             seg = msgspec.convert(raw, PayloadSegment)
         except msgspec.ValidationError as exc:
-            raise BadInputError(f"segment {where}: {exc}") from None
+            raise InputError(f"segment {where}: {exc}") from None
         try:
             validate_segment(seg)
         except InvalidSegmentError as exc:
-            raise BadInputError(f"segment {where}: {exc}") from None
+            raise InputError(f"segment {where}: {exc}") from None
         out.append((where, seg))
     return out
 
@@ -191,7 +193,7 @@ def _plan(
     try:
         plan_window(segs, field, lo, hi, fill, dtype)
     except (InvalidRequestError, InvalidSegmentError) as exc:
-        raise BadInputError(f"{what}: {exc}") from None
+        raise InputError(f"{what}: {exc}") from None
 
 
 def _inspect(
@@ -252,8 +254,8 @@ def _windows(
     fields = list(dict.fromkeys(s.field for s in segs))
     fills: dict[str, Any] = {}
     if args.fill is None and fields:
-        table = c.fields()  # a failure ends the command (exit 1)
-        fills = {name: spec.fill for name, spec in table.fields.items()}
+        fields_table = c.fields()  # a failure ends the command (exit 1)
+        fills = {name: spec.fill for name, spec in fields_table.fields.items()}
     plans = []
     for f in fields:
         fill = args.fill if args.fill is not None else fills.get(f, 0)
@@ -294,47 +296,35 @@ def _windows(
 
 def _check_flags(args: argparse.Namespace) -> None:
     if (args.lo is None) != (args.hi is None):
-        raise BadInputError("--lo and --hi go together")
+        raise FlagError("--lo and --hi go together")
     if args.lo is not None and not 0 <= args.lo <= args.hi:
-        raise BadInputError(f"the window needs 0 <= lo <= hi, got --lo {args.lo} --hi {args.hi}")
+        raise FlagError(f"the window needs 0 <= lo <= hi, got --lo {args.lo} --hi {args.hi}")
     if args.max_rows < 0:
-        raise BadInputError(f"--max-rows must be >= 0, got {args.max_rows}")
+        raise FlagError(f"--max-rows must be >= 0, got {args.max_rows}")
     if args.dtype is not None:
         try:
             np.dtype(args.dtype)
         except (TypeError, ValueError):
-            raise BadInputError(f"--dtype {args.dtype!r} is not a numpy dtype") from None
+            raise FlagError(f"--dtype {args.dtype!r} is not a numpy dtype") from None
 
 
-def run_inspect(args: argparse.Namespace) -> int:
-    """Run ``payloadd inspect``: exit status 0, 1 when a read or the daemon failed (the
-    other segments are still shown), 2 for bad flags or a bad segment file."""
+def _read_and_print(args: argparse.Namespace) -> int:
     name = "standard input" if args.segments == "-" else args.segments
     try:
-        _check_flags(args)
-        try:
-            data = sys.stdin.buffer.read() if args.segments == "-" else Path(name).read_bytes()
-        except OSError as exc:
-            raise BadInputError(f"cannot read {name}: {exc.strerror}") from None
-        try:
-            segs = load_segments(data)
-        except BadInputError as exc:
-            raise BadInputError(f"{name}: {exc}") from None
-        if args.field is not None:
-            fields = sorted({s.field for _, s in segs})
-            segs = [(where, s) for where, s in segs if s.field == args.field]
-            if not segs:
-                raise BadInputError(
-                    f"{name} has no segment of field {args.field!r} (it has {fields})"
-                )
-        with open_client(args, data_plane=True) as c:
-            doc, lines, ok = _inspect(c, args, segs)
-    except FlagError as exc:
-        print(f"payloadd inspect: {exc}", file=sys.stderr)
-        return 2
-    except (PayloadError, OSError) as exc:
-        print(f"payloadd inspect: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
+        data = sys.stdin.buffer.read() if args.segments == "-" else Path(name).read_bytes()
+    except OSError as exc:
+        raise InputError(f"cannot read {name}: {exc.strerror}") from None
+    try:
+        segs = load_segments(data)
+    except InputError as exc:
+        raise InputError(f"{name}: {exc}") from None
+    if args.field is not None:
+        fields = sorted({s.field for _, s in segs})
+        segs = [(where, s) for where, s in segs if s.field == args.field]
+        if not segs:
+            raise InputError(f"{name} has no segment of field {args.field!r} (it has {fields})")
+    with open_client(args, data_plane=True) as c:
+        doc, lines, ok = _inspect(c, args, segs)
     if args.json:  # one line: rows of thousands of numbers stay readable with jq
         emit(msgspec.json.encode(doc).decode())
     else:
@@ -345,3 +335,17 @@ def run_inspect(args: argparse.Namespace) -> int:
         print(f"payloadd inspect: reads failed: {', '.join(failed)}", file=sys.stderr)
         return 1
     return 0
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    """Run ``payloadd inspect``: exit status 0, 1 when a read or the daemon failed (the
+    other segments are still shown), 2 for a bad segment file or a window it cannot give.
+
+    Raises
+    ------
+    FlagError
+        A flag out of range or flags that do not go together, or a token file that cannot
+        be read.
+    """
+    _check_flags(args)
+    return exit_status("inspect", lambda: _read_and_print(args))

@@ -10,17 +10,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from payloadd.cli._common import FlagError, positive_int
 from payloadd.soak._report import dump_document, format_verdict, plot
 from payloadd.soak._run import Soak
 
 __all__ = ["add_soak_flags", "run_soak"]
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def _count(text: str) -> int:
@@ -47,14 +41,14 @@ def _positive_seconds(text: str) -> float:
 _FLAGS: dict[str, list[tuple[str, Any, Any, str]]] = {
     "load": [
         ("--duration", _positive_seconds, 60, "seconds of load (then drain, final GC, settle)"),
-        ("--writers", _positive, 4, "writer threads (sync/async x data plane/HTTP, in turn)"),
+        ("--writers", positive_int, 4, "writer threads (sync/async x data plane/HTTP, in turn)"),
         ("--writer-processes", _count, 1, "more writers, each a process of its own"),
-        ("--ranks", _positive, 4, "trainer ranks reading each micro batch at once (CP degree)"),
+        ("--ranks", positive_int, 4, "trainer ranks reading each micro batch at once (CP degree)"),
         ("--reader-processes", _count, 1, "how many of the ranks are processes, not threads"),
-        ("--samples-per-step", _positive, 8, "multi-turn samples a step, over all writers"),
-        ("--max-tokens", _positive, 1280, "tokens of a sample, at most"),
-        ("--max-turns", _positive, 4, "turns of a sample, at most"),
-        ("--seq-len", _positive, 1024, "micro-batch length; longer samples are truncated"),
+        ("--samples-per-step", positive_int, 8, "multi-turn samples a step, over all writers"),
+        ("--max-tokens", positive_int, 1280, "tokens of a sample, at most"),
+        ("--max-turns", positive_int, 4, "turns of a sample, at most"),
+        ("--seq-len", positive_int, 1024, "micro-batch length; longer samples are truncated"),
         ("--step-every", _seconds, 0.5, "seconds from the start of a step to the next, at least"),
         ("--gc-lag", _count, 2, "GC collects up to this many steps before the last one read"),
         ("--kill-every", _seconds, 0, "SIGKILL and restart the daemon this often; 0: never"),
@@ -98,25 +92,29 @@ def add_soak_flags(p: argparse.ArgumentParser) -> None:
             g.add_argument("--keep", action="store_true", help="keep the root and daemon log")
 
 
-def _check_flags(args: argparse.Namespace) -> str | None:
+def _check_flags(args: argparse.Namespace) -> None:
     if args.reader_processes > args.ranks:
-        return f"--reader-processes {args.reader_processes} is more than --ranks {args.ranks}"
+        raise FlagError(
+            f"--reader-processes {args.reader_processes} is more than --ranks {args.ranks}"
+        )
     if args.max_tokens < 2:
-        return "--max-tokens must be at least 2"
+        raise FlagError("--max-tokens must be at least 2")
     if args.seq_len < args.ranks:
-        return f"--seq-len {args.seq_len} is shorter than --ranks {args.ranks}"
+        raise FlagError(f"--seq-len {args.seq_len} is shorter than --ranks {args.ranks}")
     if args.settle >= args.drain:
-        return f"--settle {args.settle:g} leaves no time of --drain {args.drain:g}"
-    return None
+        raise FlagError(f"--settle {args.settle:g} leaves no time of --drain {args.drain:g}")
 
 
 def run_soak(args: argparse.Namespace) -> int:
-    """Run the soak; return 0 when every check passed, 1 when one failed, 2 for bad flags
-    (a daemon that does not start with ``--daemon-arg`` included)."""
-    bad = _check_flags(args)
-    if bad:
-        print(f"payloadd soak: {bad}", file=sys.stderr)
-        return 2
+    """Run the soak; return 0 when every check passed, 1 when one failed, 2 when the daemon
+    does not start (on a root and socket of the soak's own: its ``--daemon-arg`` are wrong).
+
+    Raises
+    ------
+    FlagError
+        Flags that do not go together.
+    """
+    _check_flags(args)
     tmp = Path(tempfile.mkdtemp(prefix="payloadd-soak-"))
     log_path = tmp / "daemon.log"
     try:

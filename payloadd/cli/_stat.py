@@ -12,22 +12,22 @@ from __future__ import annotations
 import argparse
 import datetime
 import math
-import sys
 import time
 from typing import Any
 
 import msgspec
 
-from payload_client import PayloadError, Stats, Usage
+from payload_client import Stats, Usage
 from payloadd.cli._common import (
     FlagError,
     add_connection_flags,
     emit,
+    exit_status,
     human_bytes,
     open_client,
     table,
 )
-from payloadd.store._usage import LIMIT
+from payloadd.settings._usage_query import MAX_USAGE_ENTRIES
 
 __all__ = ["add_stat_flags", "rates", "render", "run_stat"]
 
@@ -63,14 +63,14 @@ def add_stat_flags(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=50,
         metavar="N",
-        help=f"most steps (and runs) listed, 0 to {LIMIT} [default: 50]",
+        help=f"most steps (and runs) listed, 0 to {MAX_USAGE_ENTRIES} [default: 50]",
     )
     parser.add_argument(
         "--ledger",
         type=int,
         default=10,
         metavar="N",
-        help=f"GC ledger entries shown, the last ones, 0 to {LIMIT} [default: 10]",
+        help=f"GC ledger entries shown, the last ones, 0 to {MAX_USAGE_ENTRIES} [default: 10]",
     )
     parser.add_argument("--json", action="store_true", help="print the data as JSON")
 
@@ -188,15 +188,15 @@ def render(stats: Stats, usage: Usage, r: dict[str, float] | None, where: str) -
     else:
         lines.append("no runs on disk")
     lines.append("")
-    led = usage.ledger
+    ledger = usage.ledger
     n = usage.ledger_entries
     lines.append(
         f"GC ledger: {n} collection{'' if n == 1 else 's'} ({human_bytes(usage.ledger_bytes)})"
-        + (f", the last {len(led)}:" if led else "")
+        + (f", the last {len(ledger)}:" if ledger else "")
     )
-    if led:
+    if ledger:
         rows = []
-        for e in led:
+        for e in ledger:
             at = datetime.datetime.fromtimestamp(e.at, datetime.UTC)
             size = "?" if e.bytes is None else human_bytes(e.bytes)
             rows.append([at.strftime("%Y-%m-%d %H:%M:%S"), e.reason, e.run,
@@ -206,36 +206,26 @@ def render(stats: Stats, usage: Usage, r: dict[str, float] | None, where: str) -
     return "\n".join(lines)
 
 
-def run_stat(args: argparse.Namespace) -> int:
-    """Run ``payloadd stat``: exit status 0, 1 on a daemon or connection error, 2 on bad
-    flags."""
+def _check_flags(args: argparse.Namespace) -> None:
     if not (math.isfinite(args.interval) and 0 <= args.interval <= MAX_INTERVAL_S):
-        print(
-            f"payloadd stat: --interval must be >= 0 and <= {MAX_INTERVAL_S:g} seconds, got "
-            f"{args.interval}",
-            file=sys.stderr,
+        raise FlagError(
+            f"--interval must be >= 0 and <= {MAX_INTERVAL_S:g} seconds, got {args.interval}"
         )
-        return 2
     for flag, value in (("--max-steps", args.max_steps), ("--ledger", args.ledger)):
-        if not 0 <= value <= LIMIT:
-            print(f"payloadd stat: {flag} must be in [0, {LIMIT}], got {value}", file=sys.stderr)
-            return 2
-    try:
-        with open_client(args, data_plane=False) as c:
-            s1, u1 = c.stats(), c.usage(max_steps=args.max_steps, ledger=args.ledger)
-            s2, u2 = s1, u1
-            sampled, elapsed = time.monotonic(), 0.0
-            if args.interval > 0:
-                time.sleep(args.interval)
-                elapsed = time.monotonic() - sampled  # the daemon's uptime grows as much
-                s2, u2 = c.stats(), c.usage(max_steps=args.max_steps, ledger=args.ledger)
-            where = c.where
-    except FlagError as exc:
-        print(f"payloadd stat: {exc}", file=sys.stderr)
-        return 2
-    except (PayloadError, OSError) as exc:
-        print(f"payloadd stat: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
+        if not 0 <= value <= MAX_USAGE_ENTRIES:
+            raise FlagError(f"{flag} must be in [0, {MAX_USAGE_ENTRIES}], got {value}")
+
+
+def _sample_and_print(args: argparse.Namespace) -> int:
+    with open_client(args, data_plane=False) as c:
+        s1, u1 = c.stats(), c.usage(max_steps=args.max_steps, ledger=args.ledger)
+        s2, u2 = s1, u1
+        sampled, elapsed = time.monotonic(), 0.0
+        if args.interval > 0:
+            time.sleep(args.interval)
+            elapsed = time.monotonic() - sampled  # the daemon's uptime grows as much
+            s2, u2 = c.stats(), c.usage(max_steps=args.max_steps, ledger=args.ledger)
+        where = c.where
     r = rates(s1, s2, u1, u2, elapsed) if args.interval > 0 else None
     if args.json:
         doc: dict[str, Any] = {"daemon": where, "rates": r, "stats": s2, "usage": u2}
@@ -243,3 +233,15 @@ def run_stat(args: argparse.Namespace) -> int:
     else:
         emit(render(s2, u2, r, where))
     return 0
+
+
+def run_stat(args: argparse.Namespace) -> int:
+    """Run ``payloadd stat``: exit status 0, 1 on a daemon or connection error.
+
+    Raises
+    ------
+    FlagError
+        A flag out of range, or a token file that cannot be read.
+    """
+    _check_flags(args)
+    return exit_status("stat", lambda: _sample_and_print(args))

@@ -8,12 +8,14 @@ built. A setting that a flag or a ``PAYLOADD_*`` variable also gives takes that 
 whole: a table is never merged. Precedence: flag > environment > file > default.
 
 pydantic-settings reads the file (`TomlConfigSettingsSource`); this module only picks the
-file and checks its keys and values.
+file and checks its keys and values, against the settings class its source is given (it
+imports nothing of ``_settings``, which imports it).
 """
 
 from __future__ import annotations
 
 import difflib
+import functools
 import os
 import tomllib
 from pathlib import Path
@@ -25,8 +27,6 @@ from pydantic_settings import (
     PydanticBaseSettingsSource,
     TomlConfigSettingsSource,
 )
-
-from payloadd.settings._settings import Settings
 
 __all__ = ["DEFAULT_CONFIG", "NOT_IN_FILE", "ConfigFileError", "ConfigFileSource", "config_path"]
 
@@ -79,22 +79,28 @@ def config_path(given: dict[str, Any]) -> Path | None:
     return path
 
 
-class _FileValues(Settings):
-    """The file's values alone over the defaults: no environment, no file (for errors)."""
-
-    @classmethod
-    def settings_customise_sources(
-        cls,
-        settings_cls: type[BaseSettings],
-        init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource,
-        dotenv_settings: PydanticBaseSettingsSource,
-        file_secret_settings: PydanticBaseSettingsSource,
-    ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return (init_settings,)
+def _init_only(
+    cls: type[BaseSettings],
+    settings_cls: type[BaseSettings],
+    init_settings: PydanticBaseSettingsSource,
+    env_settings: PydanticBaseSettingsSource,
+    dotenv_settings: PydanticBaseSettingsSource,
+    file_secret_settings: PydanticBaseSettingsSource,
+) -> tuple[PydanticBaseSettingsSource, ...]:
+    return (init_settings,)
 
 
-def _bad_keys(data: dict[str, Any], names: list[str]) -> list[str]:
+@functools.cache
+def _file_values_class(settings_cls: type[BaseSettings]) -> type[BaseSettings]:
+    """``settings_cls`` over its init arguments alone: no environment, no file (to check the
+    file's values apart)."""
+    namespace = {"settings_customise_sources": classmethod(_init_only)}
+    return type(f"{settings_cls.__name__}FileValues", (settings_cls,), namespace)
+
+
+def _bad_keys(
+    settings_cls: type[BaseSettings], data: dict[str, Any], names: list[str]
+) -> list[str]:
     lines = []
     for key, value in data.items():
         if key in NOT_IN_FILE:
@@ -103,19 +109,19 @@ def _bad_keys(data: dict[str, Any], names: list[str]) -> list[str]:
             close = difflib.get_close_matches(key.lower(), names, n=1)
             hint = f" (did you mean {close[0]}?)" if close else ""
             lines.append(f"{key}: not a setting{hint}; the keys are the setting names")
-        elif _needless_bool(key, value):
+        elif _needless_bool(settings_cls, key, value):
             lines.append(f"{key}: a boolean is not a valid value of this setting (got {value})")
     return lines
 
 
-def _needless_bool(key: str, value: object) -> bool:
+def _needless_bool(settings_cls: type[BaseSettings], key: str, value: object) -> bool:
     # pydantic's lax mode takes true for 1; in a typed file that is a mistake
-    return isinstance(value, bool) and Settings.model_fields[key].annotation is not bool
+    return isinstance(value, bool) and settings_cls.model_fields[key].annotation is not bool
 
 
-def _bad_values(data: dict[str, Any]) -> list[str]:
+def _bad_values(settings_cls: type[BaseSettings], data: dict[str, Any]) -> list[str]:
     try:
-        _FileValues(**data)
+        _file_values_class(settings_cls)(**data)
     except ValidationError as exc:
         lines = []
         for e in exc.errors(include_url=False):
@@ -162,9 +168,12 @@ class ConfigFileSource(TomlConfigSettingsSource):
             ) from None
         except OSError as exc:
             raise ConfigFileError(f"cannot read config file {path}: {exc.strerror}") from None
-        names = [n for n in Settings.model_fields if n not in NOT_IN_FILE]
-        known = {k: v for k, v in self.toml_data.items() if k in names and not _needless_bool(k, v)}
-        lines = _bad_keys(self.toml_data, names) + _bad_values(known)
+        names = [n for n in settings_cls.model_fields if n not in NOT_IN_FILE]
+        data = self.toml_data
+        known = {
+            k: v for k, v in data.items() if k in names and not _needless_bool(settings_cls, k, v)
+        }
+        lines = _bad_keys(settings_cls, data, names) + _bad_values(settings_cls, known)
         if lines:
             raise ConfigFileError(
                 f"invalid config file {path}:\n" + "\n".join(f"  {line}" for line in lines)

@@ -34,6 +34,7 @@ from payload_client.protocol import (
     FieldsTable,
     check_name,
 )
+from payloadd.settings._config_file import ConfigFileSource, config_path
 
 __all__ = ["FieldRule", "Settings", "default_node"]
 
@@ -359,8 +360,6 @@ class Settings(BaseSettings):
         ConfigFileError
             The config file is missing (when named), unreadable, or invalid.
         """
-        from payloadd.settings._config_file import ConfigFileSource, config_path
-
         given = {**env_settings(), **init_settings()}
         source = ConfigFileSource(settings_cls, config_path(given), set(given))
         return (init_settings, env_settings, source)

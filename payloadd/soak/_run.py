@@ -18,7 +18,7 @@ resource that grows.
 6. Every ``--sample-every`` seconds: the daemon's RSS, threads, descriptors and descriptors of
    removed files (/proc), and its counters (``stats()``). The samples go to ``--json`` and
    are drawn in ``--plot``.
-7. The verdict (`payloadd.soak._report`): counts, errors by class, and the checks. Exit
+7. The verdict (`payloadd.soak._verdict`): counts, errors by class, and the checks. Exit
    status 0 when every check passed, 1 otherwise, 2 for bad flags.
 
 The load ends at ``--duration``; then the writers finish their step, the ranks read every
@@ -33,25 +33,18 @@ import argparse
 import contextlib
 import functools
 import multiprocessing as mp
-import os
-import platform
 import queue
 import random
-import signal
-import subprocess
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
 import msgspec
 
 from payload_client import FileGoneError, PayloadClient, PayloadError, TransportError, Window
-from payloadd import __version__
-from payloadd.bench._daemon_process import start_daemon
+from payloadd.soak import _verdict
 from payloadd.soak._check import (
     MASK,
     MASK_FILL,
@@ -65,13 +58,9 @@ from payloadd.soak._check import (
     pack,
     tail_batch,
 )
-from payloadd.soak._report import (
-    STATS_KEPT,
-    Check,
-    growth_checks,
-    held_deleted,
-    proc_sample,
-)
+from payloadd.soak._daemon import SoakDaemon
+from payloadd.soak._report import STATS_KEPT, proc_sample
+from payloadd.soak._state import Kill, RunState, since
 from payloadd.soak._workers import (
     CLIENT_TIMEOUT,
     RUN,
@@ -82,97 +71,15 @@ from payloadd.soak._workers import (
     writer_main,
 )
 
-__all__ = ["Kill", "Soak"]
+__all__ = ["Soak"]
 
-NODE = "soak"
-GRACE = 5.0
-"""Transport errors from 0.5 s before a kill to this long after the restart are expected."""
 AHEAD = 2
 """Steps the writers may be ahead of the trainer."""
 GONE_PER_STEP = 4
 """Collected segments read back per collected step (each must answer 410)."""
-MAX_KEPT = 20
-"""Unexpected errors kept for the report."""
-
-
-def _subclass_names(cls: type[Exception]) -> Iterator[str]:
-    yield cls.__name__
-    sub: type[Exception]
-    for sub in cls.__subclasses__():
-        yield from _subclass_names(sub)
-
-
-TRANSPORT_ERRORS = frozenset(_subclass_names(TransportError))
-"""Error classes expected around a kill: the client's transport errors."""
-
-
-# -- the daemon ------------------------------------------------------------------------------
-
-
-@dataclass
-class Kill:
-    """One SIGKILL and restart (``time.monotonic``; ``ready`` once the new daemon answers)."""
-
-    at: float
-    ready: float | None = None
-    old_pid: int = 0
-    new_pid: int = 0
-
-
-class _Daemon:
-    """The soak's daemon: started, SIGKILLed and started again on the same root and socket."""
-
-    def __init__(self, root: Path, socket: Path, extra: list[str], log: IO[bytes]) -> None:
-        self.root, self.socket, self.extra, self.log = root, socket, extra, log
-        self._cm: contextlib.AbstractContextManager[subprocess.Popen[bytes]] | None = None
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.starts: list[float] = []  # when each start answered (time.monotonic)
-        self.restarting = False  # down on purpose: killed, not started again yet
-
-    def start(self) -> None:
-        cm = start_daemon(self.root, self.socket, "--node", NODE, *self.extra, stderr=self.log)
-        self.proc = cm.__enter__()
-        self._cm = cm
-        self.starts.append(time.monotonic())
-
-    def kill(self) -> int:
-        """SIGKILL the daemon; return its pid."""
-        assert self.proc is not None and self._cm is not None
-        pid = self.proc.pid
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait()
-        self.stop()  # nothing left to terminate: just the context
-        return pid
-
-    @property
-    def pid(self) -> int | None:
-        proc = self.proc
-        return proc.pid if proc is not None and proc.returncode is None else None
-
-    def stop(self) -> None:
-        """SIGTERM (as `start_daemon` ends) and wait."""
-        if self._cm is not None:
-            cm, self._cm = self._cm, None
-            cm.__exit__(None, None, None)
 
 
 # -- the soak --------------------------------------------------------------------------------
-
-
-@dataclass
-class _State:
-    """What the parent's threads share (under `Soak.cond`)."""
-
-    read_done: int = -1  # the last step every rank read
-    last_finished: int = -1
-    records: dict[int, list[Written]] = field(default_factory=dict)  # until collected
-    issued: dict[int, float] = field(default_factory=dict)  # when each step began
-    read: dict[int, float] = field(default_factory=dict)  # when every rank had read it
-    kills: list[Kill] = field(default_factory=list)
-    samples: list[dict[str, Any]] = field(default_factory=list)
-    final_gc: float | None = None
-    load_end: float = 0.0
-    aborted: str | None = None
 
 
 class Soak:
@@ -193,9 +100,9 @@ class Soak:
         self.args = args
         self.shape = SoakShape(args.seed, args.max_tokens, args.max_turns, args.seq_len, args.ranks)
         self.socket = tmp / "payloadd.sock"
-        self.daemon = _Daemon(tmp / "root", self.socket, list(args.daemon_arg), log)
+        self.daemon = SoakDaemon(tmp / "root", self.socket, list(args.daemon_arg), log)
         self.tally = Tally()
-        self.state = _State()
+        self.state = RunState()
         self.cond = threading.Condition()
         self.abort = threading.Event()
         self.t0 = time.monotonic()
@@ -205,7 +112,7 @@ class Soak:
 
     def _t(self, at: float) -> float:
         """Seconds since the load started."""
-        return round(at - self.t0, 3)
+        return since(self.t0, at)
 
     def _abort(self, why: str) -> None:
         with self.cond:
@@ -265,23 +172,23 @@ class Soak:
         stop_sampling = threading.Event()
         sampler = self._thread(self._sampler, stop_sampling)
         driver = self._thread(self._driver, writer_cmds)
-        collector = self._thread(self._collector, writer_results, n_writers, finished)
+        gatherer = self._thread(self._gather_reports, writer_results, n_writers, finished)
         trainer = self._thread(self._trainer, finished, rank_cmds, rank_results, gc_q)
-        collect = self._thread(self._gc, gc_q)
+        garbage_collector = self._thread(self._collect_garbage, gc_q)
         killer = self._thread(self._killer) if a.kill_every else None
         try:
-            for w in [*writers, *ranks, sampler, driver, collector, trainer, collect]:
+            for w in [*writers, *ranks, sampler, driver, gatherer, trainer, garbage_collector]:
                 w.start()
             if killer is not None:
                 killer.start()
-            self._join([driver, collector, *writers], "the writers")
+            self._join([driver, gatherer, *writers], "the writers")
             self._join([trainer], "the trainer")
             for cmds in rank_cmds:
                 cmds.put(None)
             self._join(ranks, "the ranks")
             self._join([killer] if killer is not None else [], "the killer")
             gc_q.put(("final", self.state.last_finished))  # every client of a worker is closed
-            self._join([collect], "the final GC")
+            self._join([garbage_collector], "the final GC")
             if not self.abort.is_set():  # let the daemon settle, then the last sample
                 self.abort.wait(a.settle)
         except KeyboardInterrupt:
@@ -349,7 +256,7 @@ class Soak:
             for cmds in writer_cmds:
                 cmds.put(None)
 
-    def _collector(self, results: Any, n_writers: int, finished: Any) -> None:
+    def _gather_reports(self, results: Any, n_writers: int, finished: Any) -> None:
         """Gather the writers' reports; a step every writer reported is finished."""
         by_step: dict[int, list[Written]] = {}
         reported: Counter[int] = Counter()
@@ -445,7 +352,7 @@ class Soak:
         self.tally.add("tail_windows", 2)
         self.tally.add("rows_checked", 2 * (hi - lo))
 
-    def _gc(self, gc_q: Any) -> None:
+    def _collect_garbage(self, gc_q: Any) -> None:
         """Collect the steps read, ``--gc-lag`` steps behind; then read a sample of each
         collected step's segments, which must raise `FileGoneError`. The final item collects
         every step."""
@@ -580,176 +487,20 @@ class Soak:
 
     # -- the verdict
 
+    # -- the verdict
+
     def _expected(self, event: list[Any]) -> bool:
         """An error is expected when it is a transport error around a kill."""
-        t0, t1, _, cls, _, _ = event
-        if cls not in TRANSPORT_ERRORS:
-            return False
-        for k in self.state.kills:
-            ready = k.ready if k.ready is not None else float("inf")
-            if t1 >= k.at - 0.5 and t0 <= ready + GRACE:
-                return True
-        return False
+        return _verdict.is_expected(event, self.state.kills)
 
     def verdict(self) -> dict[str, Any]:
         """Counts, errors by class and the checks, as the JSON file holds them."""
-        a, st, c = self.args, self.state, self.tally.counts
-        expected: Counter[str] = Counter()
-        unexpected: Counter[str] = Counter()
-        first: list[dict[str, Any]] = []
-        for e in sorted(self.tally.errors):
-            if self._expected(e):
-                expected[e[3]] += 1
-                continue
-            unexpected[e[3]] += 1
-            if len(first) < MAX_KEPT:
-                first.append(
-                    {"t": self._t(e[0]), "op": e[2], "error": e[3], "message": e[4], "who": e[5]}
-                )
-        checks = [
-            Check(
-                "mismatches",
-                c["mismatches"],
-                0,
-                c["mismatches"] == 0,
-                "",
-                "windows, tails and 410 reads that did not give what was written",
-            ),
-            Check(
-                "unexpected errors",
-                sum(unexpected.values()),
-                0,
-                not unexpected,
-                "",
-                "any error but a transport error around a kill",
-            ),
-            Check("windows compared", c["windows"], 1, c["windows"] >= 1, "", "at least one", ">="),
-        ]
-        if c["gc_calls"]:
-            checks.append(
-                Check(
-                    "410 reads checked",
-                    c["gone_checked"],
-                    1,
-                    c["gone_checked"] >= 1,
-                    "",
-                    "at least one, once GC collected",
-                    ">=",
-                )
-            )
-        drained = None if st.final_gc is None else round(st.final_gc - st.load_end, 1)
-        checks.append(
-            Check(
-                "run completed",
-                drained,
-                a.drain,
-                st.aborted is None,
-                "s",
-                st.aborted or "seconds from the end of the load to the final GC",
-            )
-        )
-        starts = [self._t(s) for s in self.daemon.starts]
-        slack = {"rss_mib": a.rss_slack_mib, "fds": a.fd_slack, "threads": a.thread_slack}
-        checks += growth_checks(st.samples, starts, a.warmup, slack, a.rss_slack_pct)
-        checks += self._settled_checks()
-        final_stats = next((s["stats"] for s in reversed(st.samples) if s["stats"]), None)
-        c["steps_across_kills"] = sum(
-            any(st.issued[s] < k.at < t for k in st.kills) for s, t in st.read.items()
-        )
-        names = (
-            "steps",
-            "micro_batches",
-            "appends",
-            "rows",
-            "bytes",
-            "in_doubt",
-            "windows",
-            "tail_windows",
-            "rows_checked",
-            "gone_checked",
-            "gc_calls",
-            "gc_files",
-            "restarts",
-            "steps_across_kills",
-            "mismatches",
-        )
-        return {
-            "passed": all(ch.ok for ch in checks),
-            "failed": [ch.name for ch in checks if not ch.ok],
-            "counts": {k: c[k] for k in names},
-            "errors": {"expected": dict(expected), "unexpected": dict(unexpected)},
-            "first_unexpected": first,
-            "mismatch_examples": self.tally.mismatches,
-            "checks": [ch.as_dict() for ch in checks],
-            "final_stats": final_stats,
-        }
-
-    def _settled_checks(self) -> list[Check]:
-        """What the daemon holds at the last sample, ``--settle`` seconds after the final GC
-        collected every step: descriptors of removed files (at most ``--deleted-fds-max``),
-        and its own count of files open for appends and of root bytes (0)."""
-        a, st = self.args, self.state
-        deleted = "descriptors of removed files"
-        settled = [s for s in st.samples if s["phase"] == "settle"]
-        if not settled or st.final_gc is None:
-            why = "not measured: no sample after the final GC"
-            return [Check(deleted, None, a.deleted_fds_max, False, "", why)]
-        last = settled[-1]
-        n = last["deleted_fds"]
-        most = max(s["deleted_fds"] for s in st.samples)
-        after = f"{last['t'] - self._t(st.final_gc):.1f} s after the final GC"
-        detail = f"{after} (at most {most} during the run)"
-        if n > a.deleted_fds_max:
-            detail += f"; {n - a.deleted_fds_max} over the bound: " + ", ".join(last["deleted"][:2])
-        out = [Check(deleted, n, a.deleted_fds_max, n <= a.deleted_fds_max, "", detail)]
-        held = held_deleted(st.samples, a.held_s)
-        detail = f"removed files a daemon held open for {a.held_s:g} s or more, over the run"
-        if held:
-            path, secs = max(held.items(), key=lambda kv: kv[1])
-            detail += f"; the longest {secs:.0f} s: {path}"
-        ok = len(held) <= a.deleted_fds_max
-        out.append(Check("removed files held", len(held), a.deleted_fds_max, ok, "", detail))
-        stats = last["stats"]
-        for key in ("files_open_for_append", "root_bytes"):
-            if stats is None:
-                out.append(Check(key, None, 0, False, "", "not measured: stats() failed"))
-                continue
-            value = stats[key]
-            out.append(Check(key, value, 0, value == 0, "", f"the daemon's count, {after}"))
-        return out
+        return _verdict.verdict(self.args, self.state, self.tally, self.daemon.starts, self.t0)
 
     def document(self, verdict: dict[str, Any]) -> dict[str, Any]:
         """The JSON file: settings, verdict, kills and samples."""
-        settings = {
-            k: (str(v) if isinstance(v, Path) else v)
-            for k, v in vars(self.args).items()
-            if k != "command"
-        }
-        final = self.state.final_gc
-        return {
-            "payloadd": __version__,
-            "machine": {
-                "python": platform.python_version(),
-                "platform": platform.platform(),
-                "cpus": os.cpu_count(),
-            },
-            "settings": settings,
-            "shape": msgspec.structs.asdict(self.shape),
-            "verdict": verdict,
-            "kills": [
-                {
-                    "t": self._t(k.at),
-                    "ready_t": None if k.ready is None else self._t(k.ready),
-                    "old_pid": k.old_pid,
-                    "new_pid": k.new_pid,
-                }
-                for k in self.state.kills
-            ],
-            "starts": [self._t(s) for s in self.daemon.starts],
-            "load_end_t": self._t(self.state.load_end),
-            "final_gc_t": None if final is None else self._t(final),
-            "samples": self.state.samples,
-        }
+        starts = self.daemon.starts
+        return _verdict.document(self.args, self.shape, self.state, starts, self.t0, verdict)
 
 
 def _outcome(client: PayloadClient, window: Window) -> str:

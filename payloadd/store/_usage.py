@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from payload_client.protocol import GcEntry, RunUsage, StepUsage, Usage
+from payloadd.settings._usage_query import MAX_USAGE_ENTRIES as LIMIT
 from payloadd.store._ledger import Collected
 from payloadd.store._store import Store
 
@@ -24,8 +25,6 @@ DEFAULT_MAX_STEPS = 1000
 """Steps (and runs) listed when the caller does not say."""
 DEFAULT_LEDGER = 20
 """GC ledger entries returned when the caller does not say."""
-LIMIT = 100_000
-"""Largest ``max_steps`` and ``ledger`` a caller may ask for."""
 
 
 def step_usage(path: Path, step: int) -> StepUsage:

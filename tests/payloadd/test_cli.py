@@ -32,7 +32,8 @@ def test_demo_small_run_checks_parity_for_every_cp_degree() -> None:
 
 
 def test_demo_parity_check_can_fail() -> None:
-    from payloadd.bench._demo import MASK_FILL, ROUTED_FILL, _same
+    from payloadd.bench._demo import _same
+    from payloadd.bench._rl_batch import MASK_FILL, ROUTED_FILL
 
     a = np.zeros((4, 2, 3), np.int32)
     b = a.copy()

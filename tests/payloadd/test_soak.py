@@ -32,7 +32,8 @@ from payloadd.soak._check import (
     tail_batch,
 )
 from payloadd.soak._report import dump_document, growth_checks, held_deleted
-from payloadd.soak._run import Kill, Soak
+from payloadd.soak._run import Soak
+from payloadd.soak._state import Kill
 from payloadd.soak._workers import Tally, check_windows, write_sample
 
 PAYLOADD = [sys.executable, "-m", "payloadd"]

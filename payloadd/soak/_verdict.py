@@ -1,0 +1,236 @@
+"""The verdict of a soak run (`verdict`) and the JSON document that holds it (`document`):
+counts, errors by class (expected: a transport error around a kill), and the checks."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from payload_client import TransportError
+from payloadd import __version__
+from payloadd.soak._check import SoakShape
+from payloadd.soak._report import Check, growth_checks, held_deleted
+from payloadd.soak._state import Kill, RunState, since
+from payloadd.soak._workers import Tally
+
+__all__ = ["GRACE", "TRANSPORT_ERRORS", "document", "is_expected", "verdict"]
+
+GRACE = 5.0
+"""Transport errors from 0.5 s before a kill to this long after the restart are expected."""
+MAX_KEPT = 20
+"""Unexpected errors kept for the report."""
+
+
+def _subclass_names(cls: type[Exception]) -> Iterator[str]:
+    yield cls.__name__
+    sub: type[Exception]
+    for sub in cls.__subclasses__():
+        yield from _subclass_names(sub)
+
+
+TRANSPORT_ERRORS = frozenset(_subclass_names(TransportError))
+"""Error classes expected around a kill: the client's transport errors."""
+
+
+def is_expected(event: list[Any], kills: list[Kill]) -> bool:
+    """An error is expected when it is a transport error around a kill."""
+    t0, t1, _, cls, _, _ = event
+    if cls not in TRANSPORT_ERRORS:
+        return False
+    for k in kills:
+        ready = k.ready if k.ready is not None else float("inf")
+        if t1 >= k.at - 0.5 and t0 <= ready + GRACE:
+            return True
+    return False
+
+
+def verdict(
+    args: argparse.Namespace, state: RunState, tally: Tally, starts: list[float], t0: float
+) -> dict[str, Any]:
+    """Counts, errors by class and the checks, as the JSON file holds them.
+
+    Parameters
+    ----------
+    args : argparse.Namespace
+        The flags of ``payloadd soak``.
+    state : RunState
+        What the run recorded.
+    tally : Tally
+        The counts, errors and mismatches of every worker; ``steps_across_kills`` is added
+        to its counts.
+    starts : list of float
+        When each start of the daemon answered (``time.monotonic``).
+    t0 : float
+        When the load started (``time.monotonic``).
+    """
+    a, st, c = args, state, tally.counts
+    expected: Counter[str] = Counter()
+    unexpected: Counter[str] = Counter()
+    first: list[dict[str, Any]] = []
+    for e in sorted(tally.errors):
+        if is_expected(e, st.kills):
+            expected[e[3]] += 1
+            continue
+        unexpected[e[3]] += 1
+        if len(first) < MAX_KEPT:
+            first.append(
+                {"t": since(t0, e[0]), "op": e[2], "error": e[3], "message": e[4], "who": e[5]}
+            )
+    checks = [
+        Check(
+            "mismatches",
+            c["mismatches"],
+            0,
+            c["mismatches"] == 0,
+            "",
+            "windows, tails and 410 reads that did not give what was written",
+        ),
+        Check(
+            "unexpected errors",
+            sum(unexpected.values()),
+            0,
+            not unexpected,
+            "",
+            "any error but a transport error around a kill",
+        ),
+        Check("windows compared", c["windows"], 1, c["windows"] >= 1, "", "at least one", ">="),
+    ]
+    if c["gc_calls"]:
+        checks.append(
+            Check(
+                "410 reads checked",
+                c["gone_checked"],
+                1,
+                c["gone_checked"] >= 1,
+                "",
+                "at least one, once GC collected",
+                ">=",
+            )
+        )
+    drained = None if st.final_gc is None else round(st.final_gc - st.load_end, 1)
+    checks.append(
+        Check(
+            "run completed",
+            drained,
+            a.drain,
+            st.aborted is None,
+            "s",
+            st.aborted or "seconds from the end of the load to the final GC",
+        )
+    )
+    started = [since(t0, s) for s in starts]
+    slack = {"rss_mib": a.rss_slack_mib, "fds": a.fd_slack, "threads": a.thread_slack}
+    checks += growth_checks(st.samples, started, a.warmup, slack, a.rss_slack_pct)
+    checks += _settled_checks(a, st, t0)
+    final_stats = next((s["stats"] for s in reversed(st.samples) if s["stats"]), None)
+    c["steps_across_kills"] = sum(
+        any(st.issued[s] < k.at < t for k in st.kills) for s, t in st.read.items()
+    )
+    names = (
+        "steps",
+        "micro_batches",
+        "appends",
+        "rows",
+        "bytes",
+        "in_doubt",
+        "windows",
+        "tail_windows",
+        "rows_checked",
+        "gone_checked",
+        "gc_calls",
+        "gc_files",
+        "restarts",
+        "steps_across_kills",
+        "mismatches",
+    )
+    return {
+        "passed": all(ch.ok for ch in checks),
+        "failed": [ch.name for ch in checks if not ch.ok],
+        "counts": {k: c[k] for k in names},
+        "errors": {"expected": dict(expected), "unexpected": dict(unexpected)},
+        "first_unexpected": first,
+        "mismatch_examples": tally.mismatches,
+        "checks": [ch.as_dict() for ch in checks],
+        "final_stats": final_stats,
+    }
+
+
+def _settled_checks(args: argparse.Namespace, state: RunState, t0: float) -> list[Check]:
+    """What the daemon holds at the last sample, ``--settle`` seconds after the final GC
+    collected every step: descriptors of removed files (at most ``--deleted-fds-max``),
+    and its own count of files open for appends and of root bytes (0)."""
+    a, st = args, state
+    deleted = "descriptors of removed files"
+    settled = [s for s in st.samples if s["phase"] == "settle"]
+    if not settled or st.final_gc is None:
+        why = "not measured: no sample after the final GC"
+        return [Check(deleted, None, a.deleted_fds_max, False, "", why)]
+    last = settled[-1]
+    n = last["deleted_fds"]
+    most = max(s["deleted_fds"] for s in st.samples)
+    after = f"{last['t'] - since(t0, st.final_gc):.1f} s after the final GC"
+    detail = f"{after} (at most {most} during the run)"
+    if n > a.deleted_fds_max:
+        detail += f"; {n - a.deleted_fds_max} over the bound: " + ", ".join(last["deleted"][:2])
+    out = [Check(deleted, n, a.deleted_fds_max, n <= a.deleted_fds_max, "", detail)]
+    held = held_deleted(st.samples, a.held_s)
+    detail = f"removed files a daemon held open for {a.held_s:g} s or more, over the run"
+    if held:
+        path, secs = max(held.items(), key=lambda kv: kv[1])
+        detail += f"; the longest {secs:.0f} s: {path}"
+    ok = len(held) <= a.deleted_fds_max
+    out.append(Check("removed files held", len(held), a.deleted_fds_max, ok, "", detail))
+    stats = last["stats"]
+    for key in ("files_open_for_append", "root_bytes"):
+        if stats is None:
+            out.append(Check(key, None, 0, False, "", "not measured: stats() failed"))
+            continue
+        value = stats[key]
+        out.append(Check(key, value, 0, value == 0, "", f"the daemon's count, {after}"))
+    return out
+
+
+def document(
+    args: argparse.Namespace,
+    shape: SoakShape,
+    state: RunState,
+    starts: list[float],
+    t0: float,
+    verdict: dict[str, Any],
+) -> dict[str, Any]:
+    """The JSON file: settings, verdict, kills and samples."""
+    settings = {
+        k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "command"
+    }
+    final = state.final_gc
+    return {
+        "payloadd": __version__,
+        "machine": {
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+        },
+        "settings": settings,
+        "shape": msgspec.structs.asdict(shape),
+        "verdict": verdict,
+        "kills": [
+            {
+                "t": since(t0, k.at),
+                "ready_t": None if k.ready is None else since(t0, k.ready),
+                "old_pid": k.old_pid,
+                "new_pid": k.new_pid,
+            }
+            for k in state.kills
+        ],
+        "starts": [since(t0, s) for s in starts],
+        "load_end_t": since(t0, state.load_end),
+        "final_gc_t": None if final is None else since(t0, final),
+        "samples": state.samples,
+    }
