@@ -18,7 +18,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
-from payloadd import __version__
+from payloadd._version import __version__
 from payloadd.cli._health import DESCRIPTION, add_health_flags, run_health
 from payloadd.cli._health import main as health_main
 

@@ -253,11 +253,17 @@ async def _chunks(
     reader: ExtentReader, extents: list[Extent], metrics: Metrics
 ) -> AsyncIterator[memoryview]:
     """The read's bytes, a chunk at a time, each read in the thread pool. The read counts in
-    ``metrics`` once its last chunk is handed over."""
+    ``metrics`` as its last chunk is handed over: before it is sent, so that a client holding
+    every byte of the answer finds the read counted."""
     chunks = reader.chunks(READ_CHUNK)
+    left = reader.total
+    if left == 0:
+        metrics.read(extents)
     while (chunk := await run_in_threadpool(next, chunks, None)) is not None:
+        left -= len(chunk)
+        if left <= 0:
+            metrics.read(extents)
         yield memoryview(chunk)
-    metrics.read(extents)
 
 
 class ReadStream(StreamingResponse):

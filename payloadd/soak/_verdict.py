@@ -14,7 +14,7 @@ from typing import Any
 import msgspec
 
 from payload_client import TransportError
-from payloadd import __version__
+from payloadd._version import __version__
 from payloadd.soak._check import SoakShape
 from payloadd.soak._report import Check, growth_checks, held_deleted
 from payloadd.soak._state import Kill, RunState, since

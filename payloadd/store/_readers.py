@@ -391,11 +391,14 @@ class ExtentReader:
         """
         pieces = self._pieces()
         current: list[Any] = [None]  # the piece being read, carried from chunk to chunk
+        if self.total == 0:
+            self._readers._count_read(0)
         for start in range(0, self.total, size):
             chunk = bytearray(min(size, self.total - start))
             self._fill(pieces, memoryview(chunk), current)
+            if start + size >= self.total:  # counted before the last chunk goes out
+                self._readers._count_read(self.total)
             yield chunk
-        self._readers._count_read(self.total)
 
     def _fill(
         self, pieces: Iterator[tuple[int, int, int, str]], view: memoryview, current: list[Any]
