@@ -256,7 +256,7 @@ def create_app(
             req: ReadRequest = _decode(decoder, body, "read request")
             del body
         store: Store = request.state.store
-        return await read_response(store, request.state.fds, req.extents, metrics, timeout)
+        return await read_response(store, request.state.fds, req.extents, timeout)
 
     @app.post(
         "/v1/admin/gc",

@@ -65,7 +65,7 @@ class Daemon:
         fds: Descriptors | None = None,
     ) -> None:
         self.settings = settings
-        self.metrics = Metrics(settings.fields, settings.node, __version__)
+        self.metrics = Metrics(settings.node, __version__)
         self.inflight = InFlight(settings.max_inflight_bytes)
         self._data_listener = data_listener
         self._given_fds = fds

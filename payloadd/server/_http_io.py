@@ -28,7 +28,6 @@ from payload_client import (
 )
 from payload_client.protocol import AppendItem, Extent
 from payloadd.server._frames import FrameReader
-from payloadd.server._metrics import Metrics
 from payloadd.store._budget import Descriptors, InFlight
 from payloadd.store._readers import ExtentReader
 from payloadd.store._store import Store
@@ -227,17 +226,16 @@ async def stream_append(
 
 
 async def read_response(
-    store: Store, fds: Descriptors, extents: list[Extent], metrics: Metrics, timeout: float
+    store: Store, fds: Descriptors, extents: list[Extent], timeout: float
 ) -> Response:
     """The answer to a read of ``extents``: their bytes, at once when the read is small,
     else streamed chunk by chunk (`ReadStream`), once every extent is checked and open
-    (errors are still answers)."""
+    (errors are still answers). The store counts the read (`Counts.read`)."""
     files = len({e.file for e in extents})
     big = len(extents) > THREAD_PARTS or sum(e.nbytes for e in extents) > THREAD_BYTES
     if not big:
         with fds.held(files, f"a read of {files} files"):
             data = store.read_extents(extents)
-        metrics.read(extents)
         return Response(memoryview(data), media_type="application/octet-stream")
     # the daemon holds READ_CHUNK bytes of it at a time, and sending starts at once
     fds.take(files, f"a read of {files} files")
@@ -246,23 +244,14 @@ async def read_response(
     except BaseException:
         fds.give(files)
         raise
-    return ReadStream(reader, extents, metrics, functools.partial(fds.give, files), timeout)
+    return ReadStream(reader, functools.partial(fds.give, files), timeout)
 
 
-async def _chunks(
-    reader: ExtentReader, extents: list[Extent], metrics: Metrics
-) -> AsyncIterator[memoryview]:
-    """The read's bytes, a chunk at a time, each read in the thread pool. The read counts in
-    ``metrics`` as its last chunk is handed over: before it is sent, so that a client holding
-    every byte of the answer finds the read counted."""
+async def _chunks(reader: ExtentReader) -> AsyncIterator[memoryview]:
+    """The read's bytes, a chunk at a time, each read in the thread pool (the reader counts
+    the read before it hands over the last chunk)."""
     chunks = reader.chunks(READ_CHUNK)
-    left = reader.total
-    if left == 0:
-        metrics.read(extents)
     while (chunk := await run_in_threadpool(next, chunks, None)) is not None:
-        left -= len(chunk)
-        if left <= 0:
-            metrics.read(extents)
         yield memoryview(chunk)
 
 
@@ -272,16 +261,9 @@ class ReadStream(StreamingResponse):
     closed). However it ends, even unstarted, the reader is closed and ``release`` called
     once (its per-request descriptors)."""
 
-    def __init__(
-        self,
-        reader: ExtentReader,
-        extents: list[Extent],
-        metrics: Metrics,
-        release: Callable[[], None],
-        timeout: float,
-    ) -> None:
+    def __init__(self, reader: ExtentReader, release: Callable[[], None], timeout: float) -> None:
         super().__init__(
-            _chunks(reader, extents, metrics),
+            _chunks(reader),
             media_type="application/octet-stream",
             headers={"Content-Length": str(reader.total)},
         )

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import (
@@ -31,7 +31,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from payload_client import STATUS_BY_ERROR
-from payload_client.protocol import Extent, GcReport
+from payload_client.protocol import GcReport
 from payloadd.store._counts import DATA_PLANE, HTTP, OTHER, Series, field_of_file
 
 if TYPE_CHECKING:
@@ -68,10 +68,11 @@ ERRORS = frozenset({c.__name__ for c in STATUS_BY_ERROR} | {"HTTPError", "Server
 class Metrics:
     """The counters and histograms of one daemon, in `registry` (never the global one).
 
+    The counters of appends, reads, leases and descriptors live in the store
+    (`payloadd.store._counts.Counts`); `StoreMetrics` reads them at scrape time.
+
     Parameters
     ----------
-    fields : iterable of str
-        The fields table's names: the values the ``field`` label takes besides `OTHER`.
     node, version : str
         For ``payloadd_build_info``.
 
@@ -81,16 +82,8 @@ class Metrics:
         What ``GET /metrics`` exposes (`render`); also ``process_*`` metrics of this process.
     """
 
-    def __init__(self, fields: Iterable[str], node: str, version: str) -> None:
+    def __init__(self, node: str, version: str) -> None:
         self.registry = r = CollectorRegistry()
-        self._fields = frozenset(fields)
-        fh = ["field", "transport"]
-        self.read_bytes = Counter(
-            "payloadd_read_bytes", "Bytes read (answers of HTTP reads).", fh, registry=r
-        )
-        self.read_extents = Counter(
-            "payloadd_read_extents", "Byte ranges read (HTTP reads).", fh, registry=r
-        )
         self.http_seconds = Histogram(
             "payloadd_http_request_duration_seconds",
             "HTTP requests: seconds from the request's start to its answer's last byte.",
@@ -139,39 +132,11 @@ class Metrics:
             {"version": version, "node": node}
         )
         ProcessCollector(registry=r)
-        self._read_children: dict[str, tuple[Counter, Counter]] = {}
         self._http_children: dict[tuple[str, int], Histogram] = {}
         self._dp_children: dict[str, Histogram] = {}
-        for label in (*sorted(self._fields), OTHER):  # known series start at 0
-            self._reads(label)
         for trigger in ("sweep", "call"):
             self.gc_runs.labels(trigger)
             self.gc_failures.labels(trigger)
-
-    def field(self, name: str) -> str:
-        """The ``field`` label of field ``name``: itself if in the fields table, else `OTHER`."""
-        return name if name in self._fields else OTHER
-
-    # -- reads -----------------------------------------------------------------------------
-
-    def read(self, extents: Sequence[Extent]) -> None:
-        """Count one HTTP read answered in full."""
-        by_file: dict[str, list[int]] = {}
-        for e in extents:
-            n = by_file.setdefault(e.file, [0, 0])
-            n[0] += 1
-            n[1] += e.nbytes
-        for rel, (count, nbytes) in by_file.items():
-            ranges, read = self._reads(self.field(field_of_file(rel)))
-            ranges.inc(count)
-            read.inc(nbytes)
-
-    def _reads(self, label: str) -> tuple[Counter, Counter]:
-        c = self._read_children.get(label)
-        if c is None:
-            c = (self.read_extents.labels(label, HTTP), self.read_bytes.labels(label, HTTP))
-            self._read_children[label] = c
-        return c
 
     # -- requests and errors -----------------------------------------------------------------
 
@@ -351,6 +316,8 @@ class StoreMetrics(Collector):
              ["transport"], counts.appends),
             ("payloadd_appended_rows", "Rows appended.", fh, counts.appended_rows),
             ("payloadd_appended_bytes", "Row bytes appended.", fh, counts.appended_bytes),
+            ("payloadd_read_bytes", "Bytes read (answers of HTTP reads).", fh, counts.read_bytes),
+            ("payloadd_read_extents", "Byte ranges read (HTTP reads).", fh, counts.read_extents),
             ("payloadd_dataplane_fds", "File descriptors handed out on the data plane.",
              ["mode", "field"], counts.fds),
             ("payloadd_dataplane_leases", "Leases granted.", ["field"], counts.leases),

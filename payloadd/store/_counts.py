@@ -1,4 +1,5 @@
-"""The daemon's counters of appends, leases and data-plane requests: the one place they live.
+"""The daemon's counters of appends, reads, leases and data-plane requests: the one place they
+live.
 
 `Counts` keeps the totals that ``GET /v1/stats`` answers (`Store.stats`) and the same events
 by field and transport, which the Prometheus collector of the server reads at scrape time
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from payload_client.protocol import INT64_MAX, AppendItem, NoteRequest
+from payload_client.protocol import INT64_MAX, AppendItem, Extent, NoteRequest
 
 __all__ = [
     "DATA_PLANE",
@@ -37,7 +38,7 @@ OTHER = "@other"
 """Label of every field that is not in the fields table (no field name can contain ``@``)."""
 TOTALS = (
     "appends", "rows_appended", "bytes_appended", "data_plane_requests", "data_plane_fds",
-    "leases", "leased_bytes",
+    "leases", "leased_bytes", "reads", "bytes_read",
 )  # fmt: skip
 """The counters of `payload_client.Stats` that `Counts` keeps (their names there)."""
 
@@ -86,7 +87,8 @@ class Series:
 
 
 class Counts:
-    """Counters of appends (HTTP and data plane), leases and data-plane requests; thread-safe.
+    """Counters of appends (HTTP and data plane), reads, leases and data-plane requests;
+    thread-safe.
 
     Parameters
     ----------
@@ -99,6 +101,9 @@ class Counts:
         Appends acknowledged, by transport (`HTTP`, `DATA_PLANE`).
     appended_rows, appended_bytes : Series
         Their rows and row bytes, by field and transport.
+    read_extents, read_bytes : Series
+        Byte ranges the daemon read (answers of HTTP reads) and their bytes, by field and
+        transport (`HTTP` only: data-plane clients read the files themselves).
     leases, leased_bytes : Series
         Data-plane leases granted and their bytes, by field.
     fds : Series
@@ -111,12 +116,16 @@ class Counts:
         self._totals = dict.fromkeys(TOTALS, 0)
         self.appends, self.appended_rows, self.appended_bytes = Series(), Series(), Series()
         self.leases, self.leased_bytes, self.fds = Series(), Series(), Series()
+        self.read_extents, self.read_bytes = Series(), Series()
         for transport in (HTTP, DATA_PLANE):  # known series start at 0, so rates work at once
             self.appends.add((transport,), 0)
         for transport in (HTTP, DATA_PLANE):
             for label in (*sorted(self._fields), OTHER):
                 self.appended_rows.add((label, transport), 0)
                 self.appended_bytes.add((label, transport), 0)
+        for label in (*sorted(self._fields), OTHER):
+            self.read_extents.add((label, HTTP), 0)
+            self.read_bytes.add((label, HTTP), 0)
 
     def field(self, name: str) -> str:
         """The ``field`` label of field ``name``: itself if in the fields table, else `OTHER`."""
@@ -169,6 +178,21 @@ class Counts:
             if rows_left > 0 or bytes_left > 0:
                 self.appended_rows.add((OTHER, DATA_PLANE), max(0, rows_left))
                 self.appended_bytes.add((OTHER, DATA_PLANE), max(0, bytes_left))
+
+    def read(self, extents: Sequence[Extent]) -> None:
+        """Count one read of ``extents`` answered in full (the daemon read their bytes)."""
+        by_file: dict[str, list[int]] = {}
+        for e in extents:
+            n = by_file.setdefault(e.file, [0, 0])
+            n[0] += 1
+            n[1] += e.nbytes
+        with self._lock:
+            self._total("reads", 1)
+            self._total("bytes_read", sum(nbytes for _, nbytes in by_file.values()))
+            for rel, (count, nbytes) in by_file.items():
+                key = (self.field(field_of_file(rel)), HTTP)
+                self.read_extents.add(key, count)
+                self.read_bytes.add(key, nbytes)
 
     def leased(self, field: str, nbytes: int) -> None:
         """Count one lease of ``nbytes`` bytes granted for ``field``."""

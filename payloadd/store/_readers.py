@@ -54,10 +54,8 @@ class Readers:
         descriptor never kept (`keeps`), so that on NFS each read sees what that node's
         daemon flushed before it (close-to-open consistency).
 
-    Attributes
-    ----------
-    reads, bytes_read : int
-        Extent reads served and their bytes.
+    count : callable
+        Called with the extents of each read answered in full (`Counts.read`).
     """
 
     def __init__(
@@ -68,6 +66,7 @@ class Readers:
         touch: Callable[[str], None],
         foreign_reads: Literal["cached", "reopen"] = "cached",
         cache_size: int = READ_CACHE,
+        count: Callable[[Sequence[Extent]], None] = lambda extents: None,
     ) -> None:
         self.root, self.node, self.max_read_bytes = root, node, max_read_bytes
         self.cache_size = cache_size
@@ -77,8 +76,7 @@ class Readers:
         self._lock = threading.Lock()
         self._readers: OrderedDict[str, tuple[int, int, int]] = OrderedDict()
         self._ledgers: dict[str, Ledger] = {}
-        self.reads = 0
-        self.bytes_read = 0
+        self._count = count
 
     def open_for_read(self, rel: str, end: int) -> int:
         """Open a data file for reading after checking it against a segment's end.
@@ -326,11 +324,6 @@ class Readers:
             reader.close()
         return out
 
-    def _count_read(self, nbytes: int) -> None:
-        with self._lock:
-            self.reads += 1
-            self.bytes_read += nbytes
-
     def cached(self) -> int:
         """Read descriptors held in the cache now."""
         with self._lock:
@@ -378,7 +371,7 @@ class ExtentReader:
             An I/O error (see `os_errors`).
         """
         self._fill(self._pieces(), view, [None])
-        self._readers._count_read(self.total)
+        self._readers._count(self._extents)
 
     def chunks(self, size: int) -> Iterator[bytearray]:
         """The read's bytes in order, ``size`` bytes a chunk (the last one shorter); each
@@ -392,12 +385,12 @@ class ExtentReader:
         pieces = self._pieces()
         current: list[Any] = [None]  # the piece being read, carried from chunk to chunk
         if self.total == 0:
-            self._readers._count_read(0)
+            self._readers._count(self._extents)
         for start in range(0, self.total, size):
             chunk = bytearray(min(size, self.total - start))
             self._fill(pieces, memoryview(chunk), current)
             if start + size >= self.total:  # counted before the last chunk goes out
-                self._readers._count_read(self.total)
+                self._readers._count(self._extents)
             yield chunk
 
     def _fill(

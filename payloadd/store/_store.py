@@ -139,11 +139,12 @@ class Store:
         )
         self._owners = itertools.count(1)
         self.last_used: dict[str, float] = {}
-        self.reads = Readers(
-            self.root, self.node, max_read_bytes, self.touch, foreign_reads, read_cache
-        )
-        self._removals = Removals(self._table, self.reads, self._last_use)
         self.counts = Counts(self.fields.fields)
+        self.reads = Readers(
+            self.root, self.node, max_read_bytes, self.touch, foreign_reads, read_cache,
+            self.counts.read,
+        )  # fmt: skip
+        self._removals = Removals(self._table, self.reads, self._last_use)
 
     @staticmethod
     def check_root(root: str | os.PathLike[str], node: str | None = None) -> Path:
@@ -480,7 +481,6 @@ class Store:
         c: dict[str, int] = self.counts.totals()
         t = self._table
         with t.lock:
-            c |= {"reads": self.reads.reads, "bytes_read": self.reads.bytes_read}
             open_files = len(t.shared) + len(t.leased)
             b = t.budget
             disk = {"root_bytes": b.used, "max_root_bytes": b.max_root_bytes}
