@@ -29,7 +29,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from payload_client import STATUS_BY_ERROR, PayloadError
 from payloadd.server._logs import REQUEST_ID
-from payloadd.server._metrics import HTTP, Metrics
+from payloadd.server._metrics import Metrics
+from payloadd.store._counts import HTTP
 
 __all__ = ["ERROR_CLASS", "REQUEST_ID_HEADER", "AccessMiddleware"]
 

@@ -50,11 +50,12 @@ from payloadd.server._http_io import (
     read_response,
     stream_append,
 )
-from payloadd.server._metrics import HTTP, Metrics
+from payloadd.server._metrics import Metrics
 from payloadd.server._openapi import install_openapi, metrics_operation, operation
 from payloadd.settings._settings import Settings
 from payloadd.store._appends import item_nbytes
 from payloadd.store._budget import Descriptors
+from payloadd.store._counts import HTTP
 from payloadd.store._gc import GarbageCollector
 from payloadd.store._store import Store
 from payloadd.store._usage import DEFAULT_LEDGER, DEFAULT_MAX_STEPS, LIMIT, node_usage

@@ -43,9 +43,10 @@ from payload_client.protocol import (
     ReserveRequest,
 )
 from payloadd.server._errors import wire_error
-from payloadd.server._metrics import DATA_PLANE, Metrics
+from payloadd.server._metrics import Metrics
 from payloadd.store._appends import LeasedRange, PendingAppend
 from payloadd.store._budget import Descriptors, out_of_descriptors
+from payloadd.store._counts import DATA_PLANE
 from payloadd.store._store import Store
 
 __all__ = ["Answer", "Connection", "DataPlaneRequests"]

@@ -51,9 +51,10 @@ from payload_client.protocol import FRAME_PREFIX, CommitReply, DataReply, ErrorR
 from payloadd.server._dataplane_requests import Connection, DataPlaneRequests
 from payloadd.server._errors import wire_error
 from payloadd.server._frames import FrameReader
-from payloadd.server._metrics import DATA_PLANE, Metrics
+from payloadd.server._metrics import Metrics
 from payloadd.server._sockets import bind_unix_socket
 from payloadd.store._budget import Descriptors, InFlight, out_of_descriptors
+from payloadd.store._counts import DATA_PLANE
 from payloadd.store._store import Store
 
 __all__ = ["DataPlaneServer"]

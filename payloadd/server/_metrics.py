@@ -32,22 +32,13 @@ from prometheus_client.registry import Collector
 
 from payload_client import STATUS_BY_ERROR
 from payload_client.protocol import GcReport
-from payloadd.store._counts import DATA_PLANE, HTTP, OTHER, Series, field_of_file
+from payloadd.store._counts import DATA_PLANE, HTTP, Series
 
 if TYPE_CHECKING:
     from payloadd.store._budget import Descriptors, InFlight
     from payloadd.store._store import Store
 
-__all__ = [
-    "DATA_PLANE",
-    "HTTP",
-    "LATENCY_BUCKETS",
-    "OTHER",
-    "REFUSALS",
-    "Metrics",
-    "StoreMetrics",
-    "field_of_file",
-]
+__all__ = ["LATENCY_BUCKETS", "REFUSALS", "Metrics", "StoreMetrics"]
 
 LATENCY_BUCKETS = (
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,

@@ -20,7 +20,6 @@ from payloadd.server._app import create_app
 from payloadd.server._auth import load_admin_token
 from payloadd.server._http_protocol import limited_protocol
 from payloadd.server._logs import configure_logging
-from payloadd.server._metrics import HTTP
 from payloadd.server._sockets import (
     SocketLock,
     StartError,
@@ -31,6 +30,7 @@ from payloadd.server._sockets import (
 )
 from payloadd.settings._settings import Settings
 from payloadd.store._budget import Descriptors, raise_nofile_limit, return_large_buffers
+from payloadd.store._counts import HTTP
 from payloadd.store._store import Store
 
 __all__ = ["serve"]
