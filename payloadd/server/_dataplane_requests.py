@@ -357,12 +357,15 @@ class DataPlaneRequests:
         for _ in range(8):
             lease = self.store.lease(*key, nbytes, self.lease_bytes, owner=conn.owner)
             try:
-                return lease, self._writer(lease.file)
+                writer = self._writer(lease.file)
             except FileNotFoundError:
                 lease.release()
             except BaseException:
                 lease.release()
                 raise
+            else:  # counted once handed out: not a lease refused, nor one tried again
+                self.store.counts.leased(key[2], lease.nbytes)
+                return lease, writer
         raise ServerError(f"every file leased for run {key[0]!r} step {key[1]} was removed at once")
 
 

@@ -318,5 +318,5 @@ class StoreMetrics(Collector):
         for name, doc, labels, series in families:
             family = CounterMetricFamily(name, doc, labels=labels)
             for sample in counts.samples(series):
-                family.add_metric(list(sample.labels), sample.value, created=sample.created)
+                family.add_metric(list(sample.labels), sample.value)  # no *_created: see serve
             yield family

@@ -13,7 +13,6 @@ A leaf of `payloadd.store`, free of ``prometheus_client``.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -60,30 +59,25 @@ def field_of_file(rel: str) -> str:
 
 @dataclass(frozen=True)
 class Sample:
-    """One value of a labelled counter: its label values, its value, and the Unix time it
-    was first counted (Prometheus' ``_created``)."""
+    """One value of a labelled counter: its label values and its value."""
 
     labels: tuple[str, ...]
     value: int
-    created: float
 
 
 class Series:
     """One counter by label values (lock held by its `Counts`)."""
 
     def __init__(self) -> None:
-        self._values: dict[tuple[str, ...], list[float]] = {}  # labels -> [value, created]
+        self._values: dict[tuple[str, ...], int] = {}
 
     def add(self, labels: tuple[str, ...], n: int = 1) -> None:
         """Add ``n`` to the value of ``labels`` (a new one starts at 0)."""
-        v = self._values.get(labels)
-        if v is None:
-            v = self._values[labels] = [0, time.time()]
-        v[0] += n
+        self._values[labels] = self._values.get(labels, 0) + n
 
     def samples(self) -> list[Sample]:
         """Every value, in the order their labels were first counted."""
-        return [Sample(k, int(v[0]), v[1]) for k, v in self._values.items()]
+        return [Sample(k, v) for k, v in self._values.items()]
 
 
 class Counts:

@@ -309,8 +309,8 @@ class Store:
         crosses the rotation size. Only ``owner``'s leases are ever placed in that file (a
         new one when there is none yet, it was removed or is full), so the descriptor its
         client gets can only reach its own rows. The file stays open (and counts as
-        appended to) until the lease is released; it is sealed by `end_owner`. The lease
-        counts in `counts` (`Counts.leased`).
+        appended to) until the lease is released; it is sealed by `end_owner`. Whoever hands
+        the lease to a client counts it (`Counts.leased`).
 
         Raises
         ------
@@ -351,7 +351,6 @@ class Store:
             t.budget.reserve(granted)
             if t.dirty is not None:
                 t.dirty.leased(f.rel)
-        self.counts.leased(field, granted)
         return LeasedRange(t, f, offset, granted)
 
     def seal_lease(self, owner: int, key: tuple[str, int, str]) -> None:

@@ -142,6 +142,19 @@ def test_a_large_http_read_counts_once_streamed(observed: Observed) -> None:
     )
 
 
+def test_the_served_daemon_exposes_no_created_series(observed: Observed) -> None:
+    """``payloadd serve`` turns *_created off: counters read from the store at scrape time
+    follow it too (one gauge series more per counter series otherwise)."""
+    rows = np.full((10, 48, 8), 1, np.uint8)
+    with observed.http() as http, observed.client(data_plane=False) as c:
+        segs = c.append(R, rows, 0, run="m-created", step=0)
+        c.read_field(segs, R, 0, 10, 0, dtype=np.uint8)
+        samples = scrape(http)
+    assert value(samples, "payloadd_appends_total", transport="http") >= 1
+    assert value(samples, "payloadd_read_bytes_total", field=R, transport="http") >= 3840
+    assert not [name for name, _ in samples if name.endswith("_created")]
+
+
 def test_data_plane_appends_count_from_notes_and_reservations(observed: Observed) -> None:
     with observed.http() as http:
         before = scrape(http)
