@@ -1,11 +1,14 @@
 # Two commands do all set-up: `make demo` and `make test`. Each creates .venv from this checkout.
 # `make soak` (not part of `make test`): the 30-minute soak, into docs/benchmarks/soak.{json,png}.
+# `make check-glusterfs` (not part of `make test`, as root): a shared root on a real GlusterFS
+# volume mounted twice; installs glusterfs-server/-client if missing; figures into
+# docs/benchmarks/glusterfs.json.
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck pytest soak clean
+.PHONY: demo test lint typecheck pytest soak check-glusterfs clean
 
 $(STAMP): pyproject.toml client/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +35,11 @@ SOAK_ARGS ?=
 soak: $(STAMP)
 	$(BIN)/payloadd soak --duration 1800 --kill-every 600 \
 	    --json docs/benchmarks/soak.json --plot docs/benchmarks/soak.png $(SOAK_ARGS)
+
+check-glusterfs: $(STAMP)
+	@test "$$(id -u)" = 0 || { echo "check-glusterfs runs glusterd and FUSE mounts: run it as root"; exit 1; }
+	PAYLOADD_GLUSTERFS=1 PAYLOADD_GLUSTERFS_REPORT=docs/benchmarks/glusterfs.json \
+	    $(BIN)/pytest tests/integration -v -s -p no:cacheprovider
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

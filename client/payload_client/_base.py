@@ -62,6 +62,7 @@ from ._wire import (
     GcReport,
     GcRequest,
     Health,
+    Prefetched,
     ReadRequest,
     Stats,
     Usage,
@@ -251,6 +252,35 @@ class BaseClient(Generic[HTTPT, DataPlaneT]):
 
     # -- read ---------------------------------------------------------------------------
 
+    @staticmethod
+    def _window(i: int, w: WindowLike) -> Window:
+        """Window ``i`` of a call, as a `Window`."""
+        try:
+            segments, fld, lo, hi, fill, *rest = w
+            return Window(segments, fld, lo, hi, fill, *rest)
+        except (TypeError, ValueError):
+            raise InvalidRequestError(
+                f"window {i} must be (segments, field, lo, hi, fill[, out, dtype, coverage])"
+            ) from None
+
+    def _prefetch_call(self, windows: Sequence[WindowLike]) -> Call[Prefetched]:
+        if isinstance(windows, tuple) or not isinstance(windows, Sequence):
+            raise InvalidRequestError("windows must be a list of Window")
+        extents: list[Extent] = []
+        for i, w in enumerate(windows):
+            w = self._window(i, w)
+            try:
+                plan = plan_window(w.segments, w.field, w.lo, w.hi, w.fill, w.dtype)
+            except PayloadError as exc:
+                if len(windows) > 1:
+                    exc.args = (f"window {i}: {exc}",)
+                raise
+            for p in plan.pieces if plan is not None else ():
+                extents.append(Extent(p.file, p.offset, p.nbytes, p.end))
+        if not extents:
+            return Call("POST", "/v1/prefetch", decode=lambda _: Prefetched(0, 0), local=True)
+        return self._json_call("/v1/prefetch", Prefetched, "POST", ReadRequest(extents))
+
     def _read_call(self, windows: Sequence[WindowLike]) -> Call[list[ReadResult]]:
         if isinstance(windows, tuple) or not isinstance(windows, Sequence):
             raise InvalidRequestError("windows must be a list of Window")
@@ -258,13 +288,7 @@ class BaseClient(Generic[HTTPT, DataPlaneT]):
         outs: list[np.ndarray | None] = []
         results: list[ReadResult] = []  # the outs, filled in place by the I/O below
         for i, w in enumerate(windows):
-            try:
-                segments, fld, lo, hi, fill, *rest = w
-                w = Window(segments, fld, lo, hi, fill, *rest)
-            except (TypeError, ValueError):
-                raise InvalidRequestError(
-                    f"window {i} must be (segments, field, lo, hi, fill[, out, dtype, coverage])"
-                ) from None
+            w = self._window(i, w)
             try:
                 dtype = w.out.dtype if w.dtype is None and w.out is not None else w.dtype
                 plan = plan_window(w.segments, w.field, w.lo, w.hi, w.fill, dtype)

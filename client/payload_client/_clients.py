@@ -27,7 +27,7 @@ from ._transports import (
     drive_async,
 )
 from ._windows import CoveredRead, ReadResult, Window, WindowLike
-from ._wire import FieldsTable, GcReport, Health, Stats, Usage
+from ._wire import FieldsTable, GcReport, Health, Prefetched, Stats, Usage
 
 __all__ = ["AsyncPayloadClient", "PayloadClient"]
 
@@ -279,6 +279,32 @@ class PayloadClient(BaseClient[HTTPTransport, SyncDataPlane]):
         """
         return self._send(self._read_call(windows))
 
+    def prefetch(self, windows: Sequence[WindowLike]) -> Prefetched:
+        """Ask the daemon to read ahead the bytes of ``windows``, and return at once: a rank
+        warms its next micro batches while it computes, so that their reads find the bytes
+        in this node's page cache (on a distributed file system, a cold read is several
+        times slower; docs/deployment.md).
+
+        Parameters
+        ----------
+        windows : sequence of Window or (segments, field, lo, hi, fill[, ...])
+            As `read_many` takes them (``out``, ``dtype`` and ``coverage`` are ignored).
+
+        Returns
+        -------
+        Prefetched
+            The files and bytes the daemon queued; fewer than asked when its read-ahead
+            queue is full (a hint: nothing else is lost).
+
+        Raises
+        ------
+        InvalidSegmentError, InvalidRequestError
+            A window is malformed (as `read_field`).
+        FileMissingError, FileGoneError
+            A file does not exist, or its step was collected.
+        """
+        return self._send(self._prefetch_call(windows))
+
     def gc(
         self,
         run: str | None = None,
@@ -503,6 +529,10 @@ class AsyncPayloadClient(BaseClient[AsyncHTTPTransport, AsyncDataPlane]):
     async def read_many(self, windows: Sequence[WindowLike]) -> list[ReadResult]:
         """Awaitable `PayloadClient.read_many`."""
         return await self._send(self._read_call(windows))
+
+    async def prefetch(self, windows: Sequence[WindowLike]) -> Prefetched:
+        """Awaitable `PayloadClient.prefetch`."""
+        return await self._send(self._prefetch_call(windows))
 
     async def gc(
         self,

@@ -42,6 +42,7 @@ __all__ = [
     "GcReport",
     "GcRequest",
     "Health",
+    "Prefetched",
     "ReadRequest",
     "RunUsage",
     "Stats",
@@ -118,6 +119,22 @@ class ReadRequest(msgspec.Struct):
     extents: list[Extent]
 
 
+class Prefetched(msgspec.Struct):
+    """Answer of ``POST /v1/prefetch`` (body: a `ReadRequest`): what the daemon queued for
+    read-ahead.
+
+    Attributes
+    ----------
+    files : int
+        Files queued.
+    bytes : int
+        Bytes queued (ranges merged); less than asked when the daemon's queue was full.
+    """
+
+    files: int
+    bytes: int
+
+
 class Stats(msgspec.Struct):
     """Counters of a running daemon (``GET /v1/stats``); bytes in bytes, times in seconds.
 
@@ -132,7 +149,8 @@ class Stats(msgspec.Struct):
     fsyncs that failed. Disk limits: ``root_bytes`` is what counts against the cap
     ``max_root_bytes`` (0: none), ``free_bytes`` the free space of the root's file system
     against the floor ``min_free_bytes`` (0: none), ``appends_refused`` the appends and leases
-    refused by either limit (507).
+    refused by either limit (507). Read-ahead: ``prefetches`` counts ``POST /v1/prefetch``
+    calls that queued something, ``bytes_prefetched`` the bytes read ahead so far.
     """
 
     node: str
@@ -159,6 +177,8 @@ class Stats(msgspec.Struct):
     free_bytes: int = 0
     min_free_bytes: int = 0
     appends_refused: int = 0
+    prefetches: int = 0
+    bytes_prefetched: int = 0
 
 
 class Health(msgspec.Struct):

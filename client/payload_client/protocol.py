@@ -8,7 +8,8 @@ by appending fields with defaults.
 
 - **HTTP control plane** (Unix socket, optional TCP): `AppendRequest` / `AppendItem` /
   `AppendResponse` (msgpack, or `APPEND_CONTENT_TYPE` framed with `FRAME_PREFIX`),
-  `ReadRequest`, `Stats`, `Health`, `GcRequest` / `GcReport`, `Usage`, `FieldsTable`,
+  `ReadRequest` (also the body of a prefetch, answered `Prefetched`), `Stats`, `Health`,
+  `GcRequest` / `GcReport`, `Usage`, `FieldsTable`,
   errors as `ErrorBody` with the status of `STATUS_BY_ERROR` (`status_of`).
 - **Data plane** (``<socket>`` + `DATA_SOCKET_SUFFIX`): frames of `FRAME_PREFIX` + msgpack,
   requests `DataRequest`, replies `DataReply` (errors as `ErrorReply`), up to `MAX_FDS`
@@ -56,6 +57,7 @@ from ._wire import (
     NoteRequest,
     OpenReply,
     OpenRequest,
+    Prefetched,
     ReadRequest,
     ReservedExtent,
     ReserveReply,
@@ -103,6 +105,7 @@ __all__ = [
     "NoteRequest",
     "OpenReply",
     "OpenRequest",
+    "Prefetched",
     "ReadRequest",
     "ReserveReply",
     "ReserveRequest",

@@ -31,6 +31,7 @@ from payload_client.protocol import (
     GcReport,
     GcRequest,
     Health,
+    Prefetched,
     ReadRequest,
     Stats,
     Usage,
@@ -258,6 +259,30 @@ def create_app(
             del body
         store: Store = request.state.store
         return await read_response(store, request.state.fds, req.extents, timeout)
+
+    @app.post(
+        "/v1/prefetch",
+        **operation(
+            200,
+            Prefetched,
+            "Read ahead byte extents (a hint): the daemon checks them as a read would, "
+            "queues them and answers at once.",
+            body=(MSGPACK_CONTENT_TYPE, ReadRequest),
+            errors=(400, 404, 409, 410, 413, 422, 500, 503),
+        ),
+    )
+    async def prefetch(request: Request) -> Response:
+        json = media_type(request) == "application/json"
+        decoder = _read_json.decode if json else _read_msgpack.decode
+        with Buffered(inflight) as buffered:
+            body = await read_body(
+                request, settings.max_control_bytes, buffered, timeout, "prefetch request"
+            )
+            req: ReadRequest = _decode(decoder, body, "prefetch request")
+            del body
+        store: Store = request.state.store
+        files, nbytes = await run_in_threadpool(store.prefetcher.submit, req.extents)
+        return _answer(request, Prefetched(files, nbytes))
 
     @app.post(
         "/v1/admin/gc",

@@ -269,7 +269,7 @@ class DataPlaneRequests:
         passing.taken = len(req.files)
         for rel, end in req.files:
             passing.fds.append(self.store.open_for_read(rel, end))
-        keeps = self.store.reads.keeps
+        keeps = self.store.reads.client_keeps
         once = [i for i, (rel, _) in enumerate(req.files) if not keeps(rel)]
         self.store.counts.handed_out("read", [rel for rel, _ in req.files])
         return OpenReply(len(passing.fds), once)

@@ -235,7 +235,10 @@ async def read_response(
     big = len(extents) > THREAD_PARTS or sum(e.nbytes for e in extents) > THREAD_BYTES
     if not big:
         with fds.held(files, f"a read of {files} files"):
-            data = store.read_extents(extents)
+            if store.reads.may_wait(extents):  # for another node's file: not on the loop
+                data = await run_in_threadpool(store.read_extents, extents)
+            else:
+                data = store.read_extents(extents)
         return Response(memoryview(data), media_type="application/octet-stream")
     # the daemon holds READ_CHUNK bytes of it at a time, and sending starts at once
     fds.take(files, f"a read of {files} files")

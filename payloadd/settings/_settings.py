@@ -224,13 +224,38 @@ class Settings(BaseSettings):
         description="Seconds between two flushes under fsync=interval: every data file written "
         "since the last flush (and every file with a data-plane lease) is fsync'd.",
     )
-    foreign_reads: Literal["cached", "reopen"] = Field(
-        "cached",
-        description="Reads of files under another node's prefix (a shared root): cached: "
-        "their descriptors are kept and reused, as for this node's files (a local root, or a "
-        "file system coherent across nodes such as Lustre); reopen: each read opens the file "
-        "anew, and data-plane clients are told to close it after the read (NFS: close-to-open "
-        "consistency).",
+    root_fs: Literal["auto", "local", "distributed"] = Field(
+        "auto",
+        description="What the root's file system is taken for: auto: told at start from statfs "
+        "and the mount table (ext4, XFS, tmpfs... local; FUSE, NFS, Lustre, GPFS, CephFS, SMB "
+        "and unknown kinds distributed); local: one cache for every node (two daemons on one "
+        "disk); distributed: each node has its own caches. It sets the defaults of "
+        "foreign_reads, foreign_wait_s and gc_grace_s, and on a distributed one at most one "
+        "append writes a shared file at a time.",
+    )
+    foreign_reads: Literal["auto", "cached", "reopen"] = Field(
+        "auto",
+        description="Reads of files under another node's prefix (a shared root): cached: the "
+        "daemon keeps their descriptors (and data-plane clients do, on a local file system); "
+        "reopen: each read opens the file anew (NFS: close-to-open consistency), and "
+        "data-plane clients close it after the read; auto: reopen on a distributed file "
+        "system, else cached. Either way another node's ledger is checked at every read.",
+    )
+    foreign_wait_s: float | None = Field(
+        None,
+        ge=0,
+        le=600,
+        description="Longest wait (seconds) for another node's file to show a segment's "
+        "bytes, opening it anew, before a read fails: this node's view of its size may lag "
+        "the writer's. Default: 5 on a distributed file system, 0 on a local one.",
+    )
+    gc_grace_s: float | None = Field(
+        None,
+        ge=0,
+        le=600,
+        description="Seconds a collection waits between writing its ledger line and removing "
+        "files, so that other nodes' daemons answer 410 before the files go. Default: 2.5 "
+        "on a distributed file system, 0 on a local one.",
     )
     max_root_bytes: int = Field(
         0,

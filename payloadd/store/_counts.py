@@ -37,7 +37,7 @@ OTHER = "@other"
 """Label of every field that is not in the fields table (no field name can contain ``@``)."""
 TOTALS = (
     "appends", "rows_appended", "bytes_appended", "data_plane_requests", "data_plane_fds",
-    "leases", "leased_bytes", "reads", "bytes_read",
+    "leases", "leased_bytes", "reads", "bytes_read", "prefetches", "bytes_prefetched",
 )  # fmt: skip
 """The counters of `payload_client.Stats` that `Counts` keeps (their names there)."""
 

@@ -28,6 +28,8 @@ __all__ = ["DIR_MODE", "FILE_MODE", "FileTable"]
 
 DIR_MODE = 0o750
 FILE_MODE = 0o640
+SPARES = 16
+"""Idle shared files kept per ``(run, step, field)`` under ``one_writer`` (`take_idle`)."""
 
 
 class FileTable:
@@ -58,6 +60,9 @@ class FileTable:
         The shared current file of each ``(run, step, field)``, least recently used first.
     leased : dict
         The current lease file of each ``(run, step, field, owner)``.
+    spares : dict
+        Under one writer a file: the shared files of each ``(run, step, field)`` set aside
+        while an append wrote them (`take_idle`), the oldest first.
     open_files : dict
         Every file whose reserved bytes count against the cap, by path.
     dirty : DirtyFiles or None
@@ -82,6 +87,7 @@ class FileTable:
         self.lock = threading.Lock()
         self.shared: OrderedDict[tuple[str, int, str], AppendFile] = OrderedDict()
         self.leased: dict[tuple[str, int, str, int], AppendFile] = {}
+        self.spares: dict[tuple[str, int, str], list[AppendFile]] = {}
         self.open_files: dict[str, AppendFile] = {}
         self._seq = 0
 
@@ -232,8 +238,33 @@ class FileTable:
             self.seal(old)
         self.shared[key] = f
         while len(self.shared) > self.append_files:
-            self.seal(self.shared.popitem(last=False)[1])
+            oldest, g = self.shared.popitem(last=False)
+            self.seal(g)
+            for spare in self.spares.pop(oldest, []):
+                self.seal(spare)
         return f
+
+    def take_idle(self, key: tuple[str, int, str], busy: AppendFile) -> AppendFile | None:
+        """Set ``busy``, the current file of ``key`` that another append writes now, aside
+        and make an idle one of its spares current instead; return it, or ``None`` when
+        none is idle (``busy`` is then set aside all the same, for `new_shared`). Lock held.
+
+        So that at most one append writes a shared file at a time (``one_writer``, a
+        distributed file system): then every byte below a file's size is written, and no
+        other node caches a page of it with a range still to come.
+        """
+        spares = self.spares.setdefault(key, [])
+        for i, f in enumerate(spares):
+            if f.users == 0 and not f.sealed and not self.removed(f):
+                spares[i] = busy
+                self.shared[key] = f
+                self.shared.move_to_end(key)
+                return f
+        spares.append(busy)
+        del self.shared[key]  # the next new_shared of key keeps it open, as a spare
+        while len(spares) > SPARES:
+            self.seal(spares.pop(0))
+        return None
 
     def place(
         self,
@@ -323,6 +354,9 @@ class FileTable:
         descriptor (which would only hold its space) is closed. Lock held."""
         if self.shared.get(f.key) is f:
             del self.shared[f.key]
+        spares = self.spares.get(f.key)
+        if spares is not None and f in spares:
+            spares.remove(f)
         lease_key = (*f.key, f.owner)
         if self.leased.get(lease_key) is f:
             del self.leased[lease_key]
@@ -336,4 +370,5 @@ class FileTable:
             for f in list(self.open_files.values()):
                 self.close_file(f)
             self.shared.clear()
+            self.spares.clear()
             self.leased.clear()

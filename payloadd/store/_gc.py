@@ -34,11 +34,17 @@ class GarbageCollector:
         The store whose node is collected.
     ttl_s : float
         Default age rule in seconds; 0 turns it off.
+    grace_s : float, optional
+        Seconds between writing a collection's ledger line and removing its files, so that
+        the daemons of other nodes see the line (and answer 410) before the files go: their
+        view of the ledger may lag on a distributed file system. Default: the store's
+        policy (`payloadd.store._fs_kind.RootPolicy.gc_grace_s`).
     """
 
-    def __init__(self, store: Store, ttl_s: float = 0.0) -> None:
+    def __init__(self, store: Store, ttl_s: float = 0.0, grace_s: float | None = None) -> None:
         self.store = store
         self.ttl_s = ttl_s
+        self.grace_s = store.policy.gc_grace_s if grace_s is None else grace_s
         self._lock = threading.Lock()
         store.ledger().keep_reserve()  # room for the ledger line of a GC on a full disk
 
@@ -169,6 +175,8 @@ class GarbageCollector:
                 self.store.ledger(node).record(
                     run, reason, files, nbytes
                 )  # before any of them goes
+            if self.grace_s > 0:  # other nodes see the line before the files go
+                time.sleep(self.grace_s)
         for step in steps:
             removal = self.store.remove_step(
                 run, step, planned[step], dry_run=report.dry_run, idle_since=idle_since, node=node

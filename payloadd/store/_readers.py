@@ -5,10 +5,18 @@ it, regular files only), only where data files lie (``<node>/<run>/<step>/<name>
 the daemon's own ``@`` files such as the GC ledger), and only when it is at least as long as
 the segment says. A missing file answers `FileMissingError` (404), or `FileGoneError` (410)
 when its node's GC ledger says its step was collected (`payloadd.store._ledger`).
+
+Another node's file (a shared root) is read by the rules of the root's file system
+(`payloadd.store._fs_kind.RootPolicy`): its node's ledger is consulted before every read,
+so a collected step answers 410 even where this node still sees its files (a distributed
+file system's caches, a descriptor kept open); and a segment past the end this node sees is
+waited for, opening the file anew, for up to ``foreign_wait_s``: this node's view of the
+file's size may lag the writer's.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import threading
@@ -29,10 +37,21 @@ from payload_client import (
 )
 from payload_client.protocol import Extent, check_relative_path
 from payloadd.store._budget import READ_CACHE, out_of_descriptors
+from payloadd.store._fs_kind import LOCAL_POLICY, RootPolicy
 from payloadd.store._ledger import LEDGER_NAME, Ledger
 from payloadd.store._records import os_errors
 
 __all__ = ["ExtentReader", "Readers"]
+
+SHORT_READ_WAIT_S = 0.5
+"""Longest wait for a file checked long enough that a pread then finds shorter."""
+_GONE_ERRNOS = (errno.ENOENT, errno.ENOTDIR, errno.ESTALE)
+"""An open that fails so found no file: ``ESTALE`` is what a FUSE or NFS client answers for
+a name it still caches whose file another node removed."""
+
+
+class _ShortFileError(SegmentFileError):
+    """The file is shorter than a segment says (raised as `SegmentFileError`)."""
 
 
 class Readers:
@@ -49,10 +68,11 @@ class Readers:
     touch : callable
         Called with the run of every read under this node's prefix (so the GC age rule
         spares runs being read).
-    foreign_reads : {"cached", "reopen"}
-        ``reopen``: a file under another node's prefix is opened anew for every read and its
-        descriptor never kept (`keeps`), so that on NFS each read sees what that node's
-        daemon flushed before it (close-to-open consistency).
+    policy : RootPolicy
+        How other nodes' files are read on this root's file system: ``foreign_reads``
+        (``reopen``: opened anew for every read, never kept, `keeps`), ``foreign_wait_s``
+        (how long a segment past the end this node sees is waited for), and whether
+        data-plane clients may keep their descriptors (`client_keeps`).
 
     count : callable
         Called with the extents of each read answered in full (`Counts.read`).
@@ -64,13 +84,14 @@ class Readers:
         node: str,
         max_read_bytes: int,
         touch: Callable[[str], None],
-        foreign_reads: Literal["cached", "reopen"] = "cached",
+        policy: RootPolicy = LOCAL_POLICY,
         cache_size: int = READ_CACHE,
         count: Callable[[Sequence[Extent]], None] = lambda extents: None,
     ) -> None:
         self.root, self.node, self.max_read_bytes = root, node, max_read_bytes
         self.cache_size = cache_size
-        self.foreign_reads = foreign_reads
+        self.policy = policy
+        self.foreign_reads: Literal["cached", "reopen"] = policy.foreign_reads
         self._root_prefix = str(root) + os.sep
         self._touch = touch
         self._lock = threading.Lock()
@@ -116,6 +137,38 @@ class Readers:
         node, _, rest = rel.partition("/")
         if node == self.node:  # a run being read is in use (the TTL rule spares it)
             self._touch(rest.partition("/")[0])
+            try:
+                return self._open(rel, end)
+            except _ShortFileError as exc:
+                raise SegmentFileError(str(exc)) from None
+        self._raise_if_collected(rel)  # where this node may still see a collected file
+        deadline = time.monotonic() + self.policy.foreign_wait_s
+        pause = 0.002
+        while True:
+            try:
+                return self._open(rel, end)
+            except (_ShortFileError, FileMissingError) as exc:
+                # this node's view of another node's file may lag: a new file not listed
+                # yet, or an older size; a fresh open (on NFS) or time (FUSE's attribute
+                # cache) brings it up to date
+                if isinstance(exc, FileGoneError) or time.monotonic() + pause > deadline:
+                    if isinstance(exc, _ShortFileError):
+                        raise SegmentFileError(str(exc)) from None
+                    raise
+            time.sleep(pause)
+            pause = min(2 * pause, 0.05)
+
+    def may_wait(self, extents: Sequence[Extent]) -> bool:
+        """Whether a read of ``extents`` may wait for another node's files (`open_for_read`):
+        then it must not run on an event loop."""
+        if self.policy.foreign_wait_s <= 0:
+            return False
+        mine = self.node + "/"
+        return any(not e.file.startswith(mine) for e in extents)
+
+    def _open(self, rel: str, end: int) -> int:
+        """`open_for_read` once: a descriptor from the cache or a checked open; a file
+        shorter than ``end`` raises `_ShortFileError`."""
         if not self.keeps(rel):
             return self._open_checked(rel, end)
         with self._lock:
@@ -129,16 +182,10 @@ class Readers:
                 same = (st.st_dev, st.st_ino) == hit[1:]
             except OSError:
                 same = False
-            if same:
-                if st.st_size < end:
-                    os.close(fd)
-                    raise SegmentFileError(
-                        f"payload file {rel!r} has {st.st_size} bytes but a segment ends at "
-                        f"byte {end}"
-                    )
+            if same and st.st_size >= end:
                 return fd
             os.close(fd)
-            self.drop(rel)
+            self.drop(rel)  # replaced, or shorter than the segment: a fresh open decides
         fd = self._open_checked(rel, end)
         try:
             st = os.fstat(fd)
@@ -163,9 +210,16 @@ class Readers:
         return fd
 
     def keeps(self, rel: str) -> bool:
-        """Whether a descriptor of ``rel`` may be kept for later reads: always, except for a
-        file under another node's prefix under ``foreign_reads="reopen"``."""
+        """Whether the daemon may keep a descriptor of ``rel`` for later reads: always, except
+        for a file under another node's prefix under ``foreign_reads="reopen"``."""
         return self.foreign_reads == "cached" or rel.partition("/")[0] == self.node
+
+    def client_keeps(self, rel: str) -> bool:
+        """Whether a data-plane client may keep the descriptor of ``rel`` it is passed: this
+        node's files always; another node's only where the policy allows
+        (`RootPolicy.client_keeps_foreign`: never on a distributed file system, where only
+        the daemon's check of that node's ledger tells a collected file)."""
+        return rel.partition("/")[0] == self.node or self.policy.client_keeps_foreign
 
     def drop(self, rel: str) -> None:
         """Close the cached descriptor of ``rel``, if any (its file was removed)."""
@@ -216,10 +270,10 @@ class Readers:
             )
         try:
             fd = os.open(real, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
-        except (FileNotFoundError, NotADirectoryError):
-            self._raise_if_collected(rel)
-            raise FileMissingError(f"payload file {rel!r} does not exist") from None
         except OSError as exc:
+            if exc.errno in _GONE_ERRNOS:
+                self._raise_if_collected(rel)
+                raise FileMissingError(f"payload file {rel!r} does not exist") from None
             busy = out_of_descriptors(exc)
             if busy is not None:
                 raise busy from None
@@ -229,7 +283,7 @@ class Readers:
             if not stat.S_ISREG(st.st_mode):
                 raise SegmentFileError(f"payload file {rel!r} is not a regular file")
             if st.st_size < end:
-                raise SegmentFileError(
+                raise _ShortFileError(
                     f"payload file {rel!r} has {st.st_size} bytes but a segment ends at byte {end}"
                 )
         except BaseException:
@@ -405,10 +459,23 @@ class ExtentReader:
                     current[0] = next(pieces)
                 fd, offset, nbytes, file = current[0]
                 k = min(nbytes, view.nbytes - at)
-                got = 0
+                got, pause, waited = 0, 0.001, 0.0
                 while got < k:
-                    n = os.preadv(fd, [view[at + got : at + k]], offset + got)
-                    if n == 0:
+                    try:
+                        n = os.preadv(fd, [view[at + got : at + k]], offset + got)
+                    except OSError as exc:
+                        if exc.errno != errno.ESTALE:
+                            raise
+                        n = -1  # another node removed it meanwhile (FUSE, NFS)
+                    if n <= 0:
+                        # checked long enough, read shorter: on a distributed file system
+                        # this node's size of it may still catch up (GlusterFS, rarely)
+                        if n == 0 and waited < SHORT_READ_WAIT_S:
+                            os.fstat(fd)
+                            time.sleep(pause)
+                            waited, pause = waited + pause, min(2 * pause, 0.1)
+                            continue
+                        self._readers._raise_if_collected(file)
                         raise SegmentFileError(f"payload file {file!r} shrank during the read")
                     got += n
                 at += k

@@ -49,7 +49,9 @@ from payloadd.store._budget import APPEND_FILES, READ_CACHE
 from payloadd.store._counts import HTTP, Counts
 from payloadd.store._disk_limits import DiskBudget, tree_sizes
 from payloadd.store._files import DIR_MODE, FileTable
+from payloadd.store._fs_kind import FsKind, RootPolicy, detect
 from payloadd.store._ledger import Ledger
+from payloadd.store._prefetch import Prefetcher
 from payloadd.store._readers import ExtentReader, Readers
 from payloadd.store._records import AppendFile, Placement, Removal, os_errors
 from payloadd.store._removal import Removals
@@ -85,8 +87,11 @@ class Store:
         Free-space floor of the root's file system; 0 for none.
     fields : FieldsTable, optional
         What each field takes (`check_item`); default: any field, any supported dtype.
-    foreign_reads : {"cached", "reopen"}
-        Whether descriptors of files under other nodes' prefixes are kept (see `Readers`).
+    fs_kind : FsKind, optional
+        The file system the root is on; default: what `detect` finds.
+    policy : RootPolicy, optional
+        How other nodes' files are read and shared files written on the root's file system
+        (`payloadd.store._fs_kind`); default: the defaults of ``fs_kind``.
     append_files : int
         Shared files kept open for appends (one per run, step and field); the least
         recently appended to is sealed beyond that, and later appends of its key start a
@@ -103,6 +108,12 @@ class Store:
         Run of this node -> monotonic time it was last appended to or read.
     reads : Readers
         The read side.
+    prefetcher : Prefetcher
+        The read-ahead of windows clients will read next.
+    fs_kind : FsKind
+        The file system the root is on (`payloadd.store._fs_kind.detect`).
+    policy : RootPolicy
+        How it is treated.
     """
 
     def __init__(
@@ -118,7 +129,8 @@ class Store:
         max_root_bytes: int = 0,
         min_free_bytes: int = 0,
         fields: FieldsTable | None = None,
-        foreign_reads: Literal["cached", "reopen"] = "cached",
+        fs_kind: FsKind | None = None,
+        policy: RootPolicy | None = None,
         append_files: int = APPEND_FILES,
         read_cache: int = READ_CACHE,
     ) -> None:
@@ -134,6 +146,8 @@ class Store:
         self.instance = secrets.token_hex(4)
         self.started = time.monotonic()
         budget = DiskBudget(self.root, self.root / node, max_root_bytes, min_free_bytes)
+        self.fs_kind = fs_kind if fs_kind is not None else detect(self.root)
+        self.policy = policy if policy is not None else RootPolicy.for_kind(self.fs_kind)
         self._table = FileTable(
             self.root, self.node, self.instance, fsync, max_file_bytes, append_files, budget
         )
@@ -141,10 +155,11 @@ class Store:
         self.last_used: dict[str, float] = {}
         self.counts = Counts(self.fields.fields)
         self.reads = Readers(
-            self.root, self.node, max_read_bytes, self.touch, foreign_reads, read_cache,
+            self.root, self.node, max_read_bytes, self.touch, self.policy, read_cache,
             self.counts.read,
         )  # fmt: skip
         self._removals = Removals(self._table, self.reads, self._last_use)
+        self.prefetcher = Prefetcher(self.reads, self.counts, max_read_bytes)
 
     @staticmethod
     def check_root(root: str | os.PathLike[str], node: str | None = None) -> Path:
@@ -282,6 +297,8 @@ class Store:
             f = t.shared.get(key)
             if f is None or t.removed(f):
                 return new(key)
+            if self.policy.one_writer and f.users and id(f) not in held:  # written now
+                return t.take_idle(key, f) or new(key)
             t.shared.move_to_end(key)
             return f
 
@@ -461,6 +478,7 @@ class Store:
 
     def close(self) -> None:
         """Close every descriptor the store holds (at shutdown)."""
+        self.prefetcher.close()
         self._table.close()
         self.reads.close()
 
@@ -480,7 +498,7 @@ class Store:
         c: dict[str, int] = self.counts.totals()
         t = self._table
         with t.lock:
-            open_files = len(t.shared) + len(t.leased)
+            open_files = len(t.shared) + len(t.leased) + sum(map(len, t.spares.values()))
             b = t.budget
             disk = {"root_bytes": b.used, "max_root_bytes": b.max_root_bytes}
             disk |= {"free_bytes": free, "min_free_bytes": b.min_free_bytes}

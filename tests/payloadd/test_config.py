@@ -23,8 +23,11 @@ PAYLOADD = [sys.executable, "-m", "payloadd"]
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "deploy" / "payloadd.toml"
 FILE_KEYS = [name for name in Settings.model_fields if name not in NOT_IN_FILE]
-NO_TOML_DEFAULT = {"socket_group", "admin_token_file", "tcp_port", "node"}
-"""Settings whose default (none, or the host name) a TOML value cannot state."""
+NO_TOML_DEFAULT = {
+    "socket_group", "admin_token_file", "tcp_port", "node", "foreign_wait_s", "gc_grace_s",
+}  # fmt: skip
+"""Settings whose default (none, the host name, or one by the root's file system) a TOML
+value cannot state."""
 
 
 def _env(**values: str) -> dict[str, str]:

@@ -47,6 +47,7 @@ OPERATIONS: dict[tuple[str, str], tuple[int, int]] = {
     ("GET", "/v1/fields"): (1, 0),
     ("POST", "/v1/append"): (200, 0),
     ("POST", "/v1/read"): (60, 60),
+    ("POST", "/v1/prefetch"): (60, 60),
     ("POST", "/v1/admin/gc"): (30, 30),
     ("DELETE", "/v1/admin/runs/{run}"): (30, 30),
     ("GET", "/v1/admin/usage"): (10, 10),

@@ -20,6 +20,7 @@ import contextlib
 import errno
 import functools
 import os
+import time
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -117,12 +118,23 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
         data, offset = data[n:], offset + n
 
 
+SHORT_READ_WAIT_S = 0.5
+"""Longest wait for a file that the daemon saw long enough but that a pread finds shorter:
+on a distributed file system this node's size of it may still catch up (seen on GlusterFS's
+FUSE client, once in hundreds of reads of a file being appended to on another node)."""
+
+
 def _pread_into(fd: int, dest: memoryview, offset: int, file: str) -> None:
-    got = 0
+    got, pause, waited = 0, 0.001, 0.0
     while got < dest.nbytes:
         n = os.preadv(fd, [dest[got:]], offset + got)
         if n == 0:
-            raise SegmentFileError(f"payload file {file!r} ended during the read")
+            if waited >= SHORT_READ_WAIT_S:
+                raise SegmentFileError(f"payload file {file!r} ended during the read")
+            os.fstat(fd)  # this node looks at the file's size again
+            time.sleep(pause)
+            waited, pause = waited + pause, min(2 * pause, 0.1)
+            continue
         got += n
 
 
@@ -319,8 +331,14 @@ def read_steps(
             fd = cache.get(f)
             if fd is None:
                 continue
-            st = os.fstat(fd)
-            if st.st_nlink == 0:  # removed (collected): ask the daemon again
+            try:
+                st = os.fstat(fd)
+            except OSError:  # ESTALE: another node removed it (FUSE, NFS)
+                st = None
+            if st is None or st.st_nlink == 0 or st.st_size < ends[f]:
+                # removed (collected), or shorter than a segment says (this node's view of
+                # a file another node writes may lag): ask the daemon, which checks the
+                # ledger and waits for the file to grow
                 cache.forget(f)
                 continue
             fds_by_file[f] = fd
