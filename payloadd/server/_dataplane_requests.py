@@ -267,8 +267,9 @@ class DataPlaneRequests:
             )
         self.fds.take(len(req.files), f"an open of {len(req.files)} files")
         passing.taken = len(req.files)
+        deadline = self.store.reads.deadline()  # one wait for the whole request
         for rel, end in req.files:
-            passing.fds.append(self.store.open_for_read(rel, end))
+            passing.fds.append(self.store.open_for_read(rel, end, deadline))
         keeps = self.store.reads.client_keeps
         once = [i for i, (rel, _) in enumerate(req.files) if not keeps(rel)]
         self.store.counts.handed_out("read", [rel for rel, _ in req.files])

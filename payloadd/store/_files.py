@@ -60,6 +60,9 @@ class FileTable:
         The shared current file of each ``(run, step, field)``, least recently used first.
     leased : dict
         The current lease file of each ``(run, step, field, owner)``.
+    one_writer : bool
+        At most one append writes a shared file at a time (`take_idle`), and a range an
+        append gave up is not taken back (`give_up`): a distributed file system.
     spares : dict
         Under one writer a file: the shared files of each ``(run, step, field)`` set aside
         while an append wrote them (`take_idle`), the oldest first.
@@ -88,6 +91,7 @@ class FileTable:
         self.shared: OrderedDict[tuple[str, int, str], AppendFile] = OrderedDict()
         self.leased: dict[tuple[str, int, str, int], AppendFile] = {}
         self.spares: dict[tuple[str, int, str], list[AppendFile]] = {}
+        self.one_writer = False  # set by the store from its root's policy
         self.open_files: dict[str, AppendFile] = {}
         self._seq = 0
 
@@ -172,6 +176,8 @@ class FileTable:
                         self.discard(f)
                 return
             for e in reversed(placements):  # ranges at a file's end are taken back
+                if self.one_writer:  # but not where another node may have read (and
+                    break  # cached) what this append wrote of it: they stay a hole
                 if e.file.size == e.offset + e.nbytes:
                     e.file.size = e.offset
                     self.budget.forget(e.nbytes)
@@ -237,12 +243,21 @@ class FileTable:
         if old is not None:
             self.seal(old)
         self.shared[key] = f
-        while len(self.shared) > self.append_files:
-            oldest, g = self.shared.popitem(last=False)
-            self.seal(g)
-            for spare in self.spares.pop(oldest, []):
-                self.seal(spare)
+        self._trim()
         return f
+
+    def _trim(self) -> None:
+        """Seal what is beyond ``append_files`` shared files, spares included: spares
+        first, oldest first, then the least recently appended to current files (with their
+        keys' spares). Lock held."""
+        spares = sum(map(len, self.spares.values()))
+        while len(self.shared) + spares > self.append_files:
+            key = next((k for k, v in self.spares.items() if v), None)
+            if key is not None:
+                self.seal(self.spares[key].pop(0))
+                spares -= 1
+                continue
+            self.seal(self.shared.popitem(last=False)[1])
 
     def take_idle(self, key: tuple[str, int, str], busy: AppendFile) -> AppendFile | None:
         """Set ``busy``, the current file of ``key`` that another append writes now, aside
@@ -264,6 +279,7 @@ class FileTable:
         del self.shared[key]  # the next new_shared of key keeps it open, as a spare
         while len(spares) > SPARES:
             self.seal(spares.pop(0))
+        self._trim()
         return None
 
     def place(

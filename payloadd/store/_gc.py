@@ -4,7 +4,7 @@ consumed, applied to a `Store` by `GarbageCollector`, one collection at a time.
 What each rule removes, the ledger that makes reads of collected steps answer 410, what is
 never removed, and collections of another node's prefix: docs/operations.md, section
 "Garbage collection". What one step's removal does under the store's lock:
-`payloadd.store._removal.Removals.remove_step`.
+`payloadd.store._removal.Removals.plan_step` and `Removals.remove_planned`.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ class GarbageCollector:
             if req.run is not None and req.before_step is not None:
                 run = check_name(req.run, "run")
                 steps = [s for s in self.store.runs(node).get(run, []) if s <= req.before_step]
-                self._remove(report, "watermark", run, steps, node=node)
+                self._remove(report, "watermark", [(run, steps)], node=node)
             default = self.ttl_s if node is None else 0.0  # another node: only when asked
             ttl = req.ttl_s if req.ttl_s is not None else default
             if ttl > 0:
@@ -123,7 +123,7 @@ class GarbageCollector:
         report = GcReport(dry_run=dry_run)
         with self._lock:
             steps = self.store.runs(other).get(run, [])
-            self._remove(report, "run", run, steps, node=other)
+            self._remove(report, "run", [(run, steps)], node=other)
             if not dry_run:
                 report.dirs += self.store.remove_run_dir(run, other)
             self.store.ledger().keep_reserve()
@@ -131,62 +131,67 @@ class GarbageCollector:
 
     def _expire(self, report: GcReport, ttl: float, node: str | None = None) -> None:
         """The age rule: steps whose newest file is older than ``ttl`` seconds, of runs idle
-        for as long (another node's: by the files' ages alone)."""
+        for as long (another node's: by the files' ages alone); one collection for all."""
         now_wall, now = time.time(), time.monotonic()
         own = node is None
-        idle_since = now - ttl if own else None
         base = self.store.root / (node or self.store.node)
+        targets: list[tuple[str, list[int]]] = []
         for run, steps in self.store.runs(node).items():
             if own and self.store.last_used.get(run, self.store.started) > now - ttl:
                 continue
+            old = []
             for step in steps:
                 newest = _newest_mtime(base / run / str(step))
-                if newest is None or newest > now_wall - ttl:
-                    continue
-                if not report.dry_run:  # a step kept whole (in use) gets no ledger line
-                    probe = self.store.remove_step(
-                        run,
-                        step,
-                        self.store.step_files(run, step, node),
-                        dry_run=True,
-                        idle_since=idle_since,
-                        node=node,
-                    )
-                    if not probe.files:
-                        report.in_use += probe.in_use
-                        continue
-                self._remove(report, "ttl", run, [step], idle_since=idle_since, node=node)
+                if newest is not None and newest <= now_wall - ttl:
+                    old.append(step)
+            if old:
+                targets.append((run, old))
+        self._remove(report, "ttl", targets, idle_since=now - ttl if own else None, node=node)
 
     def _remove(
         self,
         report: GcReport,
         reason: str,
-        run: str,
-        steps: Iterable[int],
+        targets: Iterable[tuple[str, Iterable[int]]],
         idle_since: float | None = None,
         node: str | None = None,
     ) -> None:
-        steps = list(steps)
-        planned = {step: self.store.step_files(run, step, node) for step in steps}
-        files = [rel for step in steps for rel in planned[step]]
-        if not report.dry_run and files:  # nothing to remove: no line (the ledger stays small)
-            nbytes = sum(_size(self.store.root / rel) for rel in files)
-            with os_errors(self.store.root):  # a full disk: 507, and nothing is removed
-                self.store.ledger(node).record(
-                    run, reason, files, nbytes
-                )  # before any of them goes
-            if self.grace_s > 0:  # other nodes see the line before the files go
+        """Collect the steps of ``targets`` (``(run, steps)``): plan every step (what is in
+        use stays, and what is planned takes no more appends), write one ledger line per run
+        of exactly the files planned, wait the grace once, then remove them."""
+        planned: list[tuple[str, int, Removal]] = []
+        for run, steps in targets:
+            for step in steps:
+                rels = self.store.step_files(run, step, node)
+                plan = self.store.plan_step(
+                    run, step, rels, dry_run=report.dry_run, idle_since=idle_since, node=node
+                )
+                planned.append((run, step, plan))
+        if not report.dry_run:
+            by_run: dict[str, list[tuple[str, int]]] = {}
+            for run, _, plan in planned:
+                by_run.setdefault(run, []).extend(plan.files)
+            lines = 0
+            for run, files in by_run.items():
+                if not files:  # nothing to remove: no line (the ledger stays small)
+                    continue
+                with os_errors(self.store.root):  # a full disk: 507, and nothing is removed
+                    self.store.ledger(node).record(
+                        run, reason, [rel for rel, _ in files], sum(n for _, n in files)
+                    )  # before any of them goes
+                lines += 1
+            if lines and self.grace_s > 0:  # every node sees the lines before the files go
                 time.sleep(self.grace_s)
-        for step in steps:
-            removal = self.store.remove_step(
-                run, step, planned[step], dry_run=report.dry_run, idle_since=idle_since, node=node
-            )
+        runs: dict[str, list[int]] = {}
+        for run, step, plan in planned:
+            removal = plan if report.dry_run else self.store.remove_planned(run, step, plan, node)
             self._add(report, reason, removal)
             if removal.files or removal.dirs:
                 report.steps.append((run, step))
-        if node is not None and steps and not report.dry_run:  # no orphan pass there
-            report.dirs += self.store.remove_run_dir(run, node)
-        if steps:
+            runs.setdefault(run, []).append(step)
+        for run, steps in runs.items():
+            if node is not None and not report.dry_run:  # no orphan pass there
+                report.dirs += self.store.remove_run_dir(run, node)
             dry = " (dry run)" if report.dry_run else ""
             where = "" if node is None else f" of node {node}"
             log.info(
@@ -204,14 +209,6 @@ class GarbageCollector:
         report.bytes += nbytes
         report.dirs += removal.dirs
         report.in_use += removal.in_use
-
-
-def _size(path: os.PathLike[str]) -> int:
-    """Apparent size of ``path`` in bytes; 0 when it is gone."""
-    try:
-        return os.lstat(path).st_size
-    except FileNotFoundError:
-        return 0
 
 
 def _newest_mtime(path: os.PathLike[str]) -> float | None:

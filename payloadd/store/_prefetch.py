@@ -22,7 +22,7 @@ import os
 import threading
 from collections.abc import Sequence
 
-from payload_client import InvalidRequestError
+from payload_client import InvalidRequestError, PayloadError
 from payload_client.protocol import Extent
 from payloadd.store._counts import Counts
 from payloadd.store._readers import Readers
@@ -32,7 +32,7 @@ __all__ = ["PREFETCH_CHUNK", "PREFETCH_FILES", "Prefetcher"]
 PREFETCH_CHUNK = 4 << 20
 """Bytes the read-ahead reads at a time."""
 PREFETCH_FILES = 16
-"""Files queued at once by default (each holds a descriptor until it is read ahead)."""
+"""Files queued at once by default."""
 
 
 class Prefetcher:
@@ -48,7 +48,7 @@ class Prefetcher:
     max_pending_bytes : int
         Most bytes queued and not yet read ahead.
     max_pending_files : int
-        Most files queued (each holds a descriptor until it is read ahead).
+        Most files queued.
     """
 
     def __init__(
@@ -61,7 +61,7 @@ class Prefetcher:
         self.reads, self.counts = reads, counts
         self.max_pending_bytes, self.max_pending_files = max_pending_bytes, max_pending_files
         self._cv = threading.Condition()
-        self._queue: collections.deque[tuple[int, list[tuple[int, int]], int]] = collections.deque()
+        self._queue: collections.deque[tuple[str, list[tuple[int, int]], int]] = collections.deque()
         self._pending_bytes = 0
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -70,14 +70,17 @@ class Prefetcher:
         """Queue ``extents`` for read-ahead into this node's page cache; return ``(files,
         bytes)`` queued.
 
-        Ranges of one file are merged where they touch or overlap.
+        Ranges of one file are merged where they touch or overlap. Only the files that fit
+        the queue are checked (opened and closed again, one at a time: a prefetch holds no
+        descriptor while it waits, and at most one while it reads ahead).
 
         Raises
         ------
         InvalidRequestError
             An extent reaches past its segment's end.
         FileMissingError, FileGoneError, SegmentFileError, InvalidSegmentError, BusyError
-            As `Readers.open_for_read` (nothing is queued then).
+            As `Readers.open_for_read`, for a file that fits the queue (nothing is queued
+            then).
         """
         by_file: dict[str, list[tuple[int, int]]] = {}
         for i, e in enumerate(extents):
@@ -87,27 +90,30 @@ class Prefetcher:
                 )
             if e.nbytes:
                 by_file.setdefault(e.file, []).append((e.offset, e.offset + e.nbytes))
-        opened: list[tuple[int, list[tuple[int, int]], int]] = []
-        try:
-            for rel, ranges in by_file.items():
-                fd = self.reads.open_for_read(rel, 0)  # a hint: the size is not waited for
-                merged = _merge(ranges)
-                opened.append((fd, merged, sum(hi - lo for lo, hi in merged)))
-        except BaseException:
-            for fd, _, _ in opened:
-                os.close(fd)
-            raise
-        files = nbytes = 0
         with self._cv:
-            for fd, merged, n in opened:
-                room = self.max_pending_bytes - self._pending_bytes
-                if self._closed or len(self._queue) >= self.max_pending_files or n > room:
-                    os.close(fd)  # beyond what is queued at once: left out
-                    continue
+            files_room = self.max_pending_files - len(self._queue)
+            bytes_room = self.max_pending_bytes - self._pending_bytes
+        chosen: list[tuple[str, list[tuple[int, int]], int]] = []
+        for rel, ranges in by_file.items():
+            merged = _merge(ranges)
+            n = sum(hi - lo for lo, hi in merged)
+            if len(chosen) < files_room and n <= bytes_room:
+                chosen.append((rel, merged, n))
+                bytes_room -= n
+        for rel, merged, _ in chosen:  # checked as a read checks them, before any is queued
+            fd = self.reads.open_for_read(rel, 0)  # a hint: the size is not waited for
+            try:
                 for lo, hi in merged:
                     with contextlib.suppress(OSError):
                         os.posix_fadvise(fd, lo, hi - lo, os.POSIX_FADV_WILLNEED)
-                self._queue.append((fd, merged, n))
+            finally:
+                os.close(fd)
+        files = nbytes = 0
+        with self._cv:
+            for rel, merged, n in chosen:
+                if self._closed or len(self._queue) >= self.max_pending_files:
+                    break  # filled meanwhile by another call: the rest is left out
+                self._queue.append((rel, merged, n))
                 self._pending_bytes += n
                 files, nbytes = files + 1, nbytes + n
             if files and self._thread is None:
@@ -134,33 +140,37 @@ class Prefetcher:
                     self._cv.wait()
                 if not self._queue:
                     return
-                fd, ranges, _ = self._queue.popleft()
+                rel, ranges, n = self._queue.popleft()
+            done = 0
             try:
-                for lo, hi in ranges:
+                fd = self.reads.open_for_read(rel, 0)
+            except (PayloadError, OSError):  # collected or gone since: nothing to warm
+                fd = -1
+            try:
+                for lo, hi in ranges if fd >= 0 else ():
                     at = lo
                     with contextlib.suppress(OSError):
                         while at < hi:
-                            n = os.preadv(fd, [view[: min(PREFETCH_CHUNK, hi - at)]], at)
-                            if n <= 0:
+                            got = os.preadv(fd, [view[: min(PREFETCH_CHUNK, hi - at)]], at)
+                            if got <= 0:
                                 break
-                            at += n
-                    with self._cv:
-                        self._pending_bytes -= hi - lo
-                    self.counts.add("bytes_prefetched", at - lo)
+                            at += got
+                    done += at - lo
             finally:
-                os.close(fd)
+                if fd >= 0:
+                    os.close(fd)
+                with self._cv:
+                    self._pending_bytes -= n
+                self.counts.add("bytes_prefetched", done)
 
     def close(self) -> None:
-        """Drop what is queued, close its descriptors, and stop the thread (at shutdown)."""
+        """Drop what is queued and stop the thread (at shutdown)."""
         with self._cv:
             self._closed = True
-            queued = list(self._queue)
+            self._pending_bytes -= sum(n for _, _, n in self._queue)  # one being read goes on
             self._queue.clear()
-            self._pending_bytes -= sum(n for _, _, n in queued)  # one being read goes on
             self._cv.notify_all()
             thread = self._thread
-        for fd, _, _ in queued:
-            os.close(fd)
         if thread is not None:
             thread.join(10)
 

@@ -43,8 +43,9 @@ from payloadd.store._records import os_errors
 
 __all__ = ["ExtentReader", "Readers"]
 
-SHORT_READ_WAIT_S = 0.5
-"""Longest wait for a file checked long enough that a pread then finds shorter."""
+SHORT_READ_WAIT_S = 2.0
+"""Longest wait for another node's file checked long enough that a pread then finds
+shorter: on GlusterFS it was seen to last over 0.5 s, under FUSE's 1 s attribute cache."""
 _GONE_ERRNOS = (errno.ENOENT, errno.ENOTDIR, errno.ESTALE)
 """An open that fails so found no file: ``ESTALE`` is what a FUSE or NFS client answers for
 a name it still caches whose file another node removed."""
@@ -99,7 +100,7 @@ class Readers:
         self._ledgers: dict[str, Ledger] = {}
         self._count = count
 
-    def open_for_read(self, rel: str, end: int) -> int:
+    def open_for_read(self, rel: str, end: int, deadline: float | None = None) -> int:
         """Open a data file for reading after checking it against a segment's end.
 
         Parameters
@@ -108,6 +109,10 @@ class Readers:
             Path relative to the root.
         end : int
             Byte offset just past the segment: the file must be at least that long.
+        deadline : float, optional
+            Monotonic time until which another node's file that is missing or too short is
+            waited for (one deadline for all the files of a request, `deadline`); default:
+            ``foreign_wait_s`` from now.
 
         Returns
         -------
@@ -142,7 +147,9 @@ class Readers:
             except _ShortFileError as exc:
                 raise SegmentFileError(str(exc)) from None
         self._raise_if_collected(rel)  # where this node may still see a collected file
-        deadline = time.monotonic() + self.policy.foreign_wait_s
+        if deadline is None:
+            deadline = self.deadline()
+        waits = self._may_appear(rel)
         pause = 0.002
         while True:
             try:
@@ -151,12 +158,37 @@ class Readers:
                 # this node's view of another node's file may lag: a new file not listed
                 # yet, or an older size; a fresh open (on NFS) or time (FUSE's attribute
                 # cache) brings it up to date
-                if isinstance(exc, FileGoneError) or time.monotonic() + pause > deadline:
+                late = isinstance(exc, _ShortFileError) or waits
+                if (
+                    isinstance(exc, FileGoneError)
+                    or not late
+                    or time.monotonic() + pause > deadline
+                ):
                     if isinstance(exc, _ShortFileError):
                         raise SegmentFileError(str(exc)) from None
                     raise
             time.sleep(pause)
             pause = min(2 * pause, 0.05)
+
+    def deadline(self) -> float:
+        """Monotonic time until which a read starting now waits for other nodes' files."""
+        return time.monotonic() + self.policy.foreign_wait_s
+
+    def _may_appear(self, rel: str) -> bool:
+        """Whether a missing ``rel`` of another node may still appear (this node's listing
+        lags): a data file's path, under a node prefix that exists. A path no data file can
+        have, or a node nobody writes, is answered at once."""
+        parts = rel.split("/")
+        if len(parts) != 4 or parts[-1].startswith("@") or "" in parts:
+            return False
+        return os.path.isdir(self.root / parts[0])
+
+    def short_read_wait(self, rel: str) -> float:
+        """Longest wait for a checked file that a pread finds shorter: another node's, on a
+        root whose policy waits for them (`may_wait`); else none."""
+        if self.policy.foreign_wait_s <= 0 or rel.startswith(self.node + "/"):
+            return 0.0
+        return SHORT_READ_WAIT_S
 
     def may_wait(self, extents: Sequence[Extent]) -> bool:
         """Whether a read of ``extents`` may wait for another node's files (`open_for_read`):
@@ -279,7 +311,13 @@ class Readers:
                 raise busy from None
             raise SegmentFileError(f"payload file {rel!r} cannot be opened: {exc}") from None
         try:
-            st = os.fstat(fd)
+            try:
+                st = os.fstat(fd)
+            except OSError as exc:
+                if exc.errno not in _GONE_ERRNOS:
+                    raise
+                self._raise_if_collected(rel)  # another node removed it meanwhile
+                raise FileMissingError(f"payload file {rel!r} does not exist") from None
             if not stat.S_ISREG(st.st_mode):
                 raise SegmentFileError(f"payload file {rel!r} is not a regular file")
             if st.st_size < end:
@@ -348,12 +386,13 @@ class Readers:
                 f"read of {total} bytes is above the limit of {self.max_read_bytes}"
             )
         fds: dict[str, int] = {}
+        deadline = self.deadline()  # one wait for the whole read, whatever its files
         try:
             for e in extents:  # check every file before reading anything
                 if e.file not in fds:
-                    fds[e.file] = self.open_for_read(e.file, e.end)
-                elif e.end > os.fstat(fds[e.file]).st_size:
-                    os.close(self.open_for_read(e.file, e.end))  # raises the size error
+                    fds[e.file] = self.open_for_read(e.file, e.end, deadline)
+                elif e.end > _size_of(fds[e.file]):
+                    os.close(self.open_for_read(e.file, e.end, deadline))  # the size error
                     # (or the file grew meanwhile: its first descriptor reads the rest too)
         except BaseException:
             for fd in fds.values():
@@ -469,8 +508,9 @@ class ExtentReader:
                         n = -1  # another node removed it meanwhile (FUSE, NFS)
                     if n <= 0:
                         # checked long enough, read shorter: on a distributed file system
-                        # this node's size of it may still catch up (GlusterFS, rarely)
-                        if n == 0 and waited < SHORT_READ_WAIT_S:
+                        # this node's size of another node's file may still catch up
+                        # (GlusterFS, rarely); such reads never run on the event loop
+                        if n == 0 and waited < self._readers.short_read_wait(file):
                             os.fstat(fd)
                             time.sleep(pause)
                             waited, pause = waited + pause, min(2 * pause, 0.1)
@@ -484,6 +524,17 @@ class ExtentReader:
     def close(self) -> None:
         """Close the read's descriptors (again: nothing)."""
         self._closer()
+
+
+def _size_of(fd: int) -> int:
+    """The size of an open file; -1 when its file is gone (``ESTALE``: another node
+    removed it), so that a fresh open answers for it."""
+    try:
+        return os.fstat(fd).st_size
+    except OSError as exc:
+        if exc.errno not in _GONE_ERRNOS:
+            raise
+        return -1
 
 
 def _dup(fd: int) -> int:

@@ -1,7 +1,7 @@
 """Removal of the store's files (garbage collection; the rules are in _gc.py).
 
 `Removals` lists the runs and steps on disk and removes the data files of a step
-(`Removals.remove_step`), empty run directories and orphans, under the lock of the store's
+(`Removals.plan_step`, then `Removals.remove_planned`), empty run directories and orphans, under the lock of the store's
 `payloadd.store._files.FileTable`; `payloadd.store._store.Store` owns one and answers its
 removal methods with it. `payloadd.store._records.Removal` is what one removal took.
 """
@@ -56,7 +56,7 @@ class Removals:
         rel_dir = f"{node or self.node}/{run}/{step}"
         return [f"{rel_dir}/{name}" for name in _file_names(self.root / rel_dir)]
 
-    def remove_step(
+    def plan_step(
         self,
         run: str,
         step: int,
@@ -66,29 +66,30 @@ class Removals:
         idle_since: float | None = None,
         node: str | None = None,
     ) -> Removal:
-        """Remove the data files of one step, then its directory if empty.
+        """Decide which data files of one step a collection removes, and take them out of
+        use: the first half of a removal (`remove_planned` is the second).
 
-        Files a pending append still writes to are kept (`Removal.in_use`). A leased file is
-        removed: the data-plane client checks its file after writing and places the rows
-        again in a new lease when it is gone, so no acknowledged append is lost. The
-        daemon's cached read descriptor of a removed file is closed; a client's (or a read
-        in progress) keeps the file's blocks until closed.
+        Files a pending append still writes to are kept (`Removal.in_use`). A leased file
+        is removed: the data-plane client checks its file after writing and places the rows
+        again in a new lease when it is gone (a lease append written between the plan and
+        the removal, during the collection's grace, is acknowledged and then removed with
+        its step: appends to a step being collected are the caller's mistake). Every file planned stops being a current file now (`FileTable.forget_removed`),
+        so no append lands in it between the plan and its removal: the collection lists
+        exactly these files in its ledger line, waits its grace, then removes them.
 
-        Another node's step (``node``) is removed the same way, but this daemon knows
-        nothing of that node's appends in flight and leases: see `GarbageCollector`. Its bytes do
-        not count against this daemon's cap.
+        Another node's step (``node``) is planned the same way, but this daemon knows
+        nothing of that node's appends in flight and leases: see `GarbageCollector`.
 
         Parameters
         ----------
         run, step : str, int
             The step directory ``<root>/<node>/<run>/<step>``.
         files : collection of str
-            The files to remove (from `step_files`, listed in the ledger first); files
-            created since stay.
+            Its files (from `step_files`); files created since stay.
         dry_run : bool
-            Count, remove nothing.
+            Count, take nothing out of use.
         idle_since : float, optional
-            Monotonic time: remove nothing when the run was appended to or read after it
+            Monotonic time: plan nothing when the run was appended to or read after it
             (checked under the lock that appends take; this node's runs only).
         node : str, optional
             The node prefix; default: this daemon's.
@@ -96,10 +97,9 @@ class Removals:
         Returns
         -------
         Removal
-            What was (or would be) removed.
+            The files to remove with their sizes, and the files kept in use.
         """
         own = node is None or node == self.node
-        rel_dir = f"{self.node if own else node}/{run}/{step}"
         out = Removal()
         with self.table.lock, os_errors(self.root):
             if own and idle_since is not None and self._last_use(run) > idle_since:
@@ -114,16 +114,37 @@ class Removals:
                 except FileNotFoundError:
                     continue
                 out.files.append((rel, size))
-                if dry_run:
-                    continue
-                if f is not None:
+                if not dry_run and f is not None:
                     self.table.forget_removed(f)
-                os.unlink(self.root / rel)
+        return out
+
+    def remove_planned(
+        self, run: str, step: int, planned: Removal, node: str | None = None
+    ) -> Removal:
+        """Remove the files of a plan (`plan_step`), then the step's directory if empty.
+
+        The daemon's cached read descriptor of a removed file is closed; a client's (or a
+        read in progress) keeps the file's blocks until closed. Another node's files do not
+        count against this daemon's cap.
+
+        Returns
+        -------
+        Removal
+            What was removed (``in_use`` as planned).
+        """
+        own = node is None or node == self.node
+        out = Removal(in_use=planned.in_use)
+        with self.table.lock, os_errors(self.root):
+            for rel, size in planned.files:
+                try:
+                    os.unlink(self.root / rel)
+                except FileNotFoundError:
+                    continue
+                out.files.append((rel, size))
                 if own:
                     self.table.budget.forget(size)
                 self.reads.drop(rel)
-            if not dry_run:
-                out.dirs += _rmdir_if_empty(self.root / rel_dir)
+            out.dirs += _rmdir_if_empty(self.root / f"{self.node if own else node}/{run}/{step}")
         return out
 
     def remove_run_dir(self, run: str, node: str | None = None) -> int:

@@ -151,6 +151,7 @@ class Store:
         self._table = FileTable(
             self.root, self.node, self.instance, fsync, max_file_bytes, append_files, budget
         )
+        self._table.one_writer = self.policy.one_writer
         self._owners = itertools.count(1)
         self.last_used: dict[str, float] = {}
         self.counts = Counts(self.fields.fields)
@@ -297,7 +298,7 @@ class Store:
             f = t.shared.get(key)
             if f is None or t.removed(f):
                 return new(key)
-            if self.policy.one_writer and f.users and id(f) not in held:  # written now
+            if t.one_writer and f.users and id(f) not in held:  # written now
                 return t.take_idle(key, f) or new(key)
             t.shared.move_to_end(key)
             return f
@@ -414,9 +415,9 @@ class Store:
         ):
             self.last_used[run] = time.monotonic()
 
-    def open_for_read(self, rel: str, end: int) -> int:
+    def open_for_read(self, rel: str, end: int, deadline: float | None = None) -> int:
         """`Readers.open_for_read` of this store."""
-        return self.reads.open_for_read(rel, end)
+        return self.reads.open_for_read(rel, end, deadline)
 
     def open_extents(self, extents: Sequence[Extent]) -> ExtentReader:
         """`Readers.open_extents` of this store."""
@@ -445,7 +446,7 @@ class Store:
         """`Removals.step_files` of this store."""
         return self._removals.step_files(run, step, node)
 
-    def remove_step(
+    def plan_step(
         self,
         run: str,
         step: int,
@@ -455,10 +456,20 @@ class Store:
         idle_since: float | None = None,
         node: str | None = None,
     ) -> Removal:
-        """`Removals.remove_step` of this store."""
-        return self._removals.remove_step(
+        """`Removals.plan_step` of this store."""
+        return self._removals.plan_step(
             run, step, files, dry_run=dry_run, idle_since=idle_since, node=node
         )
+
+    def remove_planned(
+        self, run: str, step: int, planned: Removal, node: str | None = None
+    ) -> Removal:
+        """`Removals.remove_planned` of this store."""
+        return self._removals.remove_planned(run, step, planned, node)
+
+    def remove_step(self, run: str, step: int, files: Collection[str]) -> Removal:
+        """`plan_step`, then `remove_planned`: no ledger line, no grace (GC's are between)."""
+        return self.remove_planned(run, step, self.plan_step(run, step, files))
 
     def remove_run_dir(self, run: str, node: str | None = None) -> int:
         """`Removals.remove_run_dir` of this store."""

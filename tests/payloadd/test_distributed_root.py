@@ -28,16 +28,18 @@ import pytest
 from payload_client import (
     AsyncPayloadClient,
     FileGoneError,
+    FileMissingError,
     InvalidRequestError,
     PayloadClient,
     PayloadSegment,
     Prefetched,
     SegmentFileError,
 )
-from payload_client._wire import AppendItem, Extent
+from payload_client._wire import AppendItem, Extent, GcReport, GcRequest
 from payloadd import Store
 from payloadd.bench._daemon_process import start_daemon
 from payloadd.store._fs_kind import FsKind, RootPolicy, _mount_of, detect
+from payloadd.store._gc import GarbageCollector
 from payloadd.store._ledger import LEDGER_NAME, Ledger
 
 ROW = 384  # uint8 [48, 8]
@@ -413,3 +415,143 @@ def test_prefetch_async(prefetch_daemon: tuple[Path, Path]) -> None:
             return await c.prefetch([(segs, "routed_experts", 0, 4, 0)])
 
     assert asyncio.run(go()) == Prefetched(1, 4 * ROW)
+
+
+# -- what a collection lists is what it removes ----------------------------------------------
+
+
+def ledger_files(root: Path, node: str) -> set[str]:
+    led, _ = Ledger(root / node / LEDGER_NAME).recent(1000)
+    return {f for c in led for f in c.files}
+
+
+def test_a_file_kept_in_use_by_a_collection_is_not_listed_and_reads_everywhere(
+    tmp_path: Path,
+) -> None:
+    a = Store(tmp_path, "a")
+    b = Store(tmp_path, "b", policy=distributed(wait=0.5))
+    a.append([item(1)], bytes(ROW))
+    pending = a.begin_append([item(1, pos=1)])  # in flight in the step's file
+    report = GarbageCollector(a, 0.0, 0.0).collect(GcRequest(run="r", before_step=0))
+    assert (report.files, report.in_use) == (0, 1)
+    pending.write(bytes([5]) * ROW)
+    ((s,),) = pending.commit()
+    pending.close()
+    assert s.file not in ledger_files(tmp_path, "a")
+    extent = [Extent(s.file, s.offset, ROW, s.offset + ROW)]
+    assert b.read_extents(extent) == a.read_extents(extent) == bytes([5]) * ROW
+    a.close()
+    b.close()
+
+
+def test_a_run_used_during_the_grace_is_collected_as_planned_listed_and_removed(
+    tmp_path: Path,
+) -> None:
+    """The age rule decides before its ledger line: a read during the grace does not make
+    it keep files the line lists (other nodes would answer 410 for files still there)."""
+    a = Store(tmp_path, "a")
+    ((s,),) = a.append([item(1)], bytes([7]) * ROW)
+    hour_ago = time.time() - 3600
+    os.utime(tmp_path / s.file, (hour_ago, hour_ago))
+    a.last_used["r"] = time.monotonic() - 3600
+    gc = GarbageCollector(a, 0.0, grace_s=1.0)
+    reports: list[GcReport] = []
+    t = threading.Thread(target=lambda: reports.append(gc.collect(GcRequest(ttl_s=60))))
+    t.start()
+    time.sleep(0.3)
+    extent = [Extent(s.file, s.offset, ROW, s.offset + ROW)]
+    assert a.read_extents(extent) == bytes([7]) * ROW  # during the grace: still there
+    t.join(30)
+    assert reports[0].steps == [("r", 0)] and not (tmp_path / s.file).exists()
+    assert s.file in ledger_files(tmp_path, "a")
+    a.close()
+
+
+def test_the_grace_is_waited_once_a_collection_whatever_its_steps(tmp_path: Path) -> None:
+    a = Store(tmp_path, "a")
+    hour_ago = time.time() - 3600
+    for step in range(6):
+        ((s,),) = a.append([item(1, step=step)], bytes(ROW))
+        os.utime(tmp_path / s.file, (hour_ago, hour_ago))
+    a.last_used["r"] = time.monotonic() - 3600
+    started = time.monotonic()
+    report = GarbageCollector(a, 0.0, grace_s=0.5).collect(GcRequest(ttl_s=60))
+    took = time.monotonic() - started
+    assert len(report.steps) == 6 and 0.5 <= took < 2.5, took
+    a.close()
+
+
+# -- bounds of the wait, the read-ahead and the spares ---------------------------------------
+
+
+def test_a_path_no_file_of_another_node_can_have_is_answered_at_once(tmp_path: Path) -> None:
+    a = Store(tmp_path, "a")
+    b = Store(tmp_path, "b", policy=distributed(wait=5.0))
+    a.append([item(1)], bytes(ROW))
+    for rel in ("a/@gc-ledger.jsonl", "nobody/r/0/f-00000000-000001.bin", "a/r/x.bin"):
+        started = time.monotonic()
+        with pytest.raises(FileMissingError):
+            b.read_extents([Extent(rel, 0, 1, 1)])
+        assert time.monotonic() - started < 1.0, rel
+    a.close()
+    b.close()
+
+
+def test_a_read_of_several_late_files_waits_once_for_all(tmp_path: Path) -> None:
+    a = Store(tmp_path, "a")
+    b = Store(tmp_path, "b", policy=distributed(wait=1.0))
+    extents = []
+    for step in range(3):  # three files whose segments never come
+        (segs,) = a.append([item(1, step=step)], bytes(ROW))
+        extents.append(Extent(segs[0].file, 0, ROW, 2 * ROW))
+    started = time.monotonic()
+    with pytest.raises(SegmentFileError):
+        b.read_extents(extents)
+    assert time.monotonic() - started < 1.8
+    a.close()
+    b.close()
+
+
+def test_prefetch_holds_no_descriptor_while_queued_and_checks_only_what_it_queues(
+    tmp_path: Path,
+) -> None:
+    a = Store(tmp_path, "a")
+    b = Store(tmp_path, "b", policy=distributed(reads="reopen"))  # b keeps no descriptor of a's
+    extents = []
+    for step in range(200):
+        (segs,) = a.append([item(1, step=step)], bytes(ROW))
+        extents.append(Extent(segs[0].file, 0, ROW, ROW))
+    gone = Extent("a/r/7/routed_experts-00000000-999999.bin", 0, ROW, ROW)  # beyond the queue
+    before = len(os.listdir("/proc/self/fd"))
+    with b.prefetcher._cv:  # the read-ahead thread waits: the queue stays full
+        files, nbytes = b.prefetcher.submit([*extents, gone])
+        held = len(os.listdir("/proc/self/fd")) - before
+    assert (files, nbytes) == (16, 16 * ROW) and held <= 1, held
+    a.close()
+    b.close()
+
+
+def test_spare_files_count_against_the_append_files_share(tmp_path: Path) -> None:
+    store = Store(tmp_path, "n", policy=distributed(), append_files=2)
+    pending = [store.begin_append([item(1, pos=i)]) for i in range(8)]  # 8 at once: 8 files
+    assert len({p.files[0] for p in pending}) == 8
+    for p in pending:
+        p.write(bytes(ROW))
+        p.commit()
+        p.close()
+    appending, _, _ = store.open_descriptors()
+    assert store.stats().files_open_for_append <= 2 and appending <= 2
+    store.close()
+
+
+def test_under_one_writer_a_range_given_up_is_not_taken_back(tmp_path: Path) -> None:
+    for policy, back in ((distributed(), False), (None, True)):
+        store = Store(tmp_path / str(back), "n", policy=policy)
+        (first,) = store.append([item(1)], bytes(ROW))
+        gave_up = store.begin_append([item(1, pos=1)])
+        gave_up.write(bytes([9]) * (ROW // 2))  # half written, then the append fails
+        gave_up.close()
+        (after,) = store.append([item(1, pos=1)], bytes([3]) * ROW)
+        assert after[0].file == first[0].file
+        assert (after[0].offset == ROW) == back  # taken back only where one cache reads
+        store.close()

@@ -118,10 +118,11 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
         data, offset = data[n:], offset + n
 
 
-SHORT_READ_WAIT_S = 0.5
+SHORT_READ_WAIT_S = 2.0
 """Longest wait for a file that the daemon saw long enough but that a pread finds shorter:
 on a distributed file system this node's size of it may still catch up (seen on GlusterFS's
-FUSE client, once in hundreds of reads of a file being appended to on another node)."""
+FUSE client, about once in hundreds of reads of a file being appended to on another node,
+for over 0.5 s: its attribute cache keeps a size for 1 s)."""
 
 
 def _pread_into(fd: int, dest: memoryview, offset: int, file: str) -> None:
@@ -360,7 +361,12 @@ def read_steps(
                 else:
                     once.append(fd)
                 fds_by_file[f] = fd
-                sizes[f] = os.fstat(fd).st_size
+            for f, _ in batch:  # every descriptor is the cache's or this read's by now
+                try:
+                    sizes[f] = os.fstat(fds_by_file[f]).st_size
+                except OSError as exc:  # ESTALE: another node removed it meanwhile
+                    cache.forget(f)
+                    raise SegmentFileError(f"payload file {f!r} cannot be read: {exc}") from exc
         for f, end in ends.items():  # a cached descriptor is re-checked: the same rule as HTTP
             if sizes[f] < end:
                 raise SegmentFileError(
