@@ -370,6 +370,11 @@ class Soak:
                     if self.abort.is_set():
                         return
                     continue
+                while what != "final":  # one call for every step finished meanwhile (a GC
+                    try:  # on a distributed root takes its grace, 2.5 s, each time)
+                        what, step = gc_q.get_nowait()
+                    except queue.Empty:
+                        break
                 final = what == "final"
                 mark = step if final else step - self.args.gc_lag
                 if mark > done:

@@ -45,7 +45,8 @@ class GarbageCollector:
         self.store = store
         self.ttl_s = ttl_s
         self.grace_s = store.policy.gc_grace_s if grace_s is None else grace_s
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # one collection at a time, but for their graces
+        self._planned: set[str] = set()  # files a collection planned and has not removed yet
         store.ledger().keep_reserve()  # room for the ledger line of a GC on a full disk
 
     def collect(self, req: GcRequest) -> GcReport:
@@ -162,7 +163,7 @@ class GarbageCollector:
         planned: list[tuple[str, int, Removal]] = []
         for run, steps in targets:
             for step in steps:
-                rels = self.store.step_files(run, step, node)
+                rels = [r for r in self.store.step_files(run, step, node) if r not in self._planned]
                 plan = self.store.plan_step(
                     run, step, rels, dry_run=report.dry_run, idle_since=idle_since, node=node
                 )
@@ -171,20 +172,31 @@ class GarbageCollector:
             by_run: dict[str, list[tuple[str, int]]] = {}
             for run, _, plan in planned:
                 by_run.setdefault(run, []).extend(plan.files)
+                self._planned.update(rel for rel, _ in plan.files)
             lines = 0
-            for run, files in by_run.items():
-                if not files:  # nothing to remove: no line (the ledger stays small)
-                    continue
-                with os_errors(self.store.root):  # a full disk: 507, and nothing is removed
-                    self.store.ledger(node).record(
-                        run, reason, [rel for rel, _ in files], sum(n for _, n in files)
-                    )  # before any of them goes
-                lines += 1
+            try:
+                for run, files in by_run.items():
+                    if not files:  # nothing to remove: no line (the ledger stays small)
+                        continue
+                    with os_errors(self.store.root):  # a full disk: 507, nothing is removed
+                        self.store.ledger(node).record(
+                            run, reason, [rel for rel, _ in files], sum(n for _, n in files)
+                        )  # before any of them goes
+                    lines += 1
+            except BaseException:
+                for files in by_run.values():  # a later collection plans them again
+                    self._planned.difference_update(rel for rel, _ in files)
+                raise
             if lines and self.grace_s > 0:  # every node sees the lines before the files go
-                time.sleep(self.grace_s)
+                self._lock.release()  # other collections go on meanwhile (what this one
+                try:  # planned takes no appends, and is taken by no other plan)
+                    time.sleep(self.grace_s)
+                finally:
+                    self._lock.acquire()
         runs: dict[str, list[int]] = {}
         for run, step, plan in planned:
             removal = plan if report.dry_run else self.store.remove_planned(run, step, plan, node)
+            self._planned.difference_update(rel for rel, _ in plan.files)
             self._add(report, reason, removal)
             if removal.files or removal.dirs:
                 report.steps.append((run, step))

@@ -562,3 +562,26 @@ def test_under_one_writer_a_range_given_up_is_not_taken_back(tmp_path: Path) -> 
         assert after[0].file == first[0].file
         assert (after[0].offset == ROW) == back  # taken back only where one cache reads
         store.close()
+
+
+def test_collections_at_once_wait_their_graces_together(tmp_path: Path) -> None:
+    a = Store(tmp_path, "a")
+    for run in ("r1", "r2", "r3"):
+        a.append([item(1, run=run)], bytes(ROW))
+    gc = GarbageCollector(a, 0.0, grace_s=1.0)
+    barrier = threading.Barrier(3)
+    reports: list[GcReport] = []
+
+    def collect(run: str) -> None:
+        barrier.wait(10)
+        reports.append(gc.collect(GcRequest(run=run, before_step=0)))
+
+    threads = [threading.Thread(target=collect, args=(r,)) for r in ("r1", "r2", "r3")]
+    started = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert sorted(r.files for r in reports) == [1, 1, 1]
+    assert time.monotonic() - started < 2.5  # not one grace after the other (3 s)
+    a.close()
