@@ -28,7 +28,7 @@ from payloadd.server._metrics import Metrics, StoreMetrics
 from payloadd.settings._settings import Settings
 from payloadd.store._budget import Descriptors, InFlight
 from payloadd.store._durability import Flusher
-from payloadd.store._fs_kind import FsKind, RootPolicy, detect
+from payloadd.store._fs_kind import RootPolicy, detect
 from payloadd.store._gc import GarbageCollector
 from payloadd.store._store import Store
 
@@ -89,7 +89,7 @@ class Daemon:
         )
         log.info("file descriptors: %s", self.fds.describe())
         # what the root's file system is, and how other nodes' files are read on it
-        kind, policy = self._root_policy()
+        policy = self._root_policy()
         # the storage core over the root
         self.store = Store(
             s.root,
@@ -102,16 +102,15 @@ class Daemon:
             max_root_bytes=s.max_root_bytes,
             min_free_bytes=s.min_free_bytes,
             fields=s.fields_table(),
-            fs_kind=kind,
             policy=policy,
             append_files=self.fds.shares.append_files,
             read_cache=self.fds.shares.read_cache,
         )
         log.info("payloadd %s: root %s, node %s", __version__, self.store.root, self.store.node)
         # the GC rules over the store (its ledger keeps room for a line on a full disk)
-        self.collector = GarbageCollector(self.store, s.ttl_s, policy.gc_grace_s)
+        self.collector = GarbageCollector(self.store, s.ttl_s)  # its grace: the policy's
 
-    def _root_policy(self) -> tuple[FsKind, RootPolicy]:
+    def _root_policy(self) -> RootPolicy:
         """The rules for other nodes' files and shared appends on the root's file system:
         its kind's defaults (or the kind set), overridden by what is set; logged, with what
         they do not guarantee."""
@@ -123,7 +122,7 @@ class Daemon:
         log.info("payload root on %s: %s", kind.name, policy.describe(kind))
         for line in policy.warnings(kind):
             log.warning("payload root on %s: %s", kind.name, line)
-        return kind, policy
+        return policy
 
     def start(self) -> None:
         """Start the flusher, the data plane, the store's gauges and the GC sweeper (this

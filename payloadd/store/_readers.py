@@ -25,7 +25,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from payload_client import (
     FileGoneError,
@@ -92,7 +92,6 @@ class Readers:
         self.root, self.node, self.max_read_bytes = root, node, max_read_bytes
         self.cache_size = cache_size
         self.policy = policy
-        self.foreign_reads: Literal["cached", "reopen"] = policy.foreign_reads
         self._root_prefix = str(root) + os.sep
         self._touch = touch
         self._lock = threading.Lock()
@@ -244,7 +243,7 @@ class Readers:
     def keeps(self, rel: str) -> bool:
         """Whether the daemon may keep a descriptor of ``rel`` for later reads: always, except
         for a file under another node's prefix under ``foreign_reads="reopen"``."""
-        return self.foreign_reads == "cached" or rel.partition("/")[0] == self.node
+        return self.policy.foreign_reads == "cached" or rel.partition("/")[0] == self.node
 
     def client_keeps(self, rel: str) -> bool:
         """Whether a data-plane client may keep the descriptor of ``rel`` it is passed: this

@@ -49,7 +49,7 @@ from payloadd.store._budget import APPEND_FILES, READ_CACHE
 from payloadd.store._counts import HTTP, Counts
 from payloadd.store._disk_limits import DiskBudget, tree_sizes
 from payloadd.store._files import DIR_MODE, FileTable
-from payloadd.store._fs_kind import FsKind, RootPolicy, detect
+from payloadd.store._fs_kind import RootPolicy, detect
 from payloadd.store._ledger import Ledger
 from payloadd.store._prefetch import Prefetcher
 from payloadd.store._readers import ExtentReader, Readers
@@ -87,11 +87,9 @@ class Store:
         Free-space floor of the root's file system; 0 for none.
     fields : FieldsTable, optional
         What each field takes (`check_item`); default: any field, any supported dtype.
-    fs_kind : FsKind, optional
-        The file system the root is on; default: what `detect` finds.
     policy : RootPolicy, optional
         How other nodes' files are read and shared files written on the root's file system
-        (`payloadd.store._fs_kind`); default: the defaults of ``fs_kind``.
+        (`payloadd.store._fs_kind`); default: the defaults of the kind `detect` finds.
     append_files : int
         Shared files kept open for appends (one per run, step and field); the least
         recently appended to is sealed beyond that, and later appends of its key start a
@@ -110,8 +108,6 @@ class Store:
         The read side.
     prefetcher : Prefetcher
         The read-ahead of windows clients will read next.
-    fs_kind : FsKind
-        The file system the root is on (`payloadd.store._fs_kind.detect`).
     policy : RootPolicy
         How it is treated.
     """
@@ -129,7 +125,6 @@ class Store:
         max_root_bytes: int = 0,
         min_free_bytes: int = 0,
         fields: FieldsTable | None = None,
-        fs_kind: FsKind | None = None,
         policy: RootPolicy | None = None,
         append_files: int = APPEND_FILES,
         read_cache: int = READ_CACHE,
@@ -146,8 +141,7 @@ class Store:
         self.instance = secrets.token_hex(4)
         self.started = time.monotonic()
         budget = DiskBudget(self.root, self.root / node, max_root_bytes, min_free_bytes)
-        self.fs_kind = fs_kind if fs_kind is not None else detect(self.root)
-        self.policy = policy if policy is not None else RootPolicy.for_kind(self.fs_kind)
+        self.policy = policy if policy is not None else RootPolicy.for_kind(detect(self.root))
         self._table = FileTable(
             self.root, self.node, self.instance, fsync, max_file_bytes, append_files, budget
         )
