@@ -8,7 +8,6 @@ it goes, whether it goes again and what an answer means lives here, once.
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import os
 import time
@@ -20,6 +19,7 @@ import msgspec
 import numpy as np
 
 from ._errors import InvalidRequestError, PayloadError, ProtocolError
+from ._layout import ReadLayout
 from ._segment import (
     INT64_MAX,
     SUPPORTED_DTYPES,
@@ -44,8 +44,6 @@ from ._windows import (
     WindowLike,
     WindowPlan,
     coverage,
-    direct_view,
-    place,
     plan_window,
     prepare_output,
 )
@@ -266,17 +264,21 @@ class BaseClient(Generic[HTTPT, DataPlaneT]):
     def _prefetch_call(self, windows: Sequence[WindowLike]) -> Call[Prefetched]:
         if isinstance(windows, tuple) or not isinstance(windows, Sequence):
             raise InvalidRequestError("windows must be a list of Window")
-        extents: list[Extent] = []
+        plans: list[WindowPlan | None] = []
         for i, w in enumerate(windows):
             w = self._window(i, w)
             try:
-                plan = plan_window(w.segments, w.field, w.lo, w.hi, w.fill, w.dtype)
+                plans.append(plan_window(w.segments, w.field, w.lo, w.hi, w.fill, w.dtype))
             except PayloadError as exc:
                 if len(windows) > 1:
                     exc.args = (f"window {i}: {exc}",)
                 raise
-            for p in plan.pieces if plan is not None else ():
-                extents.append(Extent(p.file, p.offset, p.nbytes, p.end))
+        extents = [
+            Extent(p.file, p.offset, p.nbytes, plan.ends[p.file])
+            for plan in plans
+            if plan is not None
+            for p in plan.pieces
+        ]
         if not extents:
             return Call("POST", "/v1/prefetch", decode=lambda _: Prefetched(0, 0), local=True)
         return self._json_call("/v1/prefetch", Prefetched, "POST", ReadRequest(extents))
@@ -287,14 +289,19 @@ class BaseClient(Generic[HTTPT, DataPlaneT]):
         plans: list[WindowPlan | None] = []
         outs: list[np.ndarray | None] = []
         results: list[ReadResult] = []  # the outs, filled in place by the I/O below
+        total, files = 0, False
         for i, w in enumerate(windows):
-            w = self._window(i, w)
+            if type(w) is not Window:
+                w = self._window(i, w)
             try:
                 dtype = w.out.dtype if w.dtype is None and w.out is not None else w.dtype
                 plan = plan_window(w.segments, w.field, w.lo, w.hi, w.fill, dtype)
                 plans.append(plan)
                 arr = None if plan is None else prepare_output(plan, w.out)  # before I/O
                 outs.append(arr)
+                if plan is not None:
+                    total += plan.nbytes
+                    files = files or bool(plan.ends)
                 if w.coverage is False:
                     results.append(arr)
                 elif isinstance(w.coverage, bool | np.bool_):
@@ -308,39 +315,34 @@ class BaseClient(Generic[HTTPT, DataPlaneT]):
                 if len(windows) > 1:  # name the window, keep the error's class and attributes
                     exc.args = (f"window {i}: {exc}",)
                 raise
-        pieces = [p for plan in plans if plan is not None for p in plan.pieces]
-        total = sum(p.nbytes for p in pieces)
+        box: list[ReadLayout] = []
+
+        def layout() -> ReadLayout:  # over HTTP: the answer carries the pieces' bytes only
+            if not box:
+                box.append(ReadLayout(plans, outs, kernel=False, gap=0))
+            return box[0]
 
         def body() -> list[Any]:
-            extents = [Extent(p.file, p.offset, p.nbytes, p.end) for p in pieces]
-            return [_encoder.encode(ReadRequest(extents))]
+            return [_encoder.encode(ReadRequest(_extents(layout())))]
 
         def targets() -> list[Target]:
             # each piece's bytes straight into its output rows when they are the stored
-            # bytes, else into a buffer converted as soon as it is full (pieces stay in order:
-            # later ones overwrite earlier ones)
-            out: list[Target] = []
-            for plan, arr in zip(plans, outs, strict=True):
-                if plan is None or arr is None:
-                    continue
-                for p in plan.pieces:
-                    view = direct_view(plan, arr, p, kernel=False)
-                    if view is not None:
-                        out.append((view, None))
-                    else:
-                        staged = memoryview(bytearray(p.nbytes))
-                        out.append((staged, functools.partial(place, plan, arr, p, staged)))
-            return out
+            # bytes, else into the layout's stage, laid out when the answer is in
+            return [(view, None) for bufs in layout().buffers for view in bufs]
+
+        def decode(_: bytes) -> list[ReadResult]:
+            layout().finish()
+            return results
 
         return Call(
             "POST",
             "/v1/read",
-            decode=lambda _: results,
+            decode=decode,
             headers={"Content-Type": MSGPACK_CONTENT_TYPE},
             body=body,
             targets=targets,
             expected=total,
-            local=not pieces,
+            local=not files,
             data_plane_steps=lambda dp: _then(
                 read_steps(plans, outs, dp.cache, dp.scratch), results
             ),
@@ -422,3 +424,14 @@ class BaseClient(Generic[HTTPT, DataPlaneT]):
 
     def _health_call(self) -> Call[Health]:
         return self._json_call("/healthz", Health)
+
+
+def _extents(layout: ReadLayout) -> list[Extent]:
+    """The extents of a read as the daemon takes them: each with its file's largest segment
+    end, and a byte-less one for a file no piece reads (its rows all overwritten by later
+    segments), which must still be there and long enough."""
+    ends = layout.ends
+    out = [Extent(f, o, n, ends[f]) for f, o, n in layout.extents]
+    read = {f for f, _, _ in layout.extents}
+    out += [Extent(f, 0, 0, e) for f, e in ends.items() if f not in read]
+    return out

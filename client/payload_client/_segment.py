@@ -7,7 +7,7 @@ import math
 import posixpath
 import re
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 import numpy as np
@@ -19,10 +19,12 @@ __all__ = [
     "NAME_PATTERN",
     "SUPPORTED_DTYPES",
     "PayloadSegment",
+    "SegmentColumns",
     "check_int",
     "check_name",
     "check_relative_path",
     "row_nbytes",
+    "segment_columns",
     "segment_end",
     "validate_segment",
     "validate_segments",
@@ -265,3 +267,61 @@ def segment_end(segment: PayloadSegment) -> int:
     The segment must already be valid.
     """
     return segment.offset + segment.rows * _row_nbytes(segment)
+
+
+class SegmentColumns(NamedTuple):
+    """A validated segment list as columns (`segment_columns`).
+
+    Attributes
+    ----------
+    segments : list of PayloadSegment
+        The validated segments, as a list.
+    field, file : list of str
+        Each segment's field and file.
+    offset, pos, rows, row_nbytes : numpy.ndarray
+        ``int64 [n]``: each segment's byte offset, first token position, row count and
+        bytes a row.
+    kind : numpy.ndarray
+        ``intp [n]``: each segment's index into ``kinds``.
+    kinds : list of tuple
+        The distinct ``(dtype, shape)`` pairs (shape a tuple), in first-seen order.
+    """
+
+    segments: list[PayloadSegment]
+    field: list[str]
+    file: list[str]
+    offset: np.ndarray
+    pos: np.ndarray
+    rows: np.ndarray
+    row_nbytes: np.ndarray
+    kind: np.ndarray
+    kinds: list[tuple[str, tuple[int, ...]]]
+
+
+def segment_columns(segments: Sequence[PayloadSegment]) -> SegmentColumns:
+    """Validate ``segments`` (as `validate_segments`, the same errors) and return columns.
+
+    Raises
+    ------
+    InvalidSegmentError
+        For the first invalid segment, naming its index and field.
+    """
+    segs = validate_segments(segments)
+    n = len(segs)
+    codes: dict[tuple[str, tuple[int, ...]], int] = {}
+    kind = np.fromiter(
+        (codes.setdefault((s.dtype, tuple(s.shape)), len(codes)) for s in segs), np.intp, n
+    )
+    kinds = list(codes)
+    nbytes = np.array([_ITEMSIZE[d] * math.prod(sh) for d, sh in kinds], np.int64)
+    return SegmentColumns(
+        segs,
+        [s.field for s in segs],
+        [s.file for s in segs],
+        np.fromiter((s.offset for s in segs), np.int64, n),
+        np.fromiter((s.pos for s in segs), np.int64, n),
+        np.fromiter((s.rows for s in segs), np.int64, n),
+        nbytes[kind] if n else np.zeros(0, np.int64),
+        kind,
+        kinds,
+    )

@@ -9,20 +9,26 @@ whatever carries the bytes.
 
 from __future__ import annotations
 
-import functools
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from ._errors import InvalidRequestError, InvalidSegmentError
+from ._errors import InvalidRequestError
 from ._ops import _check_window
+from ._plan import (
+    Piece,
+    PieceTable,
+    check_kinds,
+    pieces_of_hits,
+    table_of_columns,
+    table_of_pieces,
+)
 from ._segment import (
     SUPPORTED_DTYPES,
     PayloadSegment,
-    _row_nbytes,
+    segment_columns,
     validate_segments,
 )
 
@@ -51,7 +57,12 @@ _ALIASED = 64
 """A destination this few bytes past the source (modulo `PAGE`) makes the kernel's copy slow."""
 _MATCHED_OUTPUT = 64 << 10
 """Outputs the client allocates from this size on start at their first piece's page offset."""
-_KIND = {name: np.dtype(name).kind for name in SUPPORTED_DTYPES}
+_SMALL = 8
+"""Segment lists up to this long are planned in plain Python (`_plan_few`), longer ones over
+numpy columns: below it, numpy's cost per call is more than Python's per segment."""
+_FEW = 16
+"""Plans of more pieces than this use array operations where they visit every piece."""
+_ITEMSIZE = {name: np.dtype(name).itemsize for name in SUPPORTED_DTYPES}
 _STORED = {name: np.dtype(name).newbyteorder("<") for name in SUPPORTED_DTYPES}
 """The on-disk (little-endian) dtype of each stored dtype name."""
 
@@ -117,44 +128,10 @@ ReadResult = np.ndarray | CoveredRead | None
 for coverage, else the array or ``None``."""
 
 
-class Piece(NamedTuple):
-    """The rows of one segment that fall inside a window.
-
-    Attributes
-    ----------
-    file : str
-        Data file relative to the payload root.
-    offset : int
-        Byte offset of the first needed row.
-    nbytes : int
-        Bytes to read (needed rows times the row size).
-    end : int
-        Byte offset just past the whole segment: the file must be at least this long.
-    dst : int
-        Output row the first needed row lands on (``position - lo``).
-    rows : int
-        Number of needed rows.
-    dtype : str
-        Stored dtype of one element.
-    shape : tuple of int
-        Stored shape of one row.
-    """
-
-    file: str
-    offset: int
-    nbytes: int
-    end: int
-    dst: int
-    rows: int
-    dtype: str
-    shape: tuple[int, ...]
-
-
-@dataclass(frozen=True, slots=True)
 class WindowPlan:
     """What a window read needs and how it lays out.
 
-    Attributes
+    Parameters
     ----------
     lo, hi : int
         Token positions of the window ``[lo, hi)``.
@@ -165,21 +142,88 @@ class WindowPlan:
         the reader asked for another.
     fill : int or float
         Value of every entry no row covers.
-    pieces : tuple of Piece
-        In segment order: later pieces overwrite earlier ones, row by row.
+    parts : tuple of Piece or PieceTable
+        The pieces (`payload_client._plan`): disjoint in output rows (each row only by the
+        last segment in list order that has it), sorted by ``(file, offset)``; as tuples for
+        a few, as columns for many.
+    ends : dict
+        Every file a segment intersecting the window names (the rows of some may all be
+        overwritten by later segments), with the largest segment end in it: the file must
+        be at least that long.
+
+    Attributes
+    ----------
+    count, nbytes, covered_rows : int
+        Pieces; the bytes they need; the output rows they write.
     """
 
-    lo: int
-    hi: int
-    row_shape: tuple[int, ...]
-    dtype: np.dtype[Any]
-    fill: int | float
-    pieces: tuple[Piece, ...]
+    __slots__ = ("_pieces", "_table", "count", "covered_rows", "dtype", "ends", "fill", "hi",
+                 "lo", "nbytes", "parts", "row_shape")  # fmt: skip
+
+    def __init__(
+        self,
+        lo: int,
+        hi: int,
+        row_shape: tuple[int, ...],
+        dtype: np.dtype[Any],
+        fill: int | float,
+        parts: tuple[Piece, ...] | PieceTable = (),
+        ends: Mapping[str, int] | None = None,
+    ) -> None:
+        self.lo, self.hi, self.row_shape, self.dtype, self.fill = lo, hi, row_shape, dtype, fill
+        self.parts = parts
+        self.ends: Mapping[str, int] = {} if ends is None else ends
+        self._pieces: tuple[Piece, ...] | None = None
+        self._table: PieceTable | None = None
+        if isinstance(parts, PieceTable):
+            self._table = parts
+            self.count = int(parts.file.size)
+            self.nbytes = int(parts.nbytes.sum())
+            self.covered_rows = int(parts.rows.sum())
+        else:
+            self._pieces = parts
+            self.count = len(parts)
+            if self.count == 1:
+                self.nbytes, self.covered_rows = parts[0].nbytes, parts[0].rows
+            else:
+                self.nbytes = sum(p.nbytes for p in parts)
+                self.covered_rows = sum(p.rows for p in parts)
+
+    def __repr__(self) -> str:
+        return (
+            f"WindowPlan(lo={self.lo}, hi={self.hi}, row_shape={self.row_shape}, "
+            f"dtype={self.dtype}, fill={self.fill!r}, pieces={self.count})"
+        )
 
     @property
-    def nbytes(self) -> int:
-        """Total bytes the pieces need."""
-        return sum(p.nbytes for p in self.pieces)
+    def pieces(self) -> tuple[Piece, ...]:
+        """The pieces as `Piece` tuples (sorted by file and offset, disjoint)."""
+        if self._pieces is None:
+            assert self._table is not None
+            self._pieces = self._table.pieces()
+        return self._pieces
+
+    @property
+    def table(self) -> PieceTable:
+        """The pieces as columns."""
+        if self._table is None:
+            assert self._pieces is not None
+            self._table = table_of_pieces(self._pieces)
+        return self._table
+
+    def covered(self) -> np.ndarray:
+        """A fresh ``bool [hi - lo]``: the output rows some piece writes."""
+        n = self.hi - self.lo
+        parts = self.parts
+        if isinstance(parts, PieceTable) and parts.file.size > _FEW:
+            edges = np.zeros(n + 1, np.int8)  # pieces are disjoint: +1 at a start, -1 past it
+            edges[parts.dst] = 1
+            np.subtract.at(edges, parts.dst + parts.rows, 1)
+            return np.cumsum(edges[:-1], dtype=np.int8) > 0
+        covered = np.zeros(n, dtype=bool)
+        for p in self.pieces:
+            covered[p.dst : p.dst + p.rows] = True
+        return covered
 
     def new_output(self) -> np.ndarray:
         """Allocate the (uninitialised) output array ``[hi - lo, *row_shape]``.
@@ -203,9 +247,13 @@ class WindowPlan:
                 f"the window's output {list(shape)} {self.dtype} cannot be allocated: {exc}"
             ) from None
         at = 0
-        if self.pieces:
-            first = self.pieces[0]
-            at = first.offset - first.dst * (nbytes // shape[0])
+        parts = self.parts
+        if isinstance(parts, PieceTable):  # match the largest piece
+            j = int(parts.nbytes.argmax())
+            at = int(parts.offset[j]) - int(parts.dst[j]) * (nbytes // shape[0])
+        elif parts:
+            big = max(parts, key=lambda p: p.nbytes)
+            at = big.offset - big.dst * (nbytes // shape[0])
         if at % self.dtype.itemsize:  # numpy needs each element aligned to its size
             at = 0
         return page_matched(raw, at, nbytes).view(self.dtype).reshape(shape)
@@ -238,75 +286,6 @@ def page_matched(buf: np.ndarray, offset: int, nbytes: int) -> np.ndarray:
     """
     shift = (offset - buf.ctypes.data) % PAGE
     return buf[shift : shift + nbytes]
-
-
-def _check_fill(fill: Any, dtype: np.dtype[Any]) -> int | float:
-    if isinstance(fill, bool) or not isinstance(fill, int | float | np.integer | np.floating):
-        raise InvalidRequestError(f"fill must be a number, got {type(fill).__name__}")
-    bad = InvalidRequestError(f"fill {str(fill)[:40]} does not fit the output dtype {dtype}")
-    if dtype.kind in "iu":
-        lo, hi = _int_range(dtype)  # an int fill is compared as it is, never through float
-        if isinstance(fill, float | np.floating) and not float(fill).is_integer():
-            raise bad
-        if not lo <= fill <= hi:
-            raise bad
-        return int(fill)
-    try:
-        value = float(fill)
-    except OverflowError:  # an int no float holds
-        raise bad from None
-    if math.isfinite(value) and abs(value) > _float_max(dtype):  # NaN and inf are values
-        raise bad
-    return value
-
-
-@functools.lru_cache(maxsize=64)
-def _float_max(dtype: np.dtype[Any]) -> float:
-    return float(np.finfo(dtype).max)
-
-
-@functools.lru_cache(maxsize=64)
-def _int_range(dtype: np.dtype[Any]) -> tuple[int, int]:
-    info = np.iinfo(dtype)
-    return int(info.min), int(info.max)
-
-
-def _output_dtype(field: str, stored: frozenset[str], dtype: Any) -> np.dtype[Any]:
-    """The output dtype: int32/float32 by default (DESIGN §4), else ``dtype`` if it holds
-    every stored dtype of the field without loss."""
-    try:
-        try:
-            return _output_dtype_cached(stored, dtype)
-        except TypeError:  # an unhashable dtype argument: not cached
-            return _output_dtype_of(stored, dtype)
-    except _NarrowDtypeError as exc:
-        raise InvalidRequestError(
-            f"dtype {exc.args[0]} cannot hold the {exc.args[1]} rows of field {field!r}"
-        ) from None
-
-
-class _NarrowDtypeError(Exception):
-    """Raised (and cached nowhere) when an output dtype cannot hold a stored dtype."""
-
-
-def _output_dtype_of(stored: frozenset[str], dtype: Any) -> np.dtype[Any]:
-    float_field = any(_KIND[d] == "f" for d in stored)
-    if dtype is None:
-        return np.dtype(np.float32 if float_field else np.int32)
-    try:
-        out = np.dtype(dtype)
-    except TypeError:
-        raise InvalidRequestError(f"dtype {dtype!r} is not a numpy dtype") from None
-    if out.kind not in "iuf":
-        raise InvalidRequestError(f"dtype must be an integer or float dtype, got {out}")
-    narrow = sorted(d for d in stored if not np.can_cast(d, out, "safe"))
-    if narrow:
-        raise _NarrowDtypeError(out, ", ".join(narrow))
-    native: np.dtype[Any] = out.newbyteorder("=")
-    return native
-
-
-_output_dtype_cached = functools.lru_cache(maxsize=256)(_output_dtype_of)
 
 
 def plan_window(
@@ -351,47 +330,62 @@ def plan_window(
     Notes
     -----
     The row shape is the element-wise maximum of the shapes of the field's segments that
-    intersect the window, or of all of them when none does (DESIGN §4).
+    intersect the window, or of all of them when none does (DESIGN §4). A list of more than
+    a few segments is planned over numpy columns: its cost is a few array operations, not
+    Python work per segment.
     """
     lo, hi = _check_window(lo, hi)
-    segments = validate_segments(segments)
-    mine = [s for s in segments if s.field == field]
+    if isinstance(segments, list | tuple) and len(segments) <= _SMALL:
+        return _plan_few(validate_segments(segments), field, lo, hi, fill, dtype)
+    cols = segment_columns(segments)
+    names = cols.field
+    if names.count(field) == len(names):
+        mine = np.arange(len(names))
+    else:
+        mine = np.flatnonzero(np.fromiter((f == field for f in names), bool, len(names)))
+    if not mine.size:
+        return None
+    kinds = [cols.kinds[k] for k in np.unique(cols.kind[mine]).tolist()]
+    out_dtype, fill = check_kinds(field, kinds, fill, dtype)
+    table, ends, hit_kinds = table_of_columns(cols, mine, lo, hi)
+    shapes = [cols.kinds[k][1] for k in hit_kinds.tolist()] or [k[1] for k in kinds]
+    row_shape = shapes[0] if len(shapes) == 1 else tuple(map(max, zip(*shapes, strict=True)))
+    return WindowPlan(lo, hi, row_shape, out_dtype, fill, table, ends)
+
+
+def _plan_few(
+    segs: list[PayloadSegment], field: str, lo: int, hi: int, fill: Any, dtype: Any
+) -> WindowPlan | None:
+    """`plan_window` of a short, validated list: plain Python, no array operation."""
+    mine = [s for s in segs if s.field == field]
     if not mine:
         return None
-    rank = len(mine[0].shape)
-    if any(len(s.shape) != rank for s in mine):
-        ranks = sorted({len(s.shape) for s in mine})
-        raise InvalidSegmentError(
-            f"segments of field {field!r} have row shapes of different ranks {ranks}",
-            field="shape",
-        )
-    stored = frozenset(s.dtype for s in mine)
-    kinds = {_KIND[d] for d in stored}
-    if "f" in kinds and len(kinds) > 1:
-        raise InvalidSegmentError(
-            f"segments of field {field!r} mix integer and float dtypes", field="dtype"
-        )
-    out_dtype = _output_dtype(field, stored, dtype)
-    fill = _check_fill(fill, out_dtype)
-    hits = [s for s in mine if max(s.pos, lo) < min(s.pos + s.rows, hi)]
-    if len(hits) == 1:
-        row_shape = tuple(hits[0].shape)
-    else:
-        shapes = [s.shape for s in (hits or mine)]
-        row_shape = tuple(max(dims) for dims in zip(*shapes, strict=True))
-    pieces = []
-    for s in hits:
-        start, stop = max(s.pos, lo), min(s.pos + s.rows, hi)
-        rb = _row_nbytes(s)
-        offset = s.offset + (start - s.pos) * rb
-        end = s.offset + s.rows * rb
+    if len(mine) == 1:
+        s = mine[0]
         shape = tuple(s.shape)
-        pieces.append(
-            Piece(
-                s.file, offset, (stop - start) * rb, end, start - lo, stop - start, s.dtype, shape
-            )
-        )
-    return WindowPlan(lo, hi, row_shape, out_dtype, fill, tuple(pieces))
+        out_dtype, fill = check_kinds(field, ((s.dtype, shape),), fill, dtype)
+        a, b = max(s.pos, lo), min(s.pos + s.rows, hi)
+        if a >= b:
+            return WindowPlan(lo, hi, shape, out_dtype, fill, (), {})
+        rb = _ITEMSIZE[s.dtype] * math.prod(shape)
+        end = s.offset + s.rows * rb
+        piece = Piece(s.file, s.offset + (a - s.pos) * rb, (b - a) * rb, end, a - lo, b - a,
+                      s.dtype, shape)  # fmt: skip
+        return WindowPlan(lo, hi, shape, out_dtype, fill, (piece,), {s.file: end})
+    kinds = {(s.dtype, tuple(s.shape)) for s in mine}
+    out_dtype, fill = check_kinds(field, kinds, fill, dtype)
+    hits = []
+    for s in mine:
+        a, b = max(s.pos, lo), min(s.pos + s.rows, hi)
+        if a < b:
+            hits.append((s, a, b))
+    if len(hits) == 1:
+        row_shape = tuple(hits[0][0].shape)
+    else:
+        shapes: list[Sequence[int]] = [s.shape for s, _, _ in hits] or [k[1] for k in kinds]
+        row_shape = tuple(max(dims) for dims in zip(*shapes, strict=True))
+    pieces, ends = pieces_of_hits(hits, lo) if hits else ((), {})
+    return WindowPlan(lo, hi, row_shape, out_dtype, fill, pieces, ends)
 
 
 def prepare_output(plan: WindowPlan, out: np.ndarray | None = None) -> np.ndarray:
@@ -421,7 +415,7 @@ def prepare_output(plan: WindowPlan, out: np.ndarray | None = None) -> np.ndarra
         want = (plan.hi - plan.lo, *plan.row_shape)
         if out.dtype != plan.dtype:
             raise InvalidRequestError(f"out has dtype {out.dtype}, the read gives {plan.dtype}")
-        if (
+        if out.shape != want and (
             out.ndim != len(want)
             or out.shape[0] != want[0]
             or any(o < w for o, w in zip(out.shape[1:], want[1:], strict=True))
@@ -435,11 +429,13 @@ def prepare_output(plan: WindowPlan, out: np.ndarray | None = None) -> np.ndarra
         return out
     # every row a piece touches is written whole; only the others start as fill
     n = plan.hi - plan.lo
-    if any(p.dst == 0 and p.rows == n for p in plan.pieces):
+    covered = plan.covered_rows
+    if covered == n:
         return out
-    covered = _covered(plan.pieces, plan.hi - plan.lo)
-    if not covered.all():
-        out[~covered] = plan.fill
+    if not covered:
+        out[...] = plan.fill
+    else:
+        out[~plan.covered()] = plan.fill
     return out
 
 
@@ -468,14 +464,9 @@ def coverage(plan: WindowPlan | None, lo: int, hi: int) -> np.ndarray:
         ``lo > hi`` or a bound that is not an integer.
     """
     lo, hi = _check_window(lo, hi)
-    return _covered(plan.pieces if plan is not None else (), hi - lo)
-
-
-def _covered(pieces: Sequence[Piece], n: int) -> np.ndarray:
-    covered = np.zeros(n, dtype=bool)
-    for p in pieces:
-        covered[p.dst : p.dst + p.rows] = True
-    return covered
+    if plan is None:
+        return np.zeros(hi - lo, dtype=bool)
+    return plan.covered()
 
 
 def direct_view(

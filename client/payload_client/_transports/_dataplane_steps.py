@@ -36,8 +36,9 @@ from .._errors import (
     error_from_wire,
 )
 from .._fields import check_item
+from .._layout import IOV_MAX, ReadLayout
 from .._segment import PayloadSegment
-from .._windows import PAGE, WindowPlan, direct_view, page_matched, place
+from .._windows import WindowPlan
 from .._wire import (
     AbortRequest,
     AppendItem,
@@ -125,18 +126,35 @@ FUSE client, about once in hundreds of reads of a file being appended to on anot
 for over 0.5 s: its attribute cache keeps a size for 1 s)."""
 
 
-def _pread_into(fd: int, dest: memoryview, offset: int, file: str) -> None:
-    got, pause, waited = 0, 0.001, 0.0
-    while got < dest.nbytes:
-        n = os.preadv(fd, [dest[got:]], offset + got)
-        if n == 0:
+def _pread_into(fd: int, bufs: list[memoryview], offset: int, file: str) -> None:
+    """Fill ``bufs`` (in order) from ``offset`` of ``fd``: one ``preadv`` unless it comes
+    back short."""
+    want = n = os.preadv(fd, bufs, offset)
+    if len(bufs) > 1 or n != bufs[0].nbytes:
+        want = sum(b.nbytes for b in bufs)
+    if n == want:
+        return
+    pause, waited = 0.001, 0.0
+    while True:
+        while bufs and n >= bufs[0].nbytes:  # drop the buffers filled
+            n -= bufs[0].nbytes
+            offset += bufs[0].nbytes
+            bufs = bufs[1:]
+        if not bufs:
+            return
+        if n:
+            bufs = [bufs[0][n:], *bufs[1:]]
+            offset += n
+            n = 0
+        got = os.preadv(fd, bufs, offset)
+        if got == 0:
             if waited >= SHORT_READ_WAIT_S:
                 raise SegmentFileError(f"payload file {file!r} ended during the read")
             os.fstat(fd)  # this node looks at the file's size again
             time.sleep(pause)
             waited, pause = waited + pause, min(2 * pause, 0.1)
             continue
-        got += n
+        n = got
 
 
 def note_steps(leases: LeaseCache, ack: bool) -> Steps[None]:
@@ -311,15 +329,15 @@ def read_steps(
     cache: ReadCache,
     scratch: Scratch,
 ) -> Steps[None]:
-    """Get descriptors for the files not cached yet, then pread every piece into its output.
+    """Get descriptors for the files not cached yet, then preadv every extent of the call
+    (`payload_client._layout.ReadLayout`: pieces back to back in a file are one ``preadv``)
+    into its buffers, and lay the staged rows into the outputs.
 
     A descriptor the daemon marks ``read_once`` (`OpenReply`) serves this read only and is
     closed after it, never cached.
     """
-    ends: dict[str, int] = {}
-    for plan in plans:
-        for p in plan.pieces if plan is not None else ():
-            ends[p.file] = max(ends.get(p.file, 0), p.end)
+    layout = ReadLayout(plans, outs, kernel=True, alloc=scratch.take)
+    ends = layout.ends
     if not ends:
         return
     cache.used.update(ends)  # told to the daemon (GC spares runs in use)
@@ -372,28 +390,20 @@ def read_steps(
                 raise SegmentFileError(
                     f"payload file {f!r} has {sizes[f]} bytes but a segment ends at byte {end}"
                 )
-        total = sum(plan.nbytes for plan in plans if plan is not None)
 
         def read() -> None:
-            for plan, out in zip(plans, outs, strict=True):
-                if plan is None or out is None:
-                    continue
-                for p in plan.pieces:
-                    fd = fds_by_file[p.file]
-                    view = direct_view(plan, out, p)
-                    if view is not None:
-                        _pread_into(fd, view, p.offset, p.file)
-                        continue
-                    buf = scratch.take(p.nbytes + PAGE)
-                    try:
-                        dest = page_matched(buf, p.offset, p.nbytes)
-                        _pread_into(fd, dest.data, p.offset, p.file)
-                        place(plan, out, p, dest)
-                    finally:
-                        scratch.give(buf)
+            for (file, offset, _), bufs in zip(layout.extents, layout.buffers, strict=True):
+                fd = fds_by_file[file]
+                for at in range(0, len(bufs), IOV_MAX):
+                    chunk = bufs[at : at + IOV_MAX]
+                    _pread_into(fd, chunk, offset, file)
+                    offset += sum(b.nbytes for b in chunk)
+            layout.finish()
 
-        yield Blocking(read, total)
+        yield Blocking(read, layout.nbytes)
     finally:
         cache.end()
         for fd in once:
             os.close(fd)
+        if layout.stage is not None:
+            scratch.give(layout.stage)

@@ -1,0 +1,379 @@
+"""Where every byte of one read call goes: coalesced extents and their buffers (no I/O here).
+
+The pieces of the call's windows (`payload_client._plan`) are sorted by ``(file, offset)``
+and gathered into **extents**: byte ranges of one file that one ``preadv`` (data plane) or
+one range of the answer (HTTP) fills. Pieces back to back in a file join an extent; so do
+pieces a small gap apart (at most `GAP` bytes, read into a throwaway buffer: cheaper than
+another system call). Each extent comes with its buffers, in file order:
+
+- **direct** buffers, the output's own bytes, where the stored bytes are the output bytes
+  (same dtype, row shape, C-contiguous, and for a kernel copy not 1-63 bytes past the file
+  offset modulo a page, see `payload_client._windows.page_matched`); pieces that follow
+  each other in the file and in one output share one buffer;
+- **staged** buffers in one scratch array, for rows numpy converts or lays out (other dtype,
+  narrower rows); pieces that follow each other in the file share one;
+- the gaps.
+
+`ReadLayout.finish` then lays the staged rows into the outputs: one numpy copy per run of
+pieces when there are few, else one gather per stored dtype over every row at once (rows of
+ragged widths included: values where a row has them, fill elsewhere), never a Python loop
+per row.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from ._plan import Piece, PieceTable
+from ._windows import _ALIASED, _STORED, PAGE, WindowPlan, place
+
+__all__ = ["GAP", "IOV_MAX", "ReadLayout"]
+
+GAP = 4096
+"""Largest gap (bytes) between two pieces of one file that one extent reads through."""
+IOV_MAX = 1024
+"""Most buffers one ``preadv`` takes (Linux)."""
+_FEW = 16
+"""Calls of at most this many pieces are laid out piece by piece in Python."""
+_DIRECT = 4096
+"""Among many pieces, those smaller than this (bytes) are staged even where they could go
+straight into the output."""
+_MATCHED = 64 << 10
+"""Staged buffers from this size on start at their file offset's place in a page."""
+
+
+class ReadLayout:
+    """The extents of one read call and the buffers their bytes go to.
+
+    Parameters
+    ----------
+    plans : sequence of WindowPlan or None
+        The call's windows.
+    outs : sequence of numpy.ndarray or None
+        Their outputs (`payload_client._windows.prepare_output` done), same order.
+    kernel : bool
+        Whether the kernel copies into the buffers (``preadv``): then a direct buffer
+        must not start 1-63 bytes past its file offset modulo a page.
+    gap : int, default GAP
+        Largest gap between pieces that one extent reads through (0: none; over HTTP the
+        answer carries only the pieces' bytes).
+    alloc : callable, optional
+        ``alloc(n)`` returns a ``uint8`` array of at least ``n`` bytes for the staged rows
+        (default `numpy.empty`).
+
+    Attributes
+    ----------
+    extents : list of tuple
+        ``(file, offset, nbytes)`` of each extent, sorted by file and offset.
+    buffers : list of list of memoryview
+        Each extent's buffers, in file order; their sizes add up to its ``nbytes``.
+    ends : dict
+        Every file the windows name, with the largest segment end in it (bytes).
+    nbytes : int
+        Bytes of all extents (gaps included).
+    stage : numpy.ndarray or None
+        The scratch array of staged rows (to give back to its allocator after `finish`).
+    """
+
+    def __init__(
+        self,
+        plans: Sequence[WindowPlan | None],
+        outs: Sequence[np.ndarray | None],
+        *,
+        kernel: bool,
+        gap: int = GAP,
+        alloc: Callable[[int], np.ndarray] | None = None,
+    ) -> None:
+        self._gap = min(gap, GAP)
+        self.extents: list[tuple[str, int, int]] = []
+        self.buffers: list[list[memoryview]] = []
+        self.ends: dict[str, int] = {}
+        self.stage: np.ndarray | None = None
+        self._alloc = alloc or (lambda n: np.empty(n, np.uint8))
+        self._staged: list[tuple[WindowPlan, np.ndarray, Any]] = []
+        live = []
+        count = 0
+        for plan, out in zip(plans, outs, strict=True):
+            if plan is None:
+                continue
+            if not self.ends:
+                self.ends.update(plan.ends)
+            else:
+                for f, e in plan.ends.items():
+                    if self.ends.get(f, -1) < e:
+                        self.ends[f] = e
+            if out is not None and plan.count:
+                live.append((plan, out))
+                count += plan.count
+        if count <= _FEW:
+            self._few(live, kernel)
+        else:
+            self._many(live, kernel)
+        self.nbytes = sum(n for _, _, n in self.extents)
+
+    # -- few pieces: one Python step each ----------------------------------------------
+
+    def _few(self, live: list[tuple[WindowPlan, np.ndarray]], kernel: bool) -> None:
+        if len(live) == 1 and live[0][0].count == 1:  # one piece: the most common small read
+            plan, out = live[0]
+            p = plan.pieces[0]
+            view = None
+            if out.flags.c_contiguous:
+                view = _direct(plan, out, out.data.cast("B"), p, kernel)
+            if view is None:
+                buf = self._take(p.nbytes + (PAGE if p.nbytes >= _MATCHED else 0))
+                at = (p.offset - buf.ctypes.data) % PAGE if p.nbytes >= _MATCHED else 0
+                view = buf.data[at : at + p.nbytes]
+                self._staged.append((plan, out, (p, view)))
+            self.extents.append((p.file, p.offset, p.nbytes))
+            self.buffers.append([view])
+            return
+        items: list[tuple[str, int, int, memoryview | None, WindowPlan, np.ndarray, Piece]] = []
+        staged = 0
+        for plan, out in live:
+            flat = out.data.cast("B") if out.flags.c_contiguous else None
+            for p in plan.pieces:
+                view = None if flat is None else _direct(plan, out, flat, p, kernel)
+                if view is None:
+                    staged += p.nbytes + (PAGE if p.nbytes >= _MATCHED else 0)
+                items.append((p.file, p.offset, p.nbytes, view, plan, out, p))
+        items.sort(key=lambda it: (it[0], it[1]))
+        stage = self._take(staged) if staged else None
+        at = 0
+        for file, offset, nbytes, got, plan, out, p in items:
+            view = got
+            if view is None:
+                assert stage is not None
+                if nbytes >= _MATCHED:
+                    at += (offset - stage.ctypes.data - at) % PAGE
+                view = stage.data[at : at + nbytes]
+                self._staged.append((plan, out, (p, view)))
+                at += nbytes
+            self._add(file, offset, nbytes, view)
+
+    def _add(self, file: str, offset: int, nbytes: int, view: memoryview) -> None:
+        """Append a buffer: to the last extent when it follows it closely enough."""
+        if self.extents:
+            f, o, n = self.extents[-1]
+            gap = offset - (o + n)
+            if f == file and 0 <= gap <= self._gap:
+                bufs = self.buffers[-1]
+                if gap:
+                    bufs.append(_junk(gap))
+                bufs.append(view)
+                self.extents[-1] = (f, o, n + gap + nbytes)
+                return
+        self.extents.append((file, offset, nbytes))
+        self.buffers.append([view])
+
+    def _take(self, n: int) -> np.ndarray:
+        self.stage = self._alloc(n)
+        return self.stage
+
+    # -- many pieces: array operations -------------------------------------------------
+
+    def _many(self, live: list[tuple[WindowPlan, np.ndarray]], kernel: bool) -> None:
+        files: dict[str, int] = {}
+        cols: list[list[np.ndarray]] = [[] for _ in range(7)]
+        for w, (plan, out) in enumerate(live):
+            t = plan.table
+            fmap = np.array([files.setdefault(f, len(files)) for f in t.files], np.intp)
+            ok = _direct_kinds(t, out)
+            # a small piece among many is staged: one buffer less, and one gather lays out
+            # all of them
+            direct = ok[t.kind] & (t.nbytes >= _DIRECT)
+            row = out.itemsize * math.prod(out.shape[1:])
+            dstb = t.dst * row
+            if kernel and direct.any():
+                shift = (out.ctypes.data + dstb - t.offset) % PAGE
+                direct &= ~((shift > 0) & (shift < _ALIASED))
+            for c, v in zip(
+                cols,
+                (fmap[t.file], t.offset, t.nbytes, direct, np.full(t.file.size, w), dstb,
+                 np.arange(t.file.size)),
+                strict=True,
+            ):  # fmt: skip
+                c.append(v)
+        fcode, off, nb, direct, win, dstb, idx = (np.concatenate(c) for c in cols)
+        order = np.lexsort((off, fcode))
+        fcode, off, nb, direct = fcode[order], off[order], nb[order], direct[order]
+        win, dstb, idx = win[order], dstb[order], idx[order]
+        gap = off[1:] - (off[:-1] + nb[:-1])
+        ext_break = (fcode[1:] != fcode[:-1]) | (gap < 0) | (gap > self._gap)
+        buf_break = (
+            ext_break
+            | (gap > 0)
+            | (direct[1:] != direct[:-1])
+            | (direct[1:] & ((win[1:] != win[:-1]) | (dstb[1:] != dstb[:-1] + nb[:-1])))
+        )
+        first = np.flatnonzero(np.concatenate(([True], buf_break)))
+        buf_bytes = np.add.reduceat(nb, first)
+        buf_direct = direct[first]
+        # staged buffers: back to back in the stage, large ones page-matched to the file
+        staged_bytes = np.where(buf_direct, 0, buf_bytes + np.where(buf_bytes >= _MATCHED, PAGE, 0))
+        total = int(staged_bytes.sum())
+        # room past the end: a gather of ragged rows reads an output row's width from each
+        tail = max(math.prod(out.shape[1:]) for _, out in live) * 4
+        stage = self._take(total + tail) if total else None
+        buf_at = np.concatenate(([0], np.cumsum(staged_bytes)[:-1]))
+        if stage is not None:
+            big = (~buf_direct) & (buf_bytes >= _MATCHED)
+            buf_at[big] += (off[first][big] - stage.ctypes.data - buf_at[big]) % PAGE
+        of_buf = np.cumsum(np.concatenate(([True], buf_break))) - 1
+        ext_first = np.concatenate(([True], ext_break))[first]
+        # the buffers, one Python step each (not one a piece: a run of pieces is one buffer)
+        flats = [out.data.cast("B") if out.flags.c_contiguous else None for _, out in live]
+        stage_view = stage.data if stage is not None else None
+        gaps = np.concatenate(([0], gap))[first].tolist()
+        names = list(files)
+        for fi, o, n, d, w, db, at, new, g in zip(
+            fcode[first].tolist(), off[first].tolist(), buf_bytes.tolist(),
+            buf_direct.tolist(), win[first].tolist(), dstb[first].tolist(),
+            buf_at.tolist(), ext_first.tolist(), gaps,
+            strict=True,
+        ):  # fmt: skip
+            if d:
+                flat = flats[w]
+                assert flat is not None
+                view = flat[db : db + n]
+            else:
+                assert stage_view is not None
+                view = stage_view[at : at + n]
+            if new:
+                self.extents.append((names[fi], o, n))
+                self.buffers.append([view])
+            else:
+                f, eo, en = self.extents[-1]
+                bufs = self.buffers[-1]
+                if g:
+                    bufs.append(_junk(g))
+                bufs.append(view)
+                self.extents[-1] = (f, eo, en + g + n)
+        # where each staged piece's bytes lie in the stage
+        staged = ~direct
+        if staged.any():
+            src = buf_at[of_buf] + (off - off[first][of_buf])
+            for w, (plan, out) in enumerate(live):
+                mine = staged & (win == w)
+                if mine.any():
+                    self._staged.append((plan, out, (idx[mine], src[mine])))
+
+    # -- after the I/O -----------------------------------------------------------------
+
+    def finish(self) -> None:
+        """Lay the staged rows into their outputs (after every extent's bytes arrived)."""
+        for plan, out, what in self._staged:
+            if isinstance(what[0], Piece):
+                place(plan, out, what[0], what[1])
+                continue
+            idx, src = what
+            assert self.stage is not None
+            _scatter(plan, out, self.stage, idx, src)
+
+
+def _direct(
+    plan: WindowPlan, out: np.ndarray, flat: memoryview, p: Piece, kernel: bool
+) -> memoryview | None:
+    if p.shape != out.shape[1:] or out.dtype != _STORED[p.dtype]:
+        return None
+    start = p.dst * (p.nbytes // p.rows)
+    # a copy of less than a page is fast wherever it lands (and finding out costs more)
+    if kernel and p.nbytes >= PAGE and 0 < (out.ctypes.data + start - p.offset) % PAGE < _ALIASED:
+        return None
+    return flat[start : start + p.nbytes]
+
+
+def _direct_kinds(t: PieceTable, out: np.ndarray) -> np.ndarray:
+    """``bool [len(t.kinds)]``: which kinds' stored bytes are ``out``'s bytes."""
+    c = out.flags.c_contiguous
+    return np.array(
+        [c and shape == out.shape[1:] and out.dtype == _STORED[d] for d, shape in t.kinds]
+        or [False],
+        bool,
+    )
+
+
+_JUNK = np.empty(GAP, np.uint8)
+
+
+def _junk(n: int) -> memoryview:
+    """A throwaway buffer for a gap (bytes nobody looks at: one buffer serves every gap)."""
+    return _JUNK.data[:n]
+
+
+def _scatter(
+    plan: WindowPlan, out: np.ndarray, stage: np.ndarray, idx: np.ndarray, src: np.ndarray
+) -> None:
+    """Lay pieces ``idx`` of ``plan.table`` (their bytes at ``src`` of ``stage``) into
+    ``out``: few pieces one copy each, many as one gather per stored dtype and rank."""
+    t = plan.table
+    if idx.size <= _FEW:
+        view = stage.data
+        for i, at in zip(idx.tolist(), src.tolist(), strict=True):
+            n = int(t.nbytes[i])
+            p = Piece(
+                t.files[int(t.file[i])], int(t.offset[i]), n, int(t.end[i]), int(t.dst[i]),
+                int(t.rows[i]), *t.kinds[int(t.kind[i])],
+            )  # fmt: skip
+            place(plan, out, p, view[at : at + n])
+        return
+    kind = t.kind[idx]
+    groups: dict[tuple[str, int], list[int]] = {}  # rank-1 rows of one dtype: one gather
+    for k in np.unique(kind).tolist():
+        dtype, shape = t.kinds[k]
+        key = (dtype, -1) if len(shape) == 1 else (dtype, k)
+        groups.setdefault(key, []).append(k)
+    for (dtype, _), ks in groups.items():
+        sel = kind == ks[0] if len(ks) == 1 else np.isin(kind, ks)
+        _gather(plan, out, stage, np.dtype(_STORED[dtype]), t, idx[sel], src[sel])
+
+
+def _gather(
+    plan: WindowPlan,
+    out: np.ndarray,
+    stage: np.ndarray,
+    dtype: np.dtype[Any],
+    t: PieceTable,
+    idx: np.ndarray,
+    src: np.ndarray,
+) -> None:
+    """Copy every row of some pieces of one stored dtype from the stage into ``out`` in one
+    gather: pieces of one row shape, or of rank-1 rows of any widths (values where a row has
+    them, fill in the rest of the output row)."""
+    k = dtype.itemsize
+    kinds = t.kind[idx]
+    shapes = [t.kinds[j][1] for j in np.unique(kinds).tolist()]
+    ragged = len(shapes) > 1
+    per_kind = np.array([math.prod(t.kinds[j][1]) for j in range(len(t.kinds))], np.int64)
+    per = per_kind[kinds]  # elements a row, each piece
+    rows = t.rows[idx]
+    total = int(rows.sum())
+    rep = np.repeat(np.arange(idx.size), rows)
+    within = np.arange(total) - (np.cumsum(rows) - rows)[rep]
+    dst_rows = t.dst[idx][rep] + within
+    phase = src % k
+    width = int(out.shape[1]) if ragged else int(per[0])
+    for r in np.unique(phase).tolist():  # elements of a dtype lie at one byte phase
+        sel = None if r == phase[0] and (phase == r).all() else (phase == r)[rep]
+        typed = np.ndarray(((stage.nbytes - r) // k,), dtype, buffer=stage.data, offset=r)
+        first = (src[rep] - r) // k + within * per[rep]
+        dr = dst_rows
+        if sel is not None:
+            first, dr = first[sel], dst_rows[sel]
+        got = np.lib.stride_tricks.sliding_window_view(typed, width)[first]
+        if ragged:  # rank-1 rows of several widths: the stage has room past its end
+            n = per[rep] if sel is None else per[rep][sel]
+            fill = np.array(plan.fill, out.dtype)
+            out[dr] = np.where(np.arange(width) < n[:, None], got, fill)
+            continue
+        shape = shapes[0]
+        got = got.reshape(-1, *shape)
+        if shape == out.shape[1:]:
+            out[dr] = got
+        else:
+            out[dr] = plan.fill
+            out[(dr, *(slice(0, d) for d in shape))] = got

@@ -1,0 +1,420 @@
+"""Which bytes of which files land on which output rows of a window (DESIGN §4), as pieces.
+
+A window's plan is a set of **pieces**, each a run of rows of one segment: ``nbytes`` bytes of
+``file`` from ``offset`` that land on output rows ``[dst, dst + rows)``. The rule "later
+segments win, row by row" is applied here, once: the pieces of a plan cover disjoint output
+rows (each row only by the last segment in list order that has it), so they may be read in
+any order. They are sorted by ``(file, offset)``, and pieces that follow each other in the file,
+in the output and are of one row kind are merged: back-to-back appends of one lease become one
+piece, one ``preadv``.
+
+Two planners give the same pieces: `pieces_of_hits` in plain Python for the few segments of a
+small read (its cost is a handful of Python operations), `table_of_columns` over numpy
+columns (`payload_client._segment.SegmentColumns`) for many, where no Python loop runs per
+segment unless segments overlap.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from ._errors import InvalidRequestError, InvalidSegmentError
+from ._segment import SUPPORTED_DTYPES, PayloadSegment, SegmentColumns, _row_nbytes
+
+__all__ = [
+    "Kind",
+    "Piece",
+    "PieceTable",
+    "check_kinds",
+    "pieces_of_hits",
+    "table_of_columns",
+    "table_of_pieces",
+]
+
+_KIND = {name: np.dtype(name).kind for name in SUPPORTED_DTYPES}
+
+Kind = tuple[str, tuple[int, ...]]
+"""A row kind: the stored dtype name and the shape of one row."""
+
+
+class Piece(NamedTuple):
+    """Rows of one segment that a window reads: the rows of the window no later segment has.
+
+    Attributes
+    ----------
+    file : str
+        Data file relative to the payload root.
+    offset : int
+        Byte offset of the first needed row.
+    nbytes : int
+        Bytes to read (needed rows times the row size).
+    end : int
+        Byte offset just past the whole segment (of the last, if merged ones): the file must be
+        at least this long.
+    dst : int
+        Output row the first needed row lands on (``position - lo``).
+    rows : int
+        Number of needed rows.
+    dtype : str
+        Stored dtype of one element.
+    shape : tuple of int
+        Stored shape of one row.
+    """
+
+    file: str
+    offset: int
+    nbytes: int
+    end: int
+    dst: int
+    rows: int
+    dtype: str
+    shape: tuple[int, ...]
+
+
+class PieceTable(NamedTuple):
+    """The pieces of a plan as columns (``[m]`` each), sorted by ``(file, offset)``.
+
+    Attributes
+    ----------
+    files : tuple of str
+        The files ``file`` indexes.
+    kinds : tuple of Kind
+        The row kinds ``kind`` indexes.
+    file, kind : numpy.ndarray
+        ``intp [m]``.
+    offset, nbytes, end, dst, rows : numpy.ndarray
+        ``int64 [m]``, as the attributes of `Piece`.
+    """
+
+    files: tuple[str, ...]
+    kinds: tuple[Kind, ...]
+    file: np.ndarray
+    offset: np.ndarray
+    nbytes: np.ndarray
+    end: np.ndarray
+    dst: np.ndarray
+    rows: np.ndarray
+    kind: np.ndarray
+
+    def pieces(self) -> tuple[Piece, ...]:
+        """The same pieces as `Piece` tuples."""
+        files, kinds = self.files, self.kinds
+        cols = zip(
+            self.file.tolist(),
+            self.offset.tolist(),
+            self.nbytes.tolist(),
+            self.end.tolist(),
+            self.dst.tolist(),
+            self.rows.tolist(),
+            self.kind.tolist(),
+            strict=True,
+        )
+        return tuple(Piece(files[f], o, n, e, d, r, *kinds[k]) for f, o, n, e, d, r, k in cols)
+
+
+def table_of_pieces(pieces: Sequence[Piece]) -> PieceTable:
+    """Columns of ``pieces`` (as given: already disjoint and sorted)."""
+    files: dict[str, int] = {}
+    kinds: dict[Kind, int] = {}
+    m = len(pieces)
+    fcode = np.fromiter((files.setdefault(p.file, len(files)) for p in pieces), np.intp, m)
+    kcode = np.fromiter(
+        (kinds.setdefault((p.dtype, p.shape), len(kinds)) for p in pieces), np.intp, m
+    )
+
+    def col(i: int) -> np.ndarray:
+        return np.fromiter((p[i] for p in pieces), np.int64, m)
+
+    return PieceTable(
+        tuple(files), tuple(kinds), fcode, col(1), col(2), col(3), col(4), col(5), kcode
+    )
+
+
+def _free(a: int, b: int, taken: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The parts of ``[a, b)`` outside ``taken`` (sorted, disjoint intervals)."""
+    out, cur = [], a
+    for x, y in taken:
+        if y <= cur:
+            continue
+        if x >= b:
+            break
+        if x > cur:
+            out.append((cur, x))
+        cur = max(cur, y)
+        if cur >= b:
+            return out
+    if cur < b:
+        out.append((cur, b))
+    return out
+
+
+def pieces_of_hits(
+    hits: Sequence[tuple[PayloadSegment, int, int]], lo: int
+) -> tuple[tuple[Piece, ...], dict[str, int]]:
+    """Pieces of a few segments that intersect a window, and the end each file must reach.
+
+    Parameters
+    ----------
+    hits : sequence of (segment, start, stop)
+        Valid segments in list order with the positions ``[start, stop)`` of the window they
+        have (non-empty).
+    lo : int
+        The window's first position.
+
+    Returns
+    -------
+    pieces : tuple of Piece
+        Disjoint in output rows (later hits win), sorted by ``(file, offset)``, merged.
+    ends : dict
+        Each file any hit names, with the largest segment end in it (bytes).
+    """
+    ends: dict[str, int] = {}
+    spans: list[tuple[PayloadSegment, int, int, int]] = []  # (segment, row bytes, x, y)
+    if len(hits) == 1:
+        s, a, b = hits[0]
+        rb = _row_nbytes(s)
+        ends[s.file] = s.offset + s.rows * rb
+        spans.append((s, rb, a, b))
+    else:
+        taken: list[tuple[int, int]] = []
+        for s, a, b in reversed(hits):  # the last hit has its rows; earlier ones what is left
+            rb = _row_nbytes(s)
+            end = s.offset + s.rows * rb
+            if ends.get(s.file, -1) < end:
+                ends[s.file] = end
+            for x, y in _free(a, b, taken):
+                spans.append((s, rb, x, y))
+            taken = _merged([*taken, (a, b)])
+    pieces = sorted(
+        Piece(
+            s.file,
+            s.offset + (x - s.pos) * rb,
+            (y - x) * rb,
+            s.offset + s.rows * rb,
+            x - lo,
+            y - x,
+            s.dtype,
+            tuple(s.shape),
+        )
+        for s, rb, x, y in spans
+    )
+    merged: list[Piece] = []
+    for p in pieces:
+        if merged:
+            q = merged[-1]
+            if (
+                q.file == p.file
+                and q.offset + q.nbytes == p.offset
+                and q.dst + q.rows == p.dst
+                and q.dtype == p.dtype
+                and q.shape == p.shape
+            ):
+                merged[-1] = q._replace(
+                    nbytes=q.nbytes + p.nbytes, rows=q.rows + p.rows, end=max(q.end, p.end)
+                )
+                continue
+        merged.append(p)
+    return tuple(merged), ends
+
+
+def _merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def table_of_columns(
+    cols: SegmentColumns, mine: np.ndarray, lo: int, hi: int
+) -> tuple[PieceTable, dict[str, int], np.ndarray]:
+    """Pieces of the segments ``mine`` (indices into ``cols``, in list order) for ``[lo, hi)``.
+
+    Returns
+    -------
+    table : PieceTable
+        Disjoint in output rows (later segments win), sorted by ``(file, offset)``, merged.
+    ends : dict
+        Each file an intersecting segment names, with the largest segment end in it.
+    hit_kinds : numpy.ndarray
+        ``intp``: the distinct kinds (indices into ``cols.kinds``) of the intersecting
+        segments.
+    """
+    pos, nrows_all = cols.pos[mine], cols.rows[mine]
+    start = np.maximum(pos, lo)
+    stop = np.minimum(pos + nrows_all, hi)
+    hit = start < stop
+    h = mine[hit]
+    start, stop, pos = start[hit], stop[hit], pos[hit]
+    rb = cols.row_nbytes[h]
+    base = cols.offset[h]
+    end = base + cols.rows[h] * rb
+    kind = cols.kind[h]
+    files: dict[str, int] = {}
+    names = cols.file
+    fcode = np.fromiter(
+        (files.setdefault(names[i], len(files)) for i in h.tolist()), np.intp, h.size
+    )
+    reach = np.zeros(len(files), np.int64)
+    np.maximum.at(reach, fcode, end)
+    ends = dict(zip(files, reach.tolist(), strict=True))
+    dst, rows = start - lo, stop - start
+    off = base + (start - pos) * rb
+    if h.size > 1:
+        order = np.argsort(dst, kind="stable")
+        first, last = dst[order], (dst + rows)[order]
+        if (first[1:] < np.maximum.accumulate(last)[:-1]).any():  # overlaps: later wins
+            dst, rows, w = _winners(dst, rows)
+            off = off[w] + (dst - (start[w] - lo)) * rb[w]
+            fcode, kind, rb, end = fcode[w], kind[w], rb[w], end[w]
+    nbytes = rows * rb
+    order = np.lexsort((off, fcode))
+    fcode, off, nbytes, end = fcode[order], off[order], nbytes[order], end[order]
+    dst, rows, kind = dst[order], rows[order], kind[order]
+    if fcode.size > 1:
+        brk = (
+            (fcode[1:] != fcode[:-1])
+            | (off[1:] != off[:-1] + nbytes[:-1])
+            | (dst[1:] != dst[:-1] + rows[:-1])
+            | (kind[1:] != kind[:-1])
+        )
+        if brk.all():
+            pass
+        else:
+            at = np.flatnonzero(np.concatenate(([True], brk)))
+            nbytes = np.add.reduceat(nbytes, at)
+            rows = np.add.reduceat(rows, at)
+            end = np.maximum.reduceat(end, at)
+            fcode, off, dst, kind = fcode[at], off[at], dst[at], kind[at]
+    table = PieceTable(tuple(files), tuple(cols.kinds), fcode, off, nbytes, end, dst, rows, kind)
+    return table, ends, np.unique(cols.kind[h])
+
+
+def _winners(dst: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Overlapping spans ``[dst, dst + rows)`` in list order → disjoint runs, each with the
+    last span that has it: ``(first row, rows, index of the span)``."""
+    bounds = np.unique(np.concatenate((dst, dst + rows)))
+    winner = np.full(bounds.size - 1, -1, np.intp)
+    a = np.searchsorted(bounds, dst)
+    b = np.searchsorted(bounds, dst + rows)
+    for j, (x, y) in enumerate(zip(a.tolist(), b.tolist(), strict=True)):
+        winner[x:y] = j
+    keep = winner >= 0
+    first = bounds[:-1][keep]
+    return first, bounds[1:][keep] - first, winner[keep]
+
+
+def _check_fill(fill: Any, dtype: np.dtype[Any]) -> int | float:
+    if type(fill) is int and dtype.kind in "iu":  # the usual case, quickly
+        lo, hi = _int_range(dtype)
+        if lo <= fill <= hi:
+            return fill
+        raise _bad_fill(fill, dtype)
+    if isinstance(fill, bool) or not isinstance(fill, int | float | np.integer | np.floating):
+        raise InvalidRequestError(f"fill must be a number, got {type(fill).__name__}")
+    if dtype.kind in "iu":
+        lo, hi = _int_range(dtype)  # an int fill is compared as it is, never through float
+        if isinstance(fill, float | np.floating) and not float(fill).is_integer():
+            raise _bad_fill(fill, dtype)
+        if not lo <= fill <= hi:
+            raise _bad_fill(fill, dtype)
+        return int(fill)
+    try:
+        value = float(fill)
+    except OverflowError:  # an int no float holds
+        raise _bad_fill(fill, dtype) from None
+    if math.isfinite(value) and abs(value) > _float_max(dtype):  # NaN and inf are values
+        raise _bad_fill(fill, dtype)
+    return value
+
+
+def _bad_fill(fill: Any, dtype: np.dtype[Any]) -> InvalidRequestError:
+    return InvalidRequestError(f"fill {str(fill)[:40]} does not fit the output dtype {dtype}")
+
+
+@functools.lru_cache(maxsize=64)
+def _float_max(dtype: np.dtype[Any]) -> float:
+    return float(np.finfo(dtype).max)
+
+
+@functools.lru_cache(maxsize=64)
+def _int_range(dtype: np.dtype[Any]) -> tuple[int, int]:
+    info = np.iinfo(dtype)
+    return int(info.min), int(info.max)
+
+
+def _output_dtype(field: str, stored: frozenset[str], dtype: Any) -> np.dtype[Any]:
+    """The output dtype: int32/float32 by default (DESIGN §4), else ``dtype`` if it holds
+    every stored dtype of the field without loss."""
+    try:
+        try:
+            return _output_dtype_cached(stored, dtype)
+        except TypeError:  # an unhashable dtype argument: not cached
+            return _output_dtype_of(stored, dtype)
+    except _NarrowDtypeError as exc:
+        raise InvalidRequestError(
+            f"dtype {exc.args[0]} cannot hold the {exc.args[1]} rows of field {field!r}"
+        ) from None
+
+
+class _NarrowDtypeError(Exception):
+    """Raised (and cached nowhere) when an output dtype cannot hold a stored dtype."""
+
+
+def _output_dtype_of(stored: frozenset[str], dtype: Any) -> np.dtype[Any]:
+    float_field = any(_KIND[d] == "f" for d in stored)
+    if dtype is None:
+        return np.dtype(np.float32 if float_field else np.int32)
+    try:
+        out = np.dtype(dtype)
+    except TypeError:
+        raise InvalidRequestError(f"dtype {dtype!r} is not a numpy dtype") from None
+    if out.kind not in "iuf":
+        raise InvalidRequestError(f"dtype must be an integer or float dtype, got {out}")
+    narrow = sorted(d for d in stored if not np.can_cast(d, out, "safe"))
+    if narrow:
+        raise _NarrowDtypeError(out, ", ".join(narrow))
+    native: np.dtype[Any] = out.newbyteorder("=")
+    return native
+
+
+_output_dtype_cached = functools.lru_cache(maxsize=256)(_output_dtype_of)
+
+
+def check_kinds(
+    field: str, kinds: Iterable[Kind], fill: Any, dtype: Any
+) -> tuple[np.dtype[Any], int | float]:
+    """The output dtype and fill of a field whose segments have these row kinds.
+
+    Raises
+    ------
+    InvalidSegmentError
+        Row shapes of different ranks; integer and float dtypes mixed.
+    InvalidRequestError
+        A ``dtype`` or ``fill`` that does not fit.
+    """
+    kinds = list(kinds)
+    if len(kinds) == 1:
+        stored = frozenset((kinds[0][0],))
+        out_dtype = _output_dtype(field, stored, dtype)
+        return out_dtype, _check_fill(fill, out_dtype)
+    ranks = {len(shape) for _, shape in kinds}
+    if len(ranks) > 1:
+        raise InvalidSegmentError(
+            f"segments of field {field!r} have row shapes of different ranks {sorted(ranks)}",
+            field="shape",
+        )
+    stored = frozenset(d for d, _ in kinds)
+    if len(stored) > 1 and len({_KIND[d] == "f" for d in stored}) > 1:
+        raise InvalidSegmentError(
+            f"segments of field {field!r} mix integer and float dtypes", field="dtype"
+        )
+    out_dtype = _output_dtype(field, stored, dtype)
+    return out_dtype, _check_fill(fill, out_dtype)
