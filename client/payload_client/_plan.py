@@ -24,13 +24,22 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ._errors import InvalidRequestError, InvalidSegmentError
-from ._segment import SUPPORTED_DTYPES, PayloadSegment, SegmentColumns, _row_nbytes
+from ._segment import (
+    SUPPORTED_DTYPES,
+    PayloadSegment,
+    SegmentColumns,
+    _row_nbytes,
+    segment_columns,
+)
 
 __all__ = [
+    "FieldColumns",
     "Kind",
+    "ListColumns",
     "Piece",
     "PieceTable",
     "check_kinds",
+    "list_columns",
     "pieces_of_hits",
     "table_of_columns",
     "table_of_pieces",
@@ -232,10 +241,160 @@ def _merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return out
 
 
+class ListColumns:
+    """A validated segment list as columns, with what every plan of it reuses.
+
+    Parameters
+    ----------
+    cols : SegmentColumns
+        The list's columns (`payload_client._segment.segment_columns`).
+
+    Attributes
+    ----------
+    cols : SegmentColumns
+        As given.
+    files : tuple of str
+        The distinct files of the list.
+    fcode : numpy.ndarray
+        ``intp [n]``: each segment's index into ``files``.
+    """
+
+    __slots__ = ("_fields", "cols", "fcode", "files")
+
+    def __init__(self, cols: SegmentColumns) -> None:
+        self.cols = cols
+        names, n = cols.file, len(cols.file)
+        if n and names.count(names[0]) == n:  # one file (found out at C speed)
+            self.files: tuple[str, ...] = (names[0],)
+            self.fcode = np.zeros(n, np.intp)
+        else:
+            codes: dict[str, int] = {}
+            self.fcode = np.fromiter((codes.setdefault(f, len(codes)) for f in names), np.intp, n)
+            self.files = tuple(codes)
+        self._fields: dict[str, FieldColumns] = {}
+
+    def field(self, name: str) -> FieldColumns:
+        """The columns of the segments of field ``name`` (made once per list and field)."""
+        got = self._fields.get(name)
+        if got is None:
+            names = self.cols.field
+            if names.count(name) == len(names):
+                mine = np.arange(len(names))
+            else:
+                mine = np.flatnonzero(np.fromiter((f == name for f in names), bool, len(names)))
+            got = self._fields[name] = FieldColumns(self, mine)
+        return got
+
+
+class FieldColumns:
+    """The segments of one field of a list, ready for many windows.
+
+    Attributes
+    ----------
+    mine : numpy.ndarray
+        ``intp``: their indices in the list, in list order.
+    kinds : list of Kind
+        Their distinct row kinds (placeholders included).
+    disjoint : bool
+        Whether no two of them share a token position: then no window needs "later wins",
+        and `table` plans one from columns sorted by file and offset once, for all windows.
+    """
+
+    __slots__ = ("_base", "_fcode", "_fend", "_kind", "_link", "_one", "_pos", "_rb", "_stop",
+                 "disjoint", "kinds", "lc", "mine")  # fmt: skip
+
+    def __init__(self, lc: ListColumns, mine: np.ndarray) -> None:
+        cols = lc.cols
+        self.lc, self.mine = lc, mine
+        kind = cols.kind[mine]
+        uniq = np.unique(kind).tolist()
+        self.kinds = [cols.kinds[k] for k in uniq]
+        self._one = uniq[0] if len(uniq) == 1 else None
+        rows = cols.rows[mine]
+        m = mine[rows > 0]  # placeholders have no rows: no window reads them
+        pos, stop = cols.pos[m], cols.pos[m] + cols.rows[m]
+        by_pos = np.argsort(pos, kind="stable")
+        self.disjoint = not (pos[by_pos][1:] < np.maximum.accumulate(stop[by_pos])[:-1]).any()
+        if not self.disjoint:
+            return
+        base, fcode = cols.offset[m], lc.fcode[m]
+        order = np.lexsort((base, fcode))
+        self._pos, self._stop, self._base = pos[order], stop[order], base[order]
+        self._rb, self._fcode, self._kind = (
+            cols.row_nbytes[m][order],
+            fcode[order],
+            cols.kind[m][order],
+        )
+        self._fend = self._base + (self._stop - self._pos) * self._rb
+        # each segment and the next (in file order) back to back in the file and in positions
+        self._link = (
+            (self._fcode[1:] == self._fcode[:-1])
+            & (self._fend[:-1] == self._base[1:])
+            & (self._stop[:-1] == self._pos[1:])
+            & (self._kind[1:] == self._kind[:-1])
+        )
+
+    def table(self, lo: int, hi: int) -> tuple[PieceTable, dict[str, int], list[int]]:
+        """The pieces of ``[lo, hi)`` of a `disjoint` field, the end each file must reach,
+        and the kinds (indices into the list's kinds) of the segments that intersect it."""
+        hit = (self._pos < hi) & (self._stop > lo)  # (an empty window has no hit)
+        idx = np.flatnonzero(hit) if lo < hi else np.zeros(0, np.intp)
+        if idx.size > 1:
+            brk = (idx[1:] != idx[:-1] + 1) | ~self._link[idx[:-1]]
+            first = idx[np.concatenate(([True], brk))]
+            last = idx[np.concatenate((brk, [True]))]
+        else:
+            first = last = idx
+        start = np.maximum(self._pos[first], lo)
+        rows = np.minimum(self._stop[last], hi) - start
+        rb = self._rb[first]
+        off = self._base[first] + (start - self._pos[first]) * rb
+        fcode, fend = self._fcode[first], self._fend[last]
+        files = self.lc.files
+        if len(files) == 1:
+            ends = {files[0]: int(fend.max())} if fend.size else {}
+        else:
+            reach = np.full(len(files), -1, np.int64)
+            np.maximum.at(reach, fcode, fend)
+            used = np.flatnonzero(reach >= 0).tolist()
+            ends = {files[i]: e for i, e in zip(used, reach[used].tolist(), strict=True)}
+        kinds = self._kind[first]
+        table = PieceTable(
+            files, tuple(self.lc.cols.kinds), fcode, off, rows * rb, fend, start - lo, rows, kinds
+        )
+        if not idx.size:
+            return table, ends, []
+        return table, ends, [self._one] if self._one is not None else np.unique(kinds).tolist()
+
+
+_CACHED: list[tuple[tuple[PayloadSegment, ...], ListColumns]] = []
+"""The columns of the last lists planned (a trainer reads several windows of one list)."""
+_CACHE_LISTS = 2
+
+
+def list_columns(segments: Sequence[PayloadSegment]) -> ListColumns:
+    """`ListColumns` of ``segments``, validated as `validate_segments` does (same errors).
+
+    The last lists' columns are kept: a list equal to one of them (the same segments, as
+    values; compared at C speed, identity first) is not validated or taken apart again.
+    Segments are values (`PayloadSegment` is frozen): a ``shape`` list changed in place
+    after a read is not seen.
+    """
+    if not isinstance(segments, list | tuple):
+        return ListColumns(segment_columns(segments))  # validates, raises for non-lists
+    key = tuple(segments)
+    for cached_key, cached in _CACHED:
+        if cached_key == key:
+            return cached
+    got = ListColumns(segment_columns(key))
+    _CACHED[:] = [(key, got), *_CACHED[: _CACHE_LISTS - 1]]
+    return got
+
+
 def table_of_columns(
-    cols: SegmentColumns, mine: np.ndarray, lo: int, hi: int
+    lc: ListColumns, mine: np.ndarray, lo: int, hi: int
 ) -> tuple[PieceTable, dict[str, int], np.ndarray]:
-    """Pieces of the segments ``mine`` (indices into ``cols``, in list order) for ``[lo, hi)``.
+    """Pieces of the segments ``mine`` (indices into ``lc``, in list order) for ``[lo, hi)``.
 
     Returns
     -------
@@ -247,6 +406,7 @@ def table_of_columns(
         ``intp``: the distinct kinds (indices into ``cols.kinds``) of the intersecting
         segments.
     """
+    cols = lc.cols
     pos, nrows_all = cols.pos[mine], cols.rows[mine]
     start = np.maximum(pos, lo)
     stop = np.minimum(pos + nrows_all, hi)
@@ -257,14 +417,12 @@ def table_of_columns(
     base = cols.offset[h]
     end = base + cols.rows[h] * rb
     kind = cols.kind[h]
-    files: dict[str, int] = {}
-    names = cols.file
-    fcode = np.fromiter(
-        (files.setdefault(names[i], len(files)) for i in h.tolist()), np.intp, h.size
-    )
-    reach = np.zeros(len(files), np.int64)
+    fcode = lc.fcode[h]
+    reach = np.full(len(lc.files), -1, np.int64)
     np.maximum.at(reach, fcode, end)
-    ends = dict(zip(files, reach.tolist(), strict=True))
+    used = np.flatnonzero(reach >= 0).tolist()
+    files = lc.files
+    ends = {files[i]: e for i, e in zip(used, reach[used].tolist(), strict=True)}
     dst, rows = start - lo, stop - start
     off = base + (start - pos) * rb
     if h.size > 1:
@@ -285,15 +443,13 @@ def table_of_columns(
             | (dst[1:] != dst[:-1] + rows[:-1])
             | (kind[1:] != kind[:-1])
         )
-        if brk.all():
-            pass
-        else:
+        if not brk.all():
             at = np.flatnonzero(np.concatenate(([True], brk)))
             nbytes = np.add.reduceat(nbytes, at)
             rows = np.add.reduceat(rows, at)
             end = np.maximum.reduceat(end, at)
             fcode, off, dst, kind = fcode[at], off[at], dst[at], kind[at]
-    table = PieceTable(tuple(files), tuple(cols.kinds), fcode, off, nbytes, end, dst, rows, kind)
+    table = PieceTable(files, tuple(cols.kinds), fcode, off, nbytes, end, dst, rows, kind)
     return table, ends, np.unique(cols.kind[h])
 
 

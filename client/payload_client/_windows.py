@@ -21,6 +21,7 @@ from ._plan import (
     Piece,
     PieceTable,
     check_kinds,
+    list_columns,
     pieces_of_hits,
     table_of_columns,
     table_of_pieces,
@@ -28,7 +29,6 @@ from ._plan import (
 from ._segment import (
     SUPPORTED_DTYPES,
     PayloadSegment,
-    segment_columns,
     validate_segments,
 )
 
@@ -337,18 +337,18 @@ def plan_window(
     lo, hi = _check_window(lo, hi)
     if isinstance(segments, list | tuple) and len(segments) <= _SMALL:
         return _plan_few(validate_segments(segments), field, lo, hi, fill, dtype)
-    cols = segment_columns(segments)
-    names = cols.field
-    if names.count(field) == len(names):
-        mine = np.arange(len(names))
-    else:
-        mine = np.flatnonzero(np.fromiter((f == field for f in names), bool, len(names)))
-    if not mine.size:
+    lc = list_columns(segments)
+    fc = lc.field(field)
+    if not fc.mine.size:
         return None
-    kinds = [cols.kinds[k] for k in np.unique(cols.kind[mine]).tolist()]
-    out_dtype, fill = check_kinds(field, kinds, fill, dtype)
-    table, ends, hit_kinds = table_of_columns(cols, mine, lo, hi)
-    shapes = [cols.kinds[k][1] for k in hit_kinds.tolist()] or [k[1] for k in kinds]
+    out_dtype, fill = check_kinds(field, fc.kinds, fill, dtype)
+    if fc.disjoint:
+        table, ends, hit_kinds = fc.table(lo, hi)
+    else:
+        table, ends, hits = table_of_columns(lc, fc.mine, lo, hi)
+        hit_kinds = hits.tolist()
+    kinds = lc.cols.kinds
+    shapes = [kinds[k][1] for k in hit_kinds] or [k[1] for k in fc.kinds]
     row_shape = shapes[0] if len(shapes) == 1 else tuple(map(max, zip(*shapes, strict=True)))
     return WindowPlan(lo, hi, row_shape, out_dtype, fill, table, ends)
 
