@@ -42,6 +42,9 @@ _FEW = 16
 _DIRECT = 4096
 """Among many pieces, those smaller than this (bytes) are staged even where they could go
 straight into the output."""
+_ROWS_A_PIECE = 4
+"""Staged pieces of at least this many rows on average are laid out one numpy copy each;
+shorter ones (one-row segments) by one gather of every row."""
 _MATCHED = 64 << 10
 """Staged buffers from this size on start at their file offset's place in a page."""
 
@@ -311,15 +314,25 @@ def _scatter(
     """Lay pieces ``idx`` of ``plan.table`` (their bytes at ``src`` of ``stage``) into
     ``out``: few pieces one copy each, many as one gather per stored dtype and rank."""
     t = plan.table
-    if idx.size <= _FEW:
-        view = stage.data
-        for i, at in zip(idx.tolist(), src.tolist(), strict=True):
-            n = int(t.nbytes[i])
-            p = Piece(
-                t.files[int(t.file[i])], int(t.offset[i]), n, int(t.end[i]), int(t.dst[i]),
-                int(t.rows[i]), *t.kinds[int(t.kind[i])],
-            )  # fmt: skip
-            place(plan, out, p, view[at : at + n])
+    rows = t.rows[idx]
+    if idx.size <= _FEW or int(rows.sum()) >= _ROWS_A_PIECE * idx.size:
+        # pieces of many rows (a turn's rows): one copy each beats a gather of every row
+        kinds = t.kinds
+        fill = plan.fill
+        for d, r, k, at in zip(
+            t.dst[idx].tolist(), rows.tolist(), t.kind[idx].tolist(), src.tolist(), strict=True
+        ):
+            dtype, shape = kinds[k]
+            values = np.frombuffer(stage, _STORED[dtype], r * math.prod(shape), at)
+            dst = out[d : d + r]
+            if shape == dst.shape[1:]:
+                dst[...] = values.reshape(r, *shape)
+            elif len(shape) == 1:
+                dst[:, : shape[0]] = values.reshape(r, shape[0])
+                dst[:, shape[0] :] = fill
+            else:
+                dst[...] = fill
+                dst[(slice(None), *(slice(0, n) for n in shape))] = values.reshape(r, *shape)
         return
     kind = t.kind[idx]
     groups: dict[tuple[str, int], list[int]] = {}  # rank-1 rows of one dtype: one gather
