@@ -59,10 +59,11 @@ from payloadd.bench._ray import (
 from payloadd.bench._rl_batch import MASK, MASK_FILL, ROUTED, ROUTED_FILL, RLBatch, Turn
 
 __all__ = [
-    "TQ_MEASURES",
     "PAYLOADD",
     "TQ",
+    "TQ_MEASURES",
     "UNITS",
+    "Stats",
     "bench_transferqueue",
     "transferqueue_available",
 ]
