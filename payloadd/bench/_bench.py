@@ -16,7 +16,9 @@ repeated, interleaved with the others, and reported as median (min-max):
 - the seed's RL batch (`payloadd.bench._rl_batch`) carried inline versus by handle (`payloadd.bench._rl`):
   orchestrator memory, bytes sent, pack + encode and per-rank decode times;
 - the RL job end to end on Ray's object store versus payloadd (`payloadd.bench._ray`), when
-  Ray is installed (the ``ray`` extra), else a note.
+  Ray is installed (the ``ray`` extra), else a note;
+- the same job on TransferQueue versus payloadd (`payloadd.bench._transferqueue`), when
+  TransferQueue is installed (the ``peers`` extra), else a note.
 
 Rows are router-replay ids, ``uint8 [n, 48, 8]`` (384 bytes a row). Results go to a table on
 stdout, a JSON file and (when matplotlib is installed) a PNG plot.
@@ -47,6 +49,12 @@ from payloadd.bench._daemon_process import start_daemon
 from payloadd.bench._ray import PAYLOADD, RAY, bench_ray, ray_available
 from payloadd.bench._rl import bench_rl
 from payloadd.bench._rl_batch import RLBatch
+from payloadd.bench._transferqueue import (
+    TQ,
+    TQ_MEASURES,
+    bench_transferqueue,
+    transferqueue_available,
+)
 
 __all__ = [
     "RL_BATCH",
@@ -331,6 +339,21 @@ class Bench:
             self.add(f"RL job ({PAYLOADD})", size, "s", value, base)
         return None
 
+    def transferqueue(self, spec: RLBatch) -> str | None:
+        """The RL job end to end on TransferQueue and on payloadd; a note if no TransferQueue."""
+        note = transferqueue_available()
+        if note is not None:
+            return note
+        size = f"{spec.samples}x{spec.tokens // 1024}k"
+        stats = bench_transferqueue(spec, self.socket, min(self.repeat, 3))  # as Ray's
+        for key, (label, unit) in TQ_MEASURES.items():
+            base = f"{label} ({TQ})"
+            for value in stats[TQ][key]:
+                self.add(base, size, unit, value, None)
+            for value in stats[PAYLOADD][key]:
+                self.add(f"{label} ({PAYLOADD} vs TQ)", size, unit, value, base)
+        return None
+
 
 def _append(c: PayloadClient, rows: np.ndarray) -> Callable[[], Any]:
     return lambda: c.append(FIELD, rows, 0, run=WRITE_RUN, step=0)
@@ -456,7 +479,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> bool:
     )
     ax3.axvline(1.0, color="black", linewidth=0.8)
     ax3.set_xlabel("ratio of medians (lower is better)")
-    ax3.set_title("RL batch: by handle / inline; payloadd / Ray")
+    ax3.set_title("RL: by handle / inline; payloadd / Ray, TQ")
     ax3.tick_params(axis="y", labelsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

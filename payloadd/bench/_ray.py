@@ -79,10 +79,11 @@ def _ranks(
                 yield (d, k, r), lo, hi
 
 
-def _payloadd_job(
-    client: PayloadClient, spec: RLBatch, turns: list[list[Turn]], run: str, keep: bool
-) -> Outputs:
-    """The job on payloadd; the rows go to ``run``, step 0."""
+def _payloadd_put(
+    client: PayloadClient, turns: list[list[Turn]], run: str
+) -> list[list[PayloadSegment]]:
+    """Inference on payloadd: one ``append_many`` per turn into ``run``, step 0; each sample's
+    segments."""
     segs: list[list[PayloadSegment]] = []
     for sample in turns:
         mine: list[PayloadSegment] = []
@@ -91,13 +92,33 @@ def _payloadd_job(
             for got in client.append_many(items, run=run, step=0):
                 mine += got
         segs.append(mine)
+    return segs
+
+
+def _payloadd_pack(
+    spec: RLBatch, segs: list[list[PayloadSegment]]
+) -> tuple[list[list[tuple[int, int, int]]], list[list[PayloadSegment]]]:
+    """The orchestrator on payloadd: the micro batches and each one's shifted segments."""
     batches = spec.micro_batches()
     packed = [
         [s for i, off, n in mb for s in shift_segments(clip_segments(segs[i], 0, n), off)]
         for mb in batches
     ]
+    return batches, packed
+
+
+def _payloadd_read(
+    client: PayloadClient,
+    spec: RLBatch,
+    batches: list[list[tuple[int, int, int]]],
+    packed: list[list[PayloadSegment]],
+    keep: bool,
+    laps: list[float] | None = None,
+) -> Outputs:
+    """The trainer ranks on payloadd, one ``read_many`` each; ``laps`` gets each rank's seconds."""
     out: Outputs = {}
     for key, lo, hi in _ranks(spec, batches):
+        t0 = time.perf_counter()
         seg = packed[key[1]]
         routed, mask = cast(  # no window asks for coverage: arrays or None
             list[np.ndarray | None],
@@ -108,9 +129,19 @@ def _payloadd_job(
                 ]
             ),
         )
+        if laps is not None:
+            laps.append(time.perf_counter() - t0)
         if keep:
             out[key] = (routed, mask)
     return out
+
+
+def _payloadd_job(
+    client: PayloadClient, spec: RLBatch, turns: list[list[Turn]], run: str, keep: bool
+) -> Outputs:
+    """The job on payloadd; the rows go to ``run``, step 0."""
+    batches, packed = _payloadd_pack(spec, _payloadd_put(client, turns, run))
+    return _payloadd_read(client, spec, batches, packed, keep)
 
 
 def _window(
@@ -182,15 +213,15 @@ def _ray_job(ray: Any, spec: RLBatch, turns: list[list[Turn]], keep: bool) -> Ou
     return out
 
 
-def _check(ray_out: Outputs, ours: Outputs) -> None:
+def _check(peer_out: Outputs, ours: Outputs, peer: str = "Ray") -> None:
     """Raise `RuntimeError` naming the first rank whose outputs differ (same keys in both)."""
-    for key, (routed, mask) in ray_out.items():
+    for key, (routed, mask) in peer_out.items():
         for name, a, b in (("routing", routed, ours[key][0]), ("mask", mask, ours[key][1])):
             same = np.array_equal(a, b) if a is not None and b is not None else a is b
             if not same:
                 d, k, r = key
                 raise RuntimeError(
-                    f"DP rank {d}, micro batch {k}, CP rank {r}: {name} differs between Ray "
+                    f"DP rank {d}, micro batch {k}, CP rank {r}: {name} differs between {peer} "
                     "and payloadd"
                 )
 

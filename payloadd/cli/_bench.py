@@ -42,7 +42,12 @@ def add_bench_flags(p: argparse.ArgumentParser) -> None:
         "--skip-ray",
         action="store_true",
         help="skip the Ray comparison even when Ray is installed (it starts servers on every "
-        "network interface)",
+        "network interface); TransferQueue, which runs on Ray, too",
+    )
+    p.add_argument(
+        "--skip-transferqueue",
+        action="store_true",
+        help="skip the TransferQueue comparison even when it is installed",
     )
     p.add_argument(
         "--out",
@@ -67,6 +72,11 @@ def run_bench(args: argparse.Namespace) -> int:
             spec = RL_QUICK if args.quick else RL_BATCH
             notes = [bench.rl(spec)]
             notes.append("Ray: skipped (--skip-ray)" if args.skip_ray else bench.ray(spec))
+            if args.skip_ray or args.skip_transferqueue:
+                flag = "--skip-ray: it runs on Ray" if args.skip_ray else "--skip-transferqueue"
+                notes.append(f"TransferQueue: skipped ({flag})")
+            else:
+                notes.append(bench.transferqueue(spec))
             notes = [n for n in notes if n is not None]
             seconds = time.perf_counter() - t0
     rows = report(list(bench.results.values()))

@@ -143,7 +143,10 @@ def test_bench_quick_run_writes_parsable_figures(tmp_path: Path) -> None:
     # by handle the message carries segments, not rows: far fewer bytes
     assert rows["RL bytes sent (by handle)", "4x4k"]["ratio"] < 0.1
     assert doc["rl_batch"]["samples"] == 4
-    assert doc["notes"] == ["Ray: skipped (--skip-ray)"]  # Ray listens on every interface
+    assert doc["notes"] == [  # Ray listens on every interface; TransferQueue runs on Ray
+        "Ray: skipped (--skip-ray)",
+        "TransferQueue: skipped (--skip-ray: it runs on Ray)",
+    ]
     assert not any(name.startswith("RL job") for name, _ in rows)
     assert (tmp_path / "o" / "bench.png").stat().st_size > 10_000
     assert "ideal int32 reader" in out.stdout
