@@ -17,10 +17,10 @@ from payloadd.bench._bench import (
     Bench,
     format_table,
     machine,
-    plot,
     report,
 )
 from payloadd.bench._daemon_process import start_daemon
+from payloadd.bench._plot import plot
 from payloadd.cli._common import positive_int
 
 __all__ = ["add_bench_flags", "run_bench"]
@@ -64,6 +64,12 @@ def run_bench(args: argparse.Namespace) -> int:
             bench.latency()
             bench.writers()
             bench.fsync_cost()
+            bench.packed()
+            bench.one_rows()
+            bench.segment_ops()
+            bench.new_keys()
+            bench.writes()
+            bench.http_ceiling()
             spec = RL_QUICK if args.quick else RL_BATCH
             notes = [bench.rl(spec)]
             notes.append("Ray: skipped (--skip-ray)" if args.skip_ray else bench.ray(spec))
