@@ -5,7 +5,9 @@ width (1 to 64 ids), all in one step, so the rows lie back to back in one file. 
 100, 1,000 and 10,000 such segments, one window over all of them (``read_field`` into a
 preallocated ``int32 [N, 64]``, fill ``-1``) costs, per segment:
 
-- payloadd, on the data plane and over HTTP;
+- payloadd, on the data plane and over HTTP; each read is of one of three lists of the same
+  rows at other positions (``shift_segments``), so never of a list the client has just read
+  (it keeps what it worked out of the last two);
 - baseline (a): one ``os.pread`` per segment (the file opened once beforehand);
 - baseline (b): one ``os.pread`` of the whole contiguous byte range (one per run of
   back-to-back segments, should they not all be).
@@ -16,6 +18,7 @@ Also the round trip of a one-row read (``read_field`` of a one-row window of rou
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from collections.abc import Callable
@@ -24,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from payload_client import PayloadClient, PayloadSegment
+from payload_client import PayloadClient, PayloadSegment, shift_segments
 from payloadd.bench._measure import Add, page_aligned, pct, rotated, timed
 from payloadd.bench._packed import MAX_WIDTH
 from payloadd.bench._rl_batch import LAYERS, MASK, MASK_FILL, ROUTED, ROUTED_FILL, TOP_K, VOCAB
@@ -156,8 +159,16 @@ def _ops(
         for fd, nb, off in whole:
             pread(fd, nb, off)
 
+    # three lists of the same rows at other positions (the client keeps what it worked out
+    # of the last two lists read): every read is of a list it has not just read
+    lists = itertools.cycle([(shift_segments(segs, k * n), k * n) for k in range(3)])
+
     def read(c: PayloadClient) -> Callable[[], Any]:
-        return lambda: c.read_field(segs, MASK, 0, n, MASK_FILL, out=out)
+        def one() -> None:
+            these, lo = next(lists)
+            c.read_field(these, MASK, lo, lo + n, MASK_FILL, out=out)
+
+        return one
 
     base = "one-row segments, a pread each"
     return [

@@ -22,7 +22,10 @@ Baselines, on the same stored bytes, files opened once beforehand (`DirectReader
 payloadd: ``read_field`` of the micro batch's segments (both fields, as a trainer holds them)
 into the same kind of preallocated output, ``dtype=np.uint8`` and the default ``int32`` for
 routing, on the data plane and over HTTP. Reads rotate over distinct stored copies of the
-batch. Throughput counts the stored bytes of the window's rows.
+batch, each window (each rank's, too) from the next copy: as a rank reads its window of a new
+micro batch, no read is of a list the client has just read (the client keeps what it worked
+out of the last two lists, for the several windows a rank reads of one). Throughput counts
+the stored bytes of the window's rows.
 """
 
 from __future__ import annotations
@@ -286,7 +289,7 @@ def bench_packed(
     """
     spec = spec or PackedBatch()
     size = f"{spec.samples}x{spec.tokens // 1024}k" if spec.tokens >= 1024 else str(spec.length)
-    copies = 2 if quick else 8
+    copies = 3 if quick else 8  # more than the client keeps plans of (2 lists)
     with (
         PayloadClient(socket) as fast,
         PayloadClient(socket, data_plane=False) as http,
@@ -340,9 +343,8 @@ def _ops(
     base = f"packed mask direct reader, CP {spec.cp}"
 
     def direct_mask() -> None:
-        segs = next(turn)
         for lo, hi in labels:
-            reader.read_ragged(segs, MASK, lo, hi, outm, MASK_FILL, scratch)
+            reader.read_ragged(next(turn), MASK, lo, hi, outm, MASK_FILL, scratch)
 
     ops.append((base, direct_mask, nbytes, None))
     for label, c in (("data plane", fast), ("http", http)):
@@ -359,9 +361,8 @@ def _direct(
     out32: np.ndarray | None,
 ) -> Callable[[], None]:
     def read() -> None:
-        segs = next(turn)
         for lo, hi in wins:
-            reader.read_rows(segs, ROUTED, lo, hi, out8, ROUTED_FILL)
+            reader.read_rows(next(turn), ROUTED, lo, hi, out8, ROUTED_FILL)
             if out32 is not None:
                 out32[...] = out8
 
@@ -377,8 +378,7 @@ def _reader(
     fill: int,
 ) -> Callable[[], None]:
     def read() -> None:
-        segs = next(turn)
         for lo, hi in wins:
-            c.read_field(segs, field, lo, hi, fill, dtype=out.dtype, out=out)
+            c.read_field(next(turn), field, lo, hi, fill, dtype=out.dtype, out=out)
 
     return read

@@ -156,14 +156,14 @@ def test_the_bare_app_answers_the_bytes_asked(tmp_path: Path) -> None:
     data.tofile(tmp_path / "d" / "f.bin")
     sock = tmp_path / "bare.sock"
     with (
-        start_bare(sock, tmp_path),
+        start_bare(sock, tmp_path) as proc,
         httpx.Client(transport=httpx.HTTPTransport(uds=str(sock)), base_url="http://bare") as hc,
     ):
         assert len(hc.get("/bytes?n=1000").content) == 1000
         assert hc.get("/pread?file=d/f.bin&offset=100&n=3000").content == data[100:3100].tobytes()
         assert hc.get("/healthz").content == b"ok"
         assert hc.get("/nothing").status_code == 404
-    assert not sock.exists() or sock.is_socket()
+    assert proc.returncode is not None  # stopped with the block
 
 
 def test_the_rl_batch_with_no_payload_holds_the_same_token_lists() -> None:
