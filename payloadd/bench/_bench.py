@@ -18,10 +18,18 @@ repeated, interleaved with the others, and reported as median (min-max):
 - the RL job end to end on Ray's object store versus payloadd (`payloadd.bench._ray`), when
   Ray is installed (the ``ray`` extra), else a note;
 - the same job on TransferQueue versus payloadd (`payloadd.bench._transferqueue`), when
-  TransferQueue is installed (the ``peers`` extra), else a note.
+  TransferQueue is installed (the ``peers`` extra), else a note;
+- each against its physical baseline measured alike: a packed micro batch read by CP window
+  against a per-segment direct reader (`payloadd.bench._packed`); windows of N one-row
+  segments against ``pread`` (`payloadd.bench._one_row`, also one-row read round trips); the
+  orchestrator's segment operations against msgpack encode (`payloadd.bench._seg_ops`);
+  appends that open a new key against appends to open keys, and 16 MiB appends against raw
+  ``pwrite`` variants, call by call (`payloadd.bench._appends`); payloadd's HTTP reads against
+  a bare uvicorn app (`payloadd.bench._http_ceiling`).
 
-Rows are router-replay ids, ``uint8 [n, 48, 8]`` (384 bytes a row). Results go to a table on
-stdout, a JSON file and (when matplotlib is installed) a PNG plot.
+Rows are router-replay ids, ``uint8 [n, 48, 8]`` (384 bytes a row), unless a section says
+otherwise. Results go to a table on stdout, a JSON file and (when matplotlib is installed) a
+PNG plot (`payloadd.bench._plot`).
 """
 
 from __future__ import annotations
@@ -43,12 +51,17 @@ from typing import Any
 import numpy as np
 
 from payload_client import AsyncPayloadClient, PayloadClient, PayloadSegment
-from payload_client.protocol import PAGE, page_matched
 from payloadd._version import __version__
+from payloadd.bench._appends import bench_new_keys, bench_writes
 from payloadd.bench._daemon_process import start_daemon
+from payloadd.bench._http_ceiling import bench_http_ceiling
+from payloadd.bench._measure import page_aligned, pct, timed
+from payloadd.bench._one_row import bench_one_row_reads, bench_one_rows
+from payloadd.bench._packed import bench_packed
 from payloadd.bench._ray import PAYLOADD, RAY, bench_ray, ray_available
-from payloadd.bench._rl import bench_rl
+from payloadd.bench._rl import BARE, bench_rl
 from payloadd.bench._rl_batch import RLBatch
+from payloadd.bench._seg_ops import bench_segment_ops
 from payloadd.bench._transferqueue import (
     TQ,
     TQ_MEASURES,
@@ -64,7 +77,6 @@ __all__ = [
     "Result",
     "format_table",
     "machine",
-    "plot",
     "report",
 ]
 
@@ -103,22 +115,9 @@ class Result:
         return statistics.median(self.samples)
 
 
-def _page_aligned(nbytes: int) -> np.ndarray:
-    """A ``uint8 [nbytes]`` array starting on a page boundary."""
-    return page_matched(np.empty(nbytes + PAGE, np.uint8), 0, nbytes)
-
-
 def _rows(nbytes: int, seed: int = 0) -> np.ndarray:
     n = max(1, nbytes // ROW_BYTES)
     return np.random.default_rng(seed).integers(0, 128, (n, *ROW), dtype=np.uint8)
-
-
-def _timed(op: Callable[[], Any], k: int) -> float:
-    """Seconds per call of ``op``, over ``k`` calls."""
-    t0 = time.perf_counter()
-    for _ in range(k):
-        op()
-    return (time.perf_counter() - t0) / k
 
 
 def _calls_for(nbytes: int, quick: bool) -> int:
@@ -162,9 +161,9 @@ class Bench:
                 run="bench", step=0)]  # fmt: skip
         # page-aligned, as a pinned buffer a trainer reuses: a destination 1-63 bytes past the
         # source in its page makes the kernel's copy up to 10x slower (see _read.page_matched)
-        out32 = _page_aligned(n * 4).view(np.int32).reshape(len(rows), *ROW)
-        out8 = _page_aligned(n).reshape(len(rows), *ROW)
-        buf = _page_aligned(n)
+        out32 = page_aligned(n * 4).view(np.int32).reshape(len(rows), *ROW)
+        out8 = page_aligned(n).reshape(len(rows), *ROW)
+        buf = page_aligned(n)
         raw = self.scratch / f"pwrite-{label}.bin"  # beside the root, on its file system
         rfds = {f: os.open(self.root / f, os.O_RDONLY) for f in {s.file for s in segs}}
         turn = itertools.cycle([(rfds[s.file], s.offset) for s in segs])  # the stored bytes
@@ -208,7 +207,7 @@ class Bench:
                 # does after the last clean-up does not always hit the same one
                 for name, op, base in ops[r % len(ops) :] + ops[: r % len(ops)]:
                     op()  # warm: descriptors, caches, the file's pages
-                    self.add(name, label, "GB/s", n / _timed(op, k) / 1e9, base)
+                    self.add(name, label, "GB/s", n / timed(op, k) / 1e9, base)
                 self.drop_writes()
                 new_raw_file()  # both baselines and appends start each repetition anew
         finally:
@@ -232,13 +231,13 @@ class Bench:
             with PayloadClient(self.socket, data_plane=dp) as c:
                 c.append(FIELD, one, 0, run=WRITE_RUN, step=1)
                 for _ in range(self.repeat):
-                    ts = [_timed(_append(c, one), 1) for _ in range(count)]
-                    self.add(f"one-row append p50, sync ({name})", "384B", "ms", _pct(ts, 50), None)
-                    self.add(f"one-row append p99, sync ({name})", "384B", "ms", _pct(ts, 99), None)
+                    ts = [timed(_append(c, one), 1) for _ in range(count)]
+                    self.add(f"one-row append p50, sync ({name})", "384B", "ms", pct(ts, 50), None)
+                    self.add(f"one-row append p99, sync ({name})", "384B", "ms", pct(ts, 99), None)
             ts_async = asyncio.run(_async_latency(self.socket, dp, one, count, self.repeat))
             for ts in ts_async:
-                self.add(f"one-row append p50, async ({name})", "384B", "ms", _pct(ts, 50), None)
-                self.add(f"one-row append p99, async ({name})", "384B", "ms", _pct(ts, 99), None)
+                self.add(f"one-row append p50, async ({name})", "384B", "ms", pct(ts, 50), None)
+                self.add(f"one-row append p99, async ({name})", "384B", "ms", pct(ts, 99), None)
 
     # -- durability ----------------------------------------------------------------------
 
@@ -263,11 +262,11 @@ class Bench:
         with PayloadClient(socket) as c:
             for _ in range(self.repeat):
                 _append(c, rows)()  # lease held
-                per_call = _timed(_append(c, rows), k)
+                per_call = timed(_append(c, rows), k)
                 self.add(big.format(policy), "1MiB", "GB/s", rows.nbytes / per_call / 1e9,
                          big.format("never") if baseline else None)  # fmt: skip
-                ts = [_timed(_append(c, one), 1) for _ in range(count)]
-                self.add(small.format(policy), "384B", "ms", _pct(ts, 50),
+                ts = [timed(_append(c, one), 1) for _ in range(count)]
+                self.add(small.format(policy), "384B", "ms", pct(ts, 50),
                          small.format("never") if baseline else None)  # fmt: skip
                 for d in root.glob(f"*/{WRITE_RUN}"):
                     shutil.rmtree(d, ignore_errors=True)
@@ -307,6 +306,34 @@ class Bench:
                 c.close()
         return w * per_writer * rows.nbytes / seconds / 1e9
 
+    # -- each against its physical baseline (modules of their own) ----------------------
+
+    def packed(self) -> None:
+        """A packed micro batch by CP window against the direct reader (`_packed`)."""
+        bench_packed(self.add, self.socket, self.root, self.repeat, self.quick)
+
+    def one_rows(self) -> None:
+        """Windows of N one-row segments against pread; one-row reads (`_one_row`)."""
+        bench_one_rows(self.add, self.socket, self.root, self.repeat, self.quick)
+        bench_one_row_reads(self.add, self.socket, self.repeat, self.quick)
+
+    def segment_ops(self) -> None:
+        """The orchestrator's segment operations against msgpack encode (`_seg_ops`)."""
+        bench_segment_ops(self.add, self.repeat, self.quick)
+
+    def new_keys(self) -> None:
+        """Appends that open a new key against appends to open keys (`_appends`)."""
+        bench_new_keys(self.add, self.socket, self.repeat)
+
+    def writes(self) -> None:
+        """16 MiB appends and raw pwrite variants, call by call (`_appends`)."""
+        bench_writes(self.add, self.socket, self.root, self.scratch, self.repeat, self.quick)
+
+    def http_ceiling(self) -> None:
+        """payloadd's HTTP reads against a bare uvicorn app (`_http_ceiling`)."""
+        bench_http_ceiling(self.add, self.socket, self.root, self.root.parent, self.repeat,
+                           self.quick)  # fmt: skip
+
     # -- the RL batch ------------------------------------------------------------------
 
     def rl(self, spec: RLBatch) -> str | None:
@@ -321,6 +348,14 @@ class Bench:
                 self.add(f"{label} (inline)", size, unit, value, None)
             for value in res["handle"][key]:
                 self.add(f"{label} (by handle)", size, unit, value, f"{label} (inline)")
+        resident = zip(res["inline"]["resident"], res["handle"]["resident"],
+                       res[BARE]["resident"], strict=True)  # fmt: skip
+        for inline, handle, bare in resident:
+            self.add("RL orchestrator resident (no payload)", size, "MiB", bare, None)
+            # the payload's part of the resident memory, by handle against inline
+            if inline > bare:
+                share = (handle - bare) / (inline - bare)
+                self.add("RL resident payload share (by handle)", size, "x", share, None)
         return None
 
     def ray(self, spec: RLBatch) -> str | None:
@@ -367,10 +402,6 @@ def _read(c: PayloadClient, segs: list[PayloadSegment], out: np.ndarray) -> Call
         return c.read_field(one, FIELD, one[0].pos, one[0].pos + one[0].rows, 0, out=out)
 
     return read
-
-
-def _pct(samples: list[float], q: float) -> float:
-    return float(np.percentile(samples, q)) * 1e3
 
 
 async def _async_latency(
@@ -436,52 +467,3 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             f"{ratio:>7}  {r['baseline'] or ''}"
         )
     return "\n".join(lines)
-
-
-def plot(rows: list[dict[str, Any]], path: Path) -> bool:
-    """Draw throughput per size and method, and latencies; ``False`` without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    thr = [r for r in rows if r["unit"] == "GB/s" and "writers" not in r["name"]]
-    lat = [r for r in rows if r["unit"] == "ms"]
-    sizes = list(dict.fromkeys(r["size"] for r in thr))
-    names = list(dict.fromkeys(r["name"] for r in thr))
-    rl = [r for r in rows if r["unit"] in ("MiB", "s") and r["ratio"] is not None]
-    fig, (ax1, ax2, ax3) = plt.subplots(
-        1, 3, figsize=(20, 6), gridspec_kw={"width_ratios": [3, 2, 2]}
-    )
-    width = 0.8 / max(len(names), 1)
-    for i, name in enumerate(names):
-        vals = [next((r for r in thr if r["name"] == name and r["size"] == s), None) for s in sizes]
-        xs = [j + i * width for j in range(len(sizes))]
-        med = [v["median"] if v else 0 for v in vals]
-        err = [
-            [v["median"] - v["min"] if v else 0 for v in vals],
-            [v["max"] - v["median"] if v else 0 for v in vals],
-        ]
-        ax1.bar(xs, med, width, yerr=err, label=name, capsize=2)
-    ax1.set_xticks([j + 0.4 - width / 2 for j in range(len(sizes))], sizes)
-    ax1.set_ylabel("GB/s (median, min-max)")
-    ax1.set_yscale("log")
-    ax1.set_title("Append and window read throughput")
-    ax1.legend(fontsize=7)
-    ax2.barh([r["name"] for r in lat], [r["median"] for r in lat], color="tab:gray")
-    ax2.set_xlabel("ms (median over repetitions)")
-    ax2.set_title("One-row append round trip")
-    ax2.tick_params(axis="y", labelsize=7)
-    ax3.barh(
-        [r["name"].removeprefix("RL ") for r in rl], [r["ratio"] for r in rl], color="tab:green"
-    )
-    ax3.axvline(1.0, color="black", linewidth=0.8)
-    ax3.set_xlabel("ratio of medians (lower is better)")
-    ax3.set_title("RL: by handle / inline; payloadd / Ray, TQ")
-    ax3.tick_params(axis="y", labelsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True

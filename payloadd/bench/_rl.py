@@ -15,6 +15,9 @@ each turn at its own width). Per repetition and transport, in fresh processes:
   the resident memory the samples take (RSS after building minus RSS before), the peak
   (highest RSS, ``VmHWM``, minus RSS before), the pack + encode time and the bytes sent
   (message bytes times subscribers);
+- a third mode holds the same samples with **no payload at all** (token lists only) and
+  reports only its resident memory: what the token lists take, so that by handle's payload
+  share is ``(by handle - no payload) / (inline - no payload)``;
 - ``dp x cp`` consumer processes subscribe (ZMQ over ``ipc://`` in the temporary folder), receive
   their DP rank's message and, one at a time (a lock keeps them off each other's CPU), time
   decode + materialise: routing ``int32 [window, 48, 8]`` and the mask ``int32 [window, width]``
@@ -37,9 +40,11 @@ import numpy as np
 from payload_client import PayloadClient, PayloadSegment, Window, clip_segments, shift_segments
 from payloadd.bench._rl_batch import LAYERS, MASK, MASK_FILL, ROUTED, ROUTED_FILL, TOP_K, RLBatch
 
-__all__ = ["bench_rl", "write_batch"]
+__all__ = ["BARE", "bench_rl", "write_batch"]
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
+BARE = "bare"
+"""The mode with no payload (token lists only)."""
 
 
 def _rss() -> int:
@@ -93,6 +98,13 @@ class HandleSample(msgspec.Struct):
     token_ids: list[int]
     logprobs: list[float]
     segments: list[PayloadSegment]
+
+
+class BareSample(msgspec.Struct):
+    """A sample with no payload: token ids and log-probabilities only."""
+
+    token_ids: list[int]
+    logprobs: list[float]
 
 
 class HandleMicroBatch(msgspec.Struct):
@@ -152,7 +164,25 @@ def _handle_sample(spec: RLBatch, i: int, segments: list[PayloadSegment]) -> Han
     return HandleSample(ids, lps, segments)
 
 
+def _bare_sample(spec: RLBatch, i: int) -> BareSample:
+    ids: list[int] = []
+    lps: list[float] = []
+    for turn_ids, turn_lps in spec.token_lists(i):  # the lists of the other two modes
+        ids += turn_ids
+        lps += turn_lps
+    return BareSample(ids, lps)
+
+
 # -- orchestrator -------------------------------------------------------------------------
+
+
+def _hold_bare(spec: RLBatch, report: Any) -> None:
+    """The orchestrator with no payload: it builds the samples and reports what they take."""
+    base = _rss()
+    samples = [_bare_sample(spec, i) for i in range(spec.samples)]
+    resident = _rss() - base
+    report.put(("orchestrator", resident, _peak() - base, 0, 0.0))
+    del samples
 
 
 def _pack_inline(samples: list[InlineSample], members: list[tuple[int, int, int]]) -> Any:
@@ -296,12 +326,19 @@ def _once(spec: RLBatch, mode: str, tmp: Path, socket: Path, segments: bytes) ->
     ctx = mp.get_context("spawn")
     report, lock = ctx.Queue(), ctx.Lock()
     address = f"ipc://{tmp}/rl-{mode}.ipc"
-    consumers = [
-        ctx.Process(target=_consume, args=(spec, mode, address, str(socket), d, r, report, lock))
-        for d in range(spec.dp)
-        for r in range(spec.cp)
-    ]
-    orchestrator = ctx.Process(target=_orchestrate, args=(spec, mode, address, segments, report))
+    if mode == BARE:  # no payload: nothing to send, nobody to receive
+        consumers, orchestrator = [], ctx.Process(target=_hold_bare, args=(spec, report))
+    else:
+        consumers = [
+            ctx.Process(
+                target=_consume, args=(spec, mode, address, str(socket), d, r, report, lock)
+            )
+            for d in range(spec.dp)
+            for r in range(spec.cp)
+        ]
+        orchestrator = ctx.Process(
+            target=_orchestrate, args=(spec, mode, address, segments, report)
+        )
     procs = [orchestrator, *consumers]
     for p in procs:
         p.start()
@@ -326,6 +363,8 @@ def _once(spec: RLBatch, mode: str, tmp: Path, socket: Path, segments: bytes) ->
                 p.join()
     (orch,) = [g for g in got if g[0] == "orchestrator"]
     ranks = [g[3] for g in got if g[0] == "rank"]
+    if mode == BARE:
+        return {"resident": orch[1] / 2**20}
     return {
         "resident": orch[1] / 2**20,
         "peak": orch[2] / 2**20,
@@ -338,7 +377,8 @@ def _once(spec: RLBatch, mode: str, tmp: Path, socket: Path, segments: bytes) ->
 def bench_rl(
     spec: RLBatch, socket: Path, tmp: Path, repeat: int
 ) -> dict[str, dict[str, list[float]]]:
-    """Run the RL batch ``repeat`` times per transport, alternating which goes first.
+    """Run the RL batch ``repeat`` times per transport, and the samples with no payload,
+    rotating which goes first.
 
     Parameters
     ----------
@@ -356,13 +396,15 @@ def bench_rl(
     dict
         ``{"inline" | "handle": {measure: [value per repetition]}}`` with measures
         ``resident``, ``peak``, ``wire`` (MiB) and ``encode``, ``decode`` (seconds; decode is
-        the median over the ``dp x cp`` ranks of one repetition).
+        the median over the ``dp x cp`` ranks of one repetition); and ``{"bare":
+        {"resident": [...]}}``, the samples with no payload.
     """
     with PayloadClient(socket) as client:
         segments = msgspec.msgpack.encode(write_batch(spec, client, "bench-rl"))
-    out: dict[str, dict[str, list[float]]] = {"inline": {}, "handle": {}}
+    modes = ["inline", "handle", BARE]
+    out: dict[str, dict[str, list[float]]] = {m: {} for m in modes}
     for k in range(repeat):
-        for mode in ("inline", "handle") if k % 2 == 0 else ("handle", "inline"):
+        for mode in modes[k % 3 :] + modes[: k % 3]:
             for name, value in _once(spec, mode, tmp, socket, segments).items():
                 out[mode].setdefault(name, []).append(value)
     return out

@@ -17,10 +17,10 @@ from payloadd.bench._bench import (
     Bench,
     format_table,
     machine,
-    plot,
     report,
 )
 from payloadd.bench._daemon_process import start_daemon
+from payloadd.bench._plot import plot
 from payloadd.cli._common import positive_int
 
 __all__ = ["add_bench_flags", "run_bench"]
@@ -37,7 +37,9 @@ def add_bench_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--repeat", type=positive_int, default=5, help="repetitions of every measurement [5]"
     )
-    p.add_argument("--quick", action="store_true", help="64KiB and 1MiB only, fewer calls")
+    p.add_argument(
+        "--quick", action="store_true", help="fewer calls; throughput rows at 64KiB and 1MiB only"
+    )
     p.add_argument(
         "--skip-ray",
         action="store_true",
@@ -69,6 +71,12 @@ def run_bench(args: argparse.Namespace) -> int:
             bench.latency()
             bench.writers()
             bench.fsync_cost()
+            bench.packed()
+            bench.one_rows()
+            bench.segment_ops()
+            bench.new_keys()
+            bench.writes()
+            bench.http_ceiling()
             spec = RL_QUICK if args.quick else RL_BATCH
             notes = [bench.rl(spec)]
             notes.append("Ray: skipped (--skip-ray)" if args.skip_ray else bench.ray(spec))

@@ -148,6 +148,31 @@ def test_bench_quick_run_writes_parsable_figures(tmp_path: Path) -> None:
         "TransferQueue: skipped (--skip-ray: it runs on Ray)",
     ]
     assert not any(name.startswith("RL job") for name, _ in rows)
+    # each new row against its physical baseline of the same run
+    for name, size, unit in (
+        ("packed read uint8 out=, CP 1 (data plane)", "8x2k", "GB/s"),
+        ("packed read int32 out=, CP 4 (http)", "8x2k", "GB/s"),
+        ("packed mask read out=, CP 4 (data plane)", "8x2k", "GB/s"),
+        ("read uint8 out= (http), vs the ceiling", "16MiB", "GB/s"),
+        ("writes: append (data plane)", "16MiB", "GB/s"),
+        ("writes: append (data plane), warm", "16MiB", "GB/s"),
+        ("new-key append, mean (data plane)", "small", "ms"),
+        ("segments: merge_pd_segments", "100k", "µs"),
+        *(("one-row segments, read out= (data plane)", f"N={n}", "µs")
+          for n in ("10", "100", "1k", "10k")),
+    ):  # fmt: skip
+        r = rows[name, size]
+        base = rows[r["baseline"], size]
+        assert r["unit"] == base["unit"] == unit and r["median"] > 0 and base["median"] > 0
+        assert r["ratio"] == pytest.approx(r["median"] / base["median"])
+    assert rows["packed read uint8 out=, CP 1 (data plane)", "8x2k"]["baseline"] == (
+        "packed direct reader uint8, CP 1"
+    )
+    assert rows["one-row segments, one pread of the range", "N=1k"]["median"] > 0
+    assert rows["one-row read p50, sync (data plane)", "384B"]["unit"] == "ms"
+    share = rows["RL resident payload share (by handle)", "4x4k"]
+    assert share["unit"] == "x" and -1 < share["median"] < 1
+    assert rows["RL orchestrator resident (no payload)", "4x4k"]["median"] > 0
     assert (tmp_path / "o" / "bench.png").stat().st_size > 10_000
     assert "ideal int32 reader" in out.stdout
     assert not list(tmp_path.glob("payloadd-bench-*"))  # its temporary root is gone

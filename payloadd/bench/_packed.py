@@ -1,0 +1,384 @@
+"""A packed micro batch of multi-turn samples read by CP window, against a direct reader
+(part of ``payloadd bench``).
+
+The batch: 8 samples of 2,048 tokens, each written turn by turn by inference (30 turns of
+random lengths; per turn one ``routed_experts`` append ``uint8 [t, 48, 8]`` and one
+``sampling_mask`` append ``int32 [t, w]`` at the turn's own width ``w <= 64``), each sample in
+a step of its own, then packed back to back by the orchestrator with ``shift_segments``:
+16,384 tokens, 240 routing segments (and 240 mask segments). A trainer reads it by window
+(DESIGN §4): routing over the CP 1 window ``[0, 16384)`` and over each of the 4 CP-4 ranks'
+windows ``[lo, hi)``; the mask over each CP-4 rank's ``[lo + 1, hi + 1)`` (labels).
+
+Baselines, on the same stored bytes, files opened once beforehand (`DirectReader`):
+
+- ``uint8``: per routing segment that meets the window, one ``os.preadv`` straight into its
+  rows of a preallocated ``uint8`` output (fill where no segment is);
+- ``int32``: that, plus the widening into a preallocated ``int32`` output (``out32[...] =
+  out8``);
+- the mask: per segment one ``os.preadv`` into a scratch buffer, copied into its rows' leading
+  ``w`` columns of a preallocated ``int32 [window, 64]`` output, fill in the other columns and
+  rows.
+
+payloadd: ``read_field`` of the micro batch's segments (both fields, as a trainer holds them)
+into the same kind of preallocated output, ``dtype=np.uint8`` and the default ``int32`` for
+routing, on the data plane and over HTTP. Reads rotate over distinct stored copies of the
+batch, each window (each rank's, too) from the next copy: as a rank reads its window of a new
+micro batch, no read is of a list the client has just read (the client keeps what it worked
+out of the last two lists, for the several windows a rank reads of one). Throughput counts
+the stored bytes of the window's rows.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from payload_client import PayloadClient, PayloadSegment, shift_segments
+from payloadd.bench._measure import Add, page_aligned, rotated, timed
+from payloadd.bench._rl_batch import (
+    EXPERTS,
+    LAYERS,
+    MASK,
+    MASK_FILL,
+    ROUTED,
+    ROUTED_FILL,
+    TOP_K,
+    VOCAB,
+)
+
+__all__ = ["MAX_WIDTH", "DirectReader", "PackedBatch", "bench_packed", "write_packed"]
+
+MAX_WIDTH = 64
+"""Widest sampling-mask row: the mask outputs are ``int32 [window, 64]``."""
+RUN = "bench-packed"
+_ITEMSIZE = {"uint8": 1, "int8": 1, "uint16": 2, "int16": 2, "int32": 4, "float16": 2,
+             "float32": 4}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class PackedBatch:
+    """Shape of the packed micro batch.
+
+    Attributes
+    ----------
+    samples : int
+        Samples packed back to back.
+    tokens : int
+        Tokens per sample.
+    turns : int
+        Turns per sample, each of a random length (at least 1 token).
+    cp : int
+        Context-parallel ranks of the CP-N windows.
+    seed : int
+        Seed of the turn lengths, widths and rows.
+    """
+
+    samples: int = 8
+    tokens: int = 2048
+    turns: int = 30
+    cp: int = 4
+    seed: int = 0
+
+    @property
+    def length(self) -> int:
+        """Tokens of the micro batch."""
+        return self.samples * self.tokens
+
+    def windows(self, cp: int) -> list[tuple[int, int]]:
+        """The CP windows ``[lo, hi)`` of the micro batch (DESIGN §4):
+        ``lo = r * L // cp``, ``hi = lo + L // cp``."""
+        n = self.length
+        return [(r * n // cp, r * n // cp + n // cp) for r in range(cp)]
+
+    def turns_of(self, i: int) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+        """Sample ``i``'s turns: ``(pos, routed uint8 [t, 48, 8], mask int32 [t, w])``,
+        positions relative to the sample; the same in every process."""
+        rng = np.random.default_rng((self.seed, i))
+        cuts = np.sort(rng.choice(np.arange(1, self.tokens), self.turns - 1, replace=False))
+        bounds = [0, *cuts.tolist(), self.tokens]
+        for a, b in itertools.pairwise(bounds):
+            w = int(rng.integers(1, MAX_WIDTH + 1))
+            routed = rng.integers(0, EXPERTS, (b - a, LAYERS, TOP_K), dtype=np.uint8)
+            yield a, routed, rng.integers(0, VOCAB, (b - a, w), dtype=np.int32)
+
+
+def write_packed(
+    spec: PackedBatch, client: PayloadClient, run: str, first_step: int
+) -> list[PayloadSegment]:
+    """Inference writes every sample turn by turn (sample ``i`` in step ``first_step + i``);
+    the orchestrator packs them back to back with ``shift_segments``.
+
+    Parameters
+    ----------
+    spec : PackedBatch
+        The batch.
+    client : PayloadClient
+        Client of the daemon the rows go to.
+    run : str
+        Run of the appends.
+    first_step : int
+        Step of sample 0.
+
+    Returns
+    -------
+    list of PayloadSegment
+        The micro batch's segments, both fields, in writing order.
+    """
+    packed: list[PayloadSegment] = []
+    for i in range(spec.samples):
+        sample: list[PayloadSegment] = []
+        for pos, routed, mask in spec.turns_of(i):
+            sample += client.append(ROUTED, routed, pos, run=run, step=first_step + i)
+            sample += client.append(MASK, mask, pos, run=run, step=first_step + i)
+        packed += shift_segments(sample, i * spec.tokens)
+    return packed
+
+
+class DirectReader:
+    """The per-segment direct reader: one ``os.preadv`` per segment that meets the window.
+
+    It reads the files under ``root`` straight (as payloadd's own data plane does through the
+    daemon's descriptors), all opened once here. It assumes what a packed micro batch is:
+    segments of a field in position order, none overlapping another.
+
+    Parameters
+    ----------
+    root : Path
+        The daemon's payload root.
+    segments : sequence of PayloadSegment
+        Every segment it will be asked to read (their files are opened).
+    """
+
+    def __init__(self, root: Path, segments: Sequence[PayloadSegment]) -> None:
+        self.fds: dict[str, int] = {}
+        try:
+            for f in dict.fromkeys(s.file for s in segments):
+                self.fds[f] = os.open(root / f, os.O_RDONLY | os.O_CLOEXEC)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Close every file."""
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
+
+    def _pread(self, s: PayloadSegment, dest: Any, offset: int, nbytes: int) -> None:
+        if os.preadv(self.fds[s.file], [dest], offset) != nbytes:
+            raise OSError(f"short read of {s.file}")
+
+    def read_rows(
+        self, segments: Sequence[PayloadSegment], field: str, lo: int, hi: int,
+        out: np.ndarray, fill: int,
+    ) -> None:  # fmt: skip
+        """Read ``field`` over ``[lo, hi)`` into ``out`` (C-contiguous ``[hi - lo, *row]``,
+        the stored dtype and row shape), each segment's rows with one ``preadv``.
+
+        Parameters
+        ----------
+        segments : sequence of PayloadSegment
+            The micro batch's segments (any fields).
+        field : str
+            Field to read.
+        lo, hi : int
+            The window.
+        out : numpy.ndarray
+            The output; rows no segment covers are set to ``fill``.
+        fill : int
+            Value of rows no segment covers.
+        """
+        flat = out.reshape(-1).view(np.uint8)
+        row = out[0].nbytes if len(out) else 0
+        done = 0  # rows of out written so far
+        for s in segments:
+            if s.field != field:
+                continue
+            a, b = max(lo, s.pos), min(hi, s.pos + s.rows)
+            if a >= b:
+                continue
+            if a - lo > done:
+                out[done : a - lo] = fill
+            nbytes = (b - a) * row
+            self._pread(s, flat[(a - lo) * row : (b - lo) * row], s.offset + (a - s.pos) * row,
+                        nbytes)  # fmt: skip
+            done = b - lo
+        if done < len(out):
+            out[done:] = fill
+
+    def read_ragged(
+        self, segments: Sequence[PayloadSegment], field: str, lo: int, hi: int,
+        out: np.ndarray, fill: int, scratch: np.ndarray,
+    ) -> None:  # fmt: skip
+        """Read ragged rows (``shape [w]``, each segment its own ``w``) of ``field`` over
+        ``[lo, hi)`` into the leading ``w`` columns of ``out`` (``[hi - lo, W]``, the stored
+        dtype), fill elsewhere: per segment one ``preadv`` into ``scratch``, then a copy.
+
+        Parameters
+        ----------
+        segments : sequence of PayloadSegment
+            The micro batch's segments (any fields).
+        field : str
+            Field to read.
+        lo, hi : int
+            The window.
+        out : numpy.ndarray
+            The output, ``W`` at least every segment's width.
+        fill : int
+            Value of entries no row covers.
+        scratch : numpy.ndarray
+            ``uint8``, at least ``out.nbytes`` bytes.
+        """
+        done = 0
+        for s in segments:
+            if s.field != field:
+                continue
+            a, b = max(lo, s.pos), min(hi, s.pos + s.rows)
+            if a >= b:
+                continue
+            if a - lo > done:
+                out[done : a - lo] = fill
+            w = math.prod(s.shape)
+            nb = w * _ITEMSIZE[s.dtype]
+            buf = scratch[: (b - a) * nb]
+            self._pread(s, buf, s.offset + (a - s.pos) * nb, len(buf))
+            dest = out[a - lo : b - lo]
+            dest[:, :w] = buf.view(out.dtype).reshape(b - a, w)
+            if w < out.shape[1]:
+                dest[:, w:] = fill
+            done = b - lo
+        if done < len(out):
+            out[done:] = fill
+
+
+def _stored_bytes(segments: Sequence[PayloadSegment], field: str, lo: int, hi: int) -> int:
+    total = 0
+    for s in segments:
+        if s.field == field:
+            a, b = max(lo, s.pos), min(hi, s.pos + s.rows)
+            total += max(0, b - a) * math.prod(s.shape) * _ITEMSIZE[s.dtype]
+    return total
+
+
+def bench_packed(
+    add: Add, socket: Path, root: Path, repeat: int, quick: bool, spec: PackedBatch | None = None
+) -> None:
+    """Measure the packed micro batch's window reads against the direct reader.
+
+    Parameters
+    ----------
+    add : Add
+        Records the samples (`Bench.add`).
+    socket : Path
+        The daemon's control socket.
+    root : Path
+        Its payload root (the direct reader opens the files there).
+    repeat : int
+        Repetitions.
+    quick : bool
+        Fewer stored copies and calls.
+    spec : PackedBatch, optional
+        The batch (default: 8 x 2,048 tokens, 30 turns, CP 4).
+    """
+    spec = spec or PackedBatch()
+    size = f"{spec.samples}x{spec.tokens // 1024}k" if spec.tokens >= 1024 else str(spec.length)
+    copies = 3 if quick else 8  # more than the client keeps plans of (2 lists)
+    with (
+        PayloadClient(socket) as fast,
+        PayloadClient(socket, data_plane=False) as http,
+    ):
+        batches = [write_packed(spec, fast, RUN, c * spec.samples) for c in range(copies)]
+        reader = DirectReader(root, [s for b in batches for s in b])
+        try:
+            ops = _ops(spec, batches, reader, fast, http)
+            window = spec.length * LAYERS * TOP_K  # stored bytes of a CP-1 read
+            k = max(2, ((24 << 20) if quick else (64 << 20)) // window)
+            for r in range(repeat):
+                for name, op, nbytes, base in rotated(ops, r):
+                    op()  # warm
+                    add(name, size, "GB/s", nbytes / timed(op, k) / 1e9, base)
+        finally:
+            reader.close()
+
+
+def _ops(
+    spec: PackedBatch,
+    batches: list[list[PayloadSegment]],
+    reader: DirectReader,
+    fast: PayloadClient,
+    http: PayloadClient,
+) -> list[tuple[str, Callable[[], Any], int, str | None]]:
+    """The measured methods: ``(name, call, stored bytes a call, baseline)``."""
+    turn = itertools.cycle(batches)
+    ops: list[tuple[str, Callable[[], Any], int, str | None]] = []
+    for cp in (1, spec.cp):
+        wins = spec.windows(cp)
+        n = wins[0][1] - wins[0][0]
+        out8 = page_aligned(n * LAYERS * TOP_K).reshape(n, LAYERS, TOP_K)
+        out32 = page_aligned(out8.size * 4).view(np.int32).reshape(out8.shape)
+        nbytes = sum(_stored_bytes(batches[0], ROUTED, lo, hi) for lo, hi in wins)
+        direct8, direct32 = (
+            f"packed direct reader uint8, CP {cp}",
+            f"packed direct + int32, CP {cp}",
+        )
+
+        ops += [(direct8, _direct(reader, turn, wins, out8, None), nbytes, None),
+                (direct32, _direct(reader, turn, wins, out8, out32), nbytes, None)]  # fmt: skip
+        for label, c in (("data plane", fast), ("http", http)):
+            for dtype, out, base in (("uint8", out8, direct8), ("int32", out32, direct32)):
+                ops.append((f"packed read {dtype} out=, CP {cp} ({label})",
+                            _reader(c, turn, ROUTED, wins, out, ROUTED_FILL), nbytes, base))  # fmt: skip
+    labels = [(lo + 1, hi + 1) for lo, hi in spec.windows(spec.cp)]
+    n = labels[0][1] - labels[0][0]
+    outm = page_aligned(n * MAX_WIDTH * 4).view(np.int32).reshape(n, MAX_WIDTH)
+    scratch = page_aligned(outm.nbytes)
+    nbytes = sum(_stored_bytes(batches[0], MASK, lo, hi) for lo, hi in labels)
+    base = f"packed mask direct reader, CP {spec.cp}"
+
+    def direct_mask() -> None:
+        for lo, hi in labels:
+            reader.read_ragged(next(turn), MASK, lo, hi, outm, MASK_FILL, scratch)
+
+    ops.append((base, direct_mask, nbytes, None))
+    for label, c in (("data plane", fast), ("http", http)):
+        ops.append((f"packed mask read out=, CP {spec.cp} ({label})",
+                    _reader(c, turn, MASK, labels, outm, MASK_FILL), nbytes, base))  # fmt: skip
+    return ops
+
+
+def _direct(
+    reader: DirectReader,
+    turn: Iterator[list[PayloadSegment]],
+    wins: list[tuple[int, int]],
+    out8: np.ndarray,
+    out32: np.ndarray | None,
+) -> Callable[[], None]:
+    def read() -> None:
+        for lo, hi in wins:
+            reader.read_rows(next(turn), ROUTED, lo, hi, out8, ROUTED_FILL)
+            if out32 is not None:
+                out32[...] = out8
+
+    return read
+
+
+def _reader(
+    c: PayloadClient,
+    turn: Iterator[list[PayloadSegment]],
+    field: str,
+    wins: list[tuple[int, int]],
+    out: np.ndarray,
+    fill: int,
+) -> Callable[[], None]:
+    def read() -> None:
+        for lo, hi in wins:
+            c.read_field(next(turn), field, lo, hi, fill, dtype=out.dtype, out=out)
+
+    return read
