@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import compress
+
+import numpy as np
 
 from ._errors import InvalidRequestError, InvalidSegmentError
-from ._segment import INT64_MAX, PayloadSegment, _row_nbytes, check_int, validate_segments
+from ._segment import INT64_MAX, PayloadSegment, _Checked, _checked_columns, _row_nbytes, check_int
 
 __all__ = ["clip_segments", "merge_pd_segments", "shift_segments"]
 
@@ -59,21 +62,31 @@ def clip_segments(segments: Sequence[PayloadSegment], lo: int, hi: int) -> list[
         If any segment is invalid (DESIGN §2).
     """
     lo, hi = _check_window(lo, hi)
-    out: list[PayloadSegment] = []
-    for seg in validate_segments(segments):
-        if seg.rows == 0:
-            if lo <= seg.pos <= hi:
-                out.append(seg)
-            continue
+    cols = _checked_columns(segments)
+    segs = cols.segments
+    if not segs:
+        return []
+    pos, end = cols.pos_a, cols.pos_a + cols.rows_a  # no overflow: validated
+    # wholly inside (a placeholder: lo <= pos <= hi) is kept as it is
+    whole = (pos >= lo) & (end <= hi)
+    if whole.all():
+        return segs
+    part = ~whole & (cols.rows_a > 0) & (np.maximum(pos, lo) < np.minimum(end, hi))
+    keep = whole | part
+    out = list(compress(segs, keep.tolist()))
+    where = np.flatnonzero(part[keep]).tolist(), np.flatnonzero(part).tolist()
+    for j, i in zip(*where, strict=True):
+        seg = segs[i]
         start, stop = max(seg.pos, lo), min(seg.pos + seg.rows, hi)
-        if start >= stop:
-            continue
-        seg = _trim_front(seg, start - seg.pos)
-        if stop - start != seg.rows:
-            seg = PayloadSegment(
-                seg.field, seg.file, seg.offset, seg.pos, stop - start, seg.dtype, list(seg.shape)
-            )
-        out.append(seg)
+        out[j] = PayloadSegment(
+            seg.field,
+            seg.file,
+            seg.offset + (start - seg.pos) * _row_nbytes(seg),
+            start,
+            stop - start,
+            seg.dtype,
+            list(seg.shape),
+        )
     return out
 
 
@@ -90,7 +103,8 @@ def shift_segments(segments: Sequence[PayloadSegment], delta: int) -> list[Paylo
     Returns
     -------
     list of PayloadSegment
-        New segments, same order, only ``pos`` changed.
+        New segments, same order, only ``pos`` changed. Each shares its input's ``shape``
+        list (a segment is immutable: never mutate its shape).
 
     Raises
     ------
@@ -101,25 +115,36 @@ def shift_segments(segments: Sequence[PayloadSegment], delta: int) -> list[Paylo
         If any segment is invalid.
     """
     delta = check_int(delta, "delta", minimum=-INT64_MAX)
-    out = []
-    for i, seg in enumerate(validate_segments(segments)):
-        pos = seg.pos + delta
-        if pos < 0:
-            raise InvalidRequestError(f"segment {i}: shift by {delta} makes pos {pos} < 0")
-        if pos + seg.rows > INT64_MAX:
-            raise InvalidRequestError(f"segment {i}: shift by {delta} overflows int64")
-        out.append(
-            PayloadSegment(
-                seg.field, seg.file, seg.offset, pos, seg.rows, seg.dtype, list(seg.shape)
-            )
+    cols = _checked_columns(segments)
+    if not cols.segments:
+        return []
+    pos = cols.pos_a
+    if delta < 0 and int(pos.min()) + delta < 0:
+        i = int(np.argmax(pos < -delta))
+        raise InvalidRequestError(
+            f"segment {i}: shift by {delta} makes pos {cols.pos[i] + delta} < 0"
         )
-    return out
+    if delta > 0:
+        end = pos + cols.rows_a  # no overflow: validated
+        if int(end.max()) + delta > INT64_MAX:
+            i = int(np.argmax(end > INT64_MAX - delta))
+            raise InvalidRequestError(f"segment {i}: shift by {delta} overflows int64")
+    moved = (pos + delta).tolist()  # in [0, INT64_MAX]: checked above
+    # each result shares its input's shape list: copying 100,000 lists cost more than the
+    # rest of the shift (the collector runs over every one), and segments are immutable
+    return [
+        PayloadSegment(f, fi, o, p, r, d, sh)
+        for f, fi, o, p, r, d, sh in zip(
+            cols.field, cols.file, cols.offset, moved, cols.rows, cols.dtype, cols.shape,
+            strict=True,
+        )
+    ]  # fmt: skip
 
 
-def _validate_side(segments: Sequence[PayloadSegment], side: str) -> list[PayloadSegment]:
-    """`validate_segments`, its error message prefixed with ``side`` (index kept)."""
+def _validate_side(segments: Sequence[PayloadSegment], side: str) -> _Checked:
+    """`_checked_columns`, its error message prefixed with ``side`` (index kept)."""
     try:
-        return validate_segments(segments)
+        return _checked_columns(segments)
     except InvalidSegmentError as exc:
         err = InvalidSegmentError(f"{side} {exc}", field=exc.field)
         err.index = exc.index
@@ -160,22 +185,30 @@ def merge_pd_segments(
     """
     if not isinstance(field, str) or not field:
         raise InvalidRequestError("field must be a non-empty string")
-    prefill = _validate_side(prefill, "prefill")
-    decode = _validate_side(decode, "decode")
-    head = [s for s in prefill if s.field == field]
-    if not head:
-        if any(s.field == field for s in decode):
+    pre = _validate_side(prefill, "prefill")
+    dec = _validate_side(decode, "decode")
+    mine = [f == field for f in pre.field]
+    if not any(mine):
+        if any(f == field for f in dec.field):
             raise InvalidRequestError(
                 f"decode carries {field!r} segments but prefill has none to stitch onto"
             )
-        return list(decode)
-    cut = max(s.pos + s.rows for s in head)
-    out = list(head)
-    for seg in decode:
-        if seg.field != field:
-            out.append(seg)
-        elif seg.pos + seg.rows <= cut:
-            continue
-        else:
-            out.append(_trim_front(seg, max(0, cut - seg.pos)))
-    return out
+        return dec.segments
+    head = list(compress(pre.segments, mine))
+    cut = int((pre.pos_a + pre.rows_a)[np.array(mine, dtype=bool)].max())
+    segs = dec.segments
+    if not segs:
+        return head
+    ours = np.array([f == field for f in dec.field], dtype=bool)
+    # decode segments of `field` keep positions >= cut: dropped when they end at or
+    # before it, front-trimmed when they start before it
+    drop = ours & (dec.pos_a + dec.rows_a <= cut)
+    trim = ours & ~drop & (dec.pos_a < cut)
+    if not trim.any():
+        return head + (list(compress(segs, (~drop).tolist())) if drop.any() else segs)
+    keep = ~drop
+    tail = list(compress(segs, keep.tolist()))
+    where = np.flatnonzero(trim[keep]).tolist(), np.flatnonzero(trim).tolist()
+    for j, i in zip(*where, strict=True):
+        tail[j] = _trim_front(segs[i], cut - dec.pos[i])
+    return head + tail
