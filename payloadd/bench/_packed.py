@@ -24,8 +24,10 @@ into the same kind of preallocated output, ``dtype=np.uint8`` and the default ``
 routing, on the data plane and over HTTP. Reads rotate over distinct stored copies of the
 batch, each window (each rank's, too) from the next copy: as a rank reads its window of a new
 micro batch, no read is of a list the client has just read (the client keeps what it worked
-out of the last two lists, for the several windows a rank reads of one). Throughput counts
-the stored bytes of the window's rows.
+out of the last two lists, for the several windows a rank reads of one). The rows "list read
+before" read one copy over and over: a rank's second window of a micro batch (its mask after
+its routing, or another window of the same list). Throughput counts the stored bytes of the
+window's rows.
 """
 
 from __future__ import annotations
@@ -335,6 +337,12 @@ def _ops(
             for dtype, out, base in (("uint8", out8, direct8), ("int32", out32, direct32)):
                 ops.append((f"packed read {dtype} out=, CP {cp} ({label})",
                             _reader(c, turn, ROUTED, wins, out, ROUTED_FILL), nbytes, base))  # fmt: skip
+            # a rank's second window of the same micro batch (its mask after its routing):
+            # the client has the list's columns already
+            if label == "data plane":
+                again = itertools.repeat(batches[0])
+                ops.append((f"packed read {dtype} out=, CP {cp}, list read before ({label})",
+                            _reader(c, again, ROUTED, wins, out, ROUTED_FILL), nbytes, base))  # fmt: skip
     labels = [(lo + 1, hi + 1) for lo, hi in spec.windows(spec.cp)]
     n = labels[0][1] - labels[0][0]
     outm = page_aligned(n * MAX_WIDTH * 4).view(np.int32).reshape(n, MAX_WIDTH)
