@@ -135,6 +135,8 @@ class Removals:
         own = node is None or node == self.node
         out = Removal(in_use=planned.in_use)
         with self.table.lock, os_errors(self.root):
+            if planned.files:
+                self.table.removing()  # clients check their leases' files after this
             for rel, size in planned.files:
                 try:
                     os.unlink(self.root / rel)
@@ -179,6 +181,7 @@ class Removals:
                             continue
                         out.files.append((rel, 0))
                         if not dry_run:
+                            self.table.removing()
                             os.unlink(self.root / rel)
                     if not dry_run:
                         out.dirs += _rmdir_if_empty(self.root / rel_dir)
