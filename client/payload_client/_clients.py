@@ -442,8 +442,7 @@ class PayloadClient(BaseClient[HTTPTransport, SyncDataPlane]):
 
 
 class AsyncPayloadClient(BaseClient[AsyncHTTPTransport, AsyncDataPlane]):
-    """Asyncio client of a payloadd daemon: the methods of `PayloadClient`, awaitable; also
-    an async context manager.
+    """Asyncio client of a payloadd daemon: `PayloadClient`'s methods, awaitable; async with.
 
     Its parameters, the errors its constructor raises and its retry rules are those of
     `PayloadClient` (see there).

@@ -89,21 +89,24 @@ class Connection:
 class Answer(NamedTuple):
     """A request's reply: its ``kind`` (for the metrics), the ``reply``, the descriptors to
     pass with it and the per-request descriptors ``taken`` for them; the sender closes the
-    descriptors and gives those back."""
+    descriptors and gives those back, then calls each of ``after`` (`DataPlaneRequests.after`:
+    what the reply need not wait for)."""
 
     kind: str
     reply: DataReply
     fds: list[int]
     taken: int
+    after: list[Callable[[], object]]
 
 
 class _Passing:
     """What a handler passes so far: descriptors opened, per-request descriptors taken (all
-    closed and given back if it fails)."""
+    closed and given back if it fails), what is done once the reply is sent."""
 
     def __init__(self) -> None:
         self.fds: list[int] = []
         self.taken = 0
+        self.after: list[Callable[[], object]] = []
 
 
 _Handler = Callable[["DataPlaneRequests", Connection, Any, _Passing], DataReply]
@@ -197,6 +200,9 @@ class DataPlaneRequests:
             For a malformed note: answering it would hand the reply to the next request
             of a client that waits for none, so the connection is dropped instead.
         """
+        tag = _tag(body)
+        if tag is not None and tag != _NOTE:  # another request: no decoding here
+            return None
         try:
             return _note_decoder.decode(body)
         except msgspec.DecodeError:
@@ -227,12 +233,22 @@ class DataPlaneRequests:
             if handler is None:
                 raise InvalidRequestError(f"unexpected request {type(req).__name__}")
             reply = handler(self, conn, req, passing)
-            return Answer(kind, reply, passing.fds, passing.taken)
+            return Answer(kind, reply, passing.fds, passing.taken, passing.after)
         except Exception as exc:
             for fd in passing.fds:
                 os.close(fd)
             self.fds.give(passing.taken)
-            return Answer(kind, self._error(exc), [], 0)
+            return Answer(kind, self._error(exc), [], 0, passing.after)
+
+    @staticmethod
+    def after(answer: Answer) -> None:
+        """Do what ``answer``'s request left for after its reply (leases it ended); one
+        failing step is logged and the rest still done."""
+        for fn in answer.after:
+            try:
+                fn()
+            except Exception:
+                log.exception("data plane: ending a lease after a reply")
 
     def _error(self, exc: Exception) -> ErrorReply:
         """The reply to a failed request (`wire_error`), counted."""
@@ -259,7 +275,7 @@ class DataPlaneRequests:
         passing.taken = 1 + len(more)
         lease, fd = self._lease_file(conn, key, req.nbytes)
         passing.fds.append(fd)
-        self._hold(conn, key, lease)
+        self._hold(conn, key, lease, passing)
         files = [lease.file]
         grants: list[LeaseGrant] = []
         for i, (run, step, fld, nbytes) in enumerate(more):
@@ -274,26 +290,29 @@ class DataPlaneRequests:
             if got is None:  # near a disk limit: only what is needed now
                 continue
             passing.fds.append(got[1])
-            self._hold(conn, other, got[0])
+            self._hold(conn, other, got[0], passing)
             files.append(got[0].file)
             grants.append(LeaseGrant(i, got[0].file, got[0].offset, got[0].nbytes))
         self.fds.give(passing.taken - len(passing.fds))  # those of keys left out
         passing.taken = len(passing.fds)
-        self.store.counts.handed_out("write", files)
+        passing.after.append(functools.partial(self.store.counts.handed_out, "write", files))
         fsync = self.store.fsync == "always"
         return LeaseReply(lease.file, lease.offset, lease.nbytes, fsync, grants)
 
-    def _hold(self, conn: Connection, key: tuple[str, int, str], lease: LeasedRange) -> None:
+    def _hold(
+        self, conn: Connection, key: tuple[str, int, str], lease: LeasedRange, passing: _Passing
+    ) -> None:
         """``conn``'s lease of ``key`` is ``lease`` from now on; beyond `LEASES`, its oldest
-        one ends (the client keeps as many, in the same order)."""
+        one ends (the client keeps as many, in the same order): once the reply is sent."""
         old = conn.leases.pop(key, None)  # this client moves on to the new range
         if old is not None:
-            old.release()
+            passing.after.append(old.release)
         conn.leases[key] = lease
         while len(conn.leases) > LEASES:  # as many as a client keeps: the oldest is done
             done = next(iter(conn.leases))
-            conn.leases.pop(done).release()
-            self.store.seal_lease(conn.owner, done)  # its unused tail stops counting
+            passing.after.append(conn.leases.pop(done).release)
+            # its unused tail stops counting
+            passing.after.append(functools.partial(self.store.seal_lease, conn.owner, done))
 
     def _fields(self, conn: Connection, req: FieldsRequest, passing: _Passing) -> DataReply:
         page = self.store.generation
@@ -444,6 +463,21 @@ class DataPlaneRequests:
                 self.store.counts.leased(key[2], lease.nbytes)
                 return lease, writer
         raise ServerError(f"every file leased for run {key[0]!r} step {key[1]} was removed at once")
+
+
+_NOTE = b"\xa4note"
+
+
+def _tag(body: bytearray) -> bytes | None:
+    """The msgpack of the tag of the request ``body`` when it is a short string (every tag
+    is) right after the array header; ``None`` when its form is another."""
+    if not body:
+        return None
+    head = body[0]
+    at = 1 if 0x90 <= head <= 0x9F else 3 if head == 0xDC else 5 if head == 0xDD else 0
+    if not at or len(body) <= at or not 0xA0 <= body[at] <= 0xBF:
+        return None
+    return bytes(body[at : at + 1 + (body[at] & 0x1F)])
 
 
 _HANDLERS: dict[type[Any], tuple[str, _Handler]] = {

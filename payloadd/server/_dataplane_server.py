@@ -412,14 +412,15 @@ class DataPlaneServer:
                 self._send(conn, CommitReply([]))
             self._count_request("note", start)
             return
-        kind, reply, fds, taken = self.requests.answer(body, conn)
+        answer = self.requests.answer(body, conn)
         try:
-            self._send(conn, reply, fds)
+            self._send(conn, answer.reply, answer.fds)
         finally:
-            for fd in fds:
+            for fd in answer.fds:
                 os.close(fd)
-            self.fds.give(taken)
-            self._count_request(kind, start)
+            self.fds.give(answer.taken)
+            self._count_request(answer.kind, start)
+            self.requests.after(answer)  # while the client uses the reply
 
     def _count_request(self, kind: str, start: float) -> None:
         if self.metrics is not None:

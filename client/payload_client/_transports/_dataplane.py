@@ -9,6 +9,7 @@ id) before they hand out anything cached.
 
 from __future__ import annotations
 
+import array
 import asyncio
 import builtins
 import contextlib
@@ -21,7 +22,6 @@ from collections.abc import Sequence
 from typing import Any, TypeVar
 
 import msgspec
-import numpy as np
 
 from .._errors import ProtocolError, TimeoutError, TransportError
 from .._segment import PayloadSegment
@@ -76,7 +76,7 @@ def _fds_of(ancdata: list[tuple[int, int, bytes]]) -> list[int]:
     for level, kind, data in ancdata:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             usable = len(data) - len(data) % 4
-            fds += list(np.frombuffer(data[:usable], dtype=np.int32).tolist())
+            fds += array.array("i", data[:usable]).tolist()
     return fds
 
 
