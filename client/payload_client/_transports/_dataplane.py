@@ -94,12 +94,37 @@ _ANCILLARY = socket.CMSG_SPACE(MAX_FDS * 4)
 _MISSING = frozenset({"FileMissingError", "FileGoneError"})
 
 
-def _closed_by_peer(sock: socket.socket | None, poll: select.poll | None) -> bool:
-    """Whether the daemon closed ``sock`` (it restarted): a poll that never waits
-    (``poll``: the socket's, registered for input)."""
+class _Poll:
+    """Whether a socket has something to read (a reply, or its end): a look that never
+    waits, safe from several threads at once (an epoll set; ``select`` where there is none).
+    """
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.epoll = select.epoll() if hasattr(select, "epoll") else None
+        if self.epoll is not None:
+            self.epoll.register(sock.fileno(), select.EPOLLIN)
+
+    def readable(self) -> bool:
+        """Whether it has; ``True`` when it cannot tell (closed meanwhile)."""
+        try:
+            if self.epoll is not None:
+                return bool(self.epoll.poll(0))
+            return bool(select.select([self.sock], [], [], 0)[0])
+        except (OSError, ValueError):
+            return True
+
+    def close(self) -> None:
+        if self.epoll is not None:
+            self.epoll.close()
+
+
+def _closed_by_peer(sock: socket.socket | None, poll: _Poll | None) -> bool:
+    """Whether the daemon closed ``sock`` (it restarted): a look that never waits (``poll``:
+    the socket's)."""
     if sock is None or poll is None:
         return False
-    if not poll.poll(0):
+    if not poll.readable():
         return False  # open, nothing pending: the normal case
     try:
         return sock.recv(1, socket.MSG_PEEK) == b""  # readable: end of stream, or an error
@@ -164,7 +189,7 @@ class _DataPlane:
         self.connect_timeout = connect_timeout
         self.pid = _pid[0]
         self.sock: socket.socket | None = None
-        self.poll: select.poll | None = None  # of sock: readable means gone (or a reply)
+        self.poll: _Poll | None = None  # of sock: readable means gone (or a reply)
         self.cache = ReadCache()
         self.leases = LeaseCache()
         self._checked = time.monotonic()  # last look for removed files
@@ -176,7 +201,9 @@ class _DataPlane:
         if self.sock is not None:
             self.sock.close()
             self.sock = None
-        self.poll = None
+        if self.poll is not None:
+            self.poll.close()
+            self.poll = None
         self.cache.clear()
         self.leases.clear()
 
@@ -229,8 +256,7 @@ class _DataPlane:
     def _connected(self, sock: socket.socket) -> None:
         """``sock`` is the connection from now on."""
         self.sock = sock
-        self.poll = select.poll()
-        self.poll.register(sock, select.POLLIN)
+        self.poll = _Poll(sock)
 
     def _answered(self, answer: tuple[DataReply, list[int]]) -> tuple[DataReply, list[int]]:
         """``answer``, as received; one naming a missing file of the daemon's (maybe removed
@@ -265,7 +291,7 @@ class _DataPlane:
         ):
             return None
         poll = self.poll
-        if poll is None or poll.poll(0):
+        if poll is None or poll.readable():
             return None
         return append_leased(items, bodies, self.leases)
 
