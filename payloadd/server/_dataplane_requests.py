@@ -273,10 +273,26 @@ class DataPlaneRequests:
             self.fds.take(1, "a lease")
             more = []
         passing.taken = 1 + len(more)
-        lease, fd = self._lease_file(conn, key, req.nbytes)
-        passing.fds.append(fd)
-        self._hold(conn, key, lease, passing)
-        files = [lease.file]
+        with self.store.syncs_together():  # fsync="always": each new directory entry once
+            lease, fd = self._lease_file(conn, key, req.nbytes)
+            passing.fds.append(fd)
+            self._hold(conn, key, lease, passing)
+            grants = self._lease_more(conn, more, key, passing)
+        self.fds.give(passing.taken - len(passing.fds))  # those of keys left out
+        passing.taken = len(passing.fds)
+        files = [lease.file, *(g.file for g in grants)]
+        passing.after.append(functools.partial(self.store.counts.handed_out, "write", files))
+        fsync = self.store.fsync == "always"
+        return LeaseReply(lease.file, lease.offset, lease.nbytes, fsync, grants)
+
+    def _lease_more(
+        self,
+        conn: Connection,
+        more: list[tuple[str, int, str, int]],
+        key: tuple[str, int, str],
+        passing: _Passing,
+    ) -> list[LeaseGrant]:
+        """The leases of a request's ``more`` (besides ``key``), as many as can be had."""
         grants: list[LeaseGrant] = []
         for i, (run, step, fld, nbytes) in enumerate(more):
             other = (run, step, fld)
@@ -291,13 +307,8 @@ class DataPlaneRequests:
                 continue
             passing.fds.append(got[1])
             self._hold(conn, other, got[0], passing)
-            files.append(got[0].file)
             grants.append(LeaseGrant(i, got[0].file, got[0].offset, got[0].nbytes))
-        self.fds.give(passing.taken - len(passing.fds))  # those of keys left out
-        passing.taken = len(passing.fds)
-        passing.after.append(functools.partial(self.store.counts.handed_out, "write", files))
-        fsync = self.store.fsync == "always"
-        return LeaseReply(lease.file, lease.offset, lease.nbytes, fsync, grants)
+        return grants
 
     def _hold(
         self, conn: Connection, key: tuple[str, int, str], lease: LeasedRange, passing: _Passing

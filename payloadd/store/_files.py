@@ -17,7 +17,7 @@ import contextlib
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -121,6 +121,7 @@ class FileTable:
         self.open_files: dict[str, AppendFile] = {}
         self._seq = 0
         self._made = _Recent(MADE)  # step directories made (a hint: they may be gone)
+        self._later = threading.local()  # directories to fsync at the end of a block
 
     def removing(self) -> None:
         """Data files are about to be removed: bump the removal generation (clients then
@@ -269,12 +270,11 @@ class FileTable:
             fd = os.open(path, flags, FILE_MODE)
         try:
             if self.fsync == "always":
-                for g in reversed(grown):  # the file's entry first, up to the root's
-                    dfd = os.open(self.root / g, os.O_RDONLY | os.O_DIRECTORY)
-                    try:
-                        os.fsync(dfd)
-                    finally:
-                        os.close(dfd)
+                later = getattr(self._later, "dirs", None)
+                if later is not None:  # at the end of `syncs_together`
+                    later.update(dict.fromkeys(reversed(grown)))
+                else:
+                    self._sync_dirs(reversed(grown))  # the file's entry first, up to the root's
             elif self.dirty is not None:
                 self.dirty.created(grown)
             st = os.fstat(fd)
@@ -288,6 +288,30 @@ class FileTable:
         f = AppendFile(rel, 0, fd, (run, step, field), owner=owner, ino=(st.st_dev, st.st_ino))
         self.open_files[rel] = f
         return f
+
+    def _sync_dirs(self, dirs: Iterable[str]) -> None:
+        for g in dirs:
+            dfd = os.open(f"{self._root}/{g}", os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+
+    @contextlib.contextmanager
+    def syncs_together(self) -> Iterator[None]:
+        """Under ``fsync="always"``, the directories that files created in the block (by
+        this thread) got entries in are fsync'd once each, at its end, not once per file:
+        hand none of the files out before. Call without the lock."""
+        if self.fsync != "always":
+            yield
+            return
+        self._later.dirs = dirs = dict[str, None]()
+        try:
+            yield
+        finally:
+            self._later.dirs = None
+        with os_errors(self.root):
+            self._sync_dirs(dirs)
 
     def new_shared(self, key: tuple[str, int, str]) -> AppendFile:
         """A new shared current file of ``key``; the least recently appended to rest beyond

@@ -20,6 +20,7 @@ is the store's), the read side (`Readers`), removals (`Removals`) and the counte
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import re
@@ -354,6 +355,11 @@ class Store:
         round trip later): ``None``, nothing reserved, unless the disk limits leave room for
         `payloadd.store._leases.AHEAD_ROOM` such leases."""
         return self._leases.lease(run, step, field, nbytes, size, owner, ahead=True)
+
+    def syncs_together(self) -> contextlib.AbstractContextManager[None]:
+        """A block whose new files' directories are fsync'd once each at its end, under
+        ``fsync="always"`` (`FileTable.syncs_together`): several leases at once."""
+        return self._table.syncs_together()
 
     def seal_lease(self, owner: int, key: tuple[str, int, str]) -> None:
         """``owner``'s connection is done with ``key`` (its oldest lease ended): seal its

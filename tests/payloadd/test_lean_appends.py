@@ -8,6 +8,7 @@ its lease's file went.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import socket
@@ -251,5 +252,31 @@ def test_a_lease_ahead_of_need_far_from_the_limits_is_granted(tmp_path: Path) ->
         lease.release()
         store.end_owner(1)  # never written: removed, and counted as a removal
         assert page.value == before + 1 and not (store.root / lease.file).exists()
+    finally:
+        store.close()
+
+
+def test_leases_made_together_fsync_each_new_directory_entry_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = Store(tmp_path / "root", "n", fsync="always")
+    synced: list[str] = []
+    fsync = os.fsync
+
+    def counted(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", counted)
+    try:
+        for run, together in (("apart", False), ("together", True)):
+            synced.clear()
+            with store.syncs_together() if together else contextlib.nullcontext():
+                for fld in (R, M):
+                    store.lease(run, 0, fld, 8, 64, owner=1).release()
+            step_dir = str(store.root / "n" / run / "0")
+            dirs = [p for p in synced if os.path.isdir(p)]
+            assert dirs.count(step_dir) == (1 if together else 2)  # an entry for each file
+            assert str(store.root / "n" / run) in dirs  # the step's own entry
     finally:
         store.close()
