@@ -400,7 +400,8 @@ class DataPlaneServer:
     def _send(self, conn: Connection, reply: DataReply, fds: list[int] | None = None) -> None:
         data = _framed(reply)
         sent = socket.send_fds(conn.sock, [data], fds) if fds else 0  # SO_SNDTIMEO bounds both
-        conn.sock.sendall(data[sent:])
+        if sent < len(data):
+            conn.sock.sendall(data[sent:])
 
     def _answer(self, conn: Connection, body: bytearray) -> None:
         start = time.perf_counter()

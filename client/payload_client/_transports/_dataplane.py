@@ -101,9 +101,14 @@ class _Poll:
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
-        self.epoll = select.epoll() if hasattr(select, "epoll") else None
-        if self.epoll is not None:
+        self.epoll: Any = None
+        try:
+            self.epoll = select.epoll()
             self.epoll.register(sock.fileno(), select.EPOLLIN)
+        except (AttributeError, OSError):  # no epoll here, or no descriptor left for one
+            if self.epoll is not None:
+                self.epoll.close()
+            self.epoll = None
 
     def readable(self) -> bool:
         """Whether it has; ``True`` when it cannot tell (closed meanwhile)."""

@@ -8,7 +8,9 @@ never used after it was closed (and perhaps reused for another file).
 bumps before it removes any data file (``payloadd.store._generation``). While it has not
 changed since a descriptor's file was last seen linked, the file is still linked: no
 ``fstat`` is needed to know it. The lease appends use it (`LeasedRange.seen`); a read can
-too (`LeaseCache.generation` holds the connection's page).
+too: `LeaseCache.generation` holds the connection's page, passed with the fields table
+(`FieldsReply`, asked once per connection; a read before any append can ask for it the
+same way, `append_steps` shows how), and is dropped with the connection's leases.
 """
 
 from __future__ import annotations
