@@ -6,9 +6,9 @@ mode 0640, their directories 0750), keeps the shared current file of every
 (`FileTable.place`), and seals, closes and discards them; it counts what they reserve
 against the disk limits (`payloadd.store._disk_limits.DiskBudget`) and marks what the next
 flush must fsync (`payloadd.store._durability.DirtyFiles`). It is the `AppendOwner` of the
-pending appends and leased ranges of `payloadd.store._store.Store`. Before it removes a data
-file it bumps the removal generation (`payloadd.store._generation.GenerationPage`), as every
-removal of the store does.
+pending appends and leased ranges of `payloadd.store._store.Store`. It removes data files
+only inside `FileTable.removing` (the removal generation moves,
+`payloadd.store._generation.GenerationPage`), as every removal of the store does.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ class FileTable:
     budget : DiskBudget
         The disk limits the files' reserved bytes count against.
     generation : GenerationPage, optional
-        The removal generation, bumped before any data file is removed (`removing`).
+        The removal generation, which every removal of a data file moves (`removing`).
 
     Attributes
     ----------
@@ -123,11 +123,12 @@ class FileTable:
         self._made = _Recent(MADE)  # step directories made (a hint: they may be gone)
         self._later = threading.local()  # directories to fsync at the end of a block
 
-    def removing(self) -> None:
-        """Data files are about to be removed: bump the removal generation (clients then
-        check their leases' files after writing). Lock held."""
-        if self.generation is not None:
-            self.generation.bump()
+    def removing(self) -> contextlib.AbstractContextManager[None]:
+        """Remove data files in the block: the removal generation moves at its start and end
+        (clients then check their leases' files after writing). Lock held."""
+        if self.generation is None:
+            return contextlib.nullcontext()
+        return self.generation.removing()
 
     def seal(self, f: AppendFile) -> None:
         """No more appends to ``f``; close it once no pending append uses it. Lock held."""
@@ -159,8 +160,7 @@ class FileTable:
         f.open, f.sealed = False, True
         self.open_files.pop(f.rel, None)
         path = self.root / f.rel
-        self.removing()
-        with contextlib.suppress(FileNotFoundError):
+        with self.removing(), contextlib.suppress(FileNotFoundError):
             os.unlink(path)
         for d in (path.parent, path.parent.parent):
             try:

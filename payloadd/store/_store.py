@@ -112,7 +112,7 @@ class Store:
     policy : RootPolicy
         How it is treated.
     generation : GenerationPage or None
-        The removal generation, bumped before any data file is removed; data-plane clients
+        The removal generation, which every removal of a data file moves; data-plane clients
         map it (``None`` without memfd sealing: clients check after every write).
     """
 

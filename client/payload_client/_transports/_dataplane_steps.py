@@ -241,13 +241,14 @@ Place = tuple[tuple[str, int, str], LeasedRange, int]
 def _removed(leases: Sequence[LeasedRange], page: GenerationPage | None) -> list[LeasedRange]:
     """Those of ``leases`` whose file was removed (call after writing into them): a lease
     seen linked at the removal generation read now is still linked (no ``fstat``); any
-    other is checked, and seen at that generation when linked."""
+    other is checked, and seen at that generation when linked and no removal is under way
+    (`GenerationPage.seen`)."""
     if page is None:
         return [lease for lease in leases if os.fstat(lease.fd).st_nlink == 0]
-    now = page.value()
+    now = page.seen()
     gone = []
     for lease in leases:
-        if lease.seen != now:
+        if now < 0 or lease.seen != now:
             if os.fstat(lease.fd).st_nlink == 0:
                 gone.append(lease)
             else:
@@ -414,7 +415,7 @@ def append_steps(
                     if got is None:
                         req = _lease_request(key, n, items, sizes, i + 1, leases)
                         page = leases.generation
-                        seen = page.value() if page is not None else -1
+                        seen = page.seen() if page is not None else -1
                         reply, fds = yield Exchange(req)
                         if isinstance(reply, ErrorReply) and reply.error == "PayloadTooLargeError":
                             for fd in fds:

@@ -5,9 +5,9 @@ Both caches close what they evict only when no I/O is in flight, so a descriptor
 never used after it was closed (and perhaps reused for another file).
 
 `GenerationPage` is the daemon's removal generation, mapped read-only: a counter the daemon
-bumps before it removes any data file (``payloadd.store._generation``). While it has not
-changed since a descriptor's file was last seen linked, the file is still linked: no
-``fstat`` is needed to know it. The lease appends use it (`LeasedRange.seen`); a read can
+makes odd while it removes data files and even again after (``payloadd.store._generation``).
+While it reads the same even value as when a descriptor's file was last seen linked, the
+file is still linked: no ``fstat`` is needed to know it. The lease appends use it (`LeasedRange.seen`); a read can
 too: `LeaseCache.generation` holds the connection's page, passed with the fields table
 (`FieldsReply`, asked once per connection; a read before any append can ask for it the
 same way, `append_steps` shows how), and is dropped with the connection's leases.
@@ -72,10 +72,11 @@ _U64 = struct.Struct("<Q")
 class GenerationPage:
     """The daemon's removal generation, read from the page it passed (a read-only mapping).
 
-    The daemon bumps it before it removes any data file (garbage collection, a connection's
-    unused lease files, a given-up reservation). So: a file seen linked after the generation
-    was ``g`` is still linked while `value` is ``g`` (read after the I/O that must have
-    reached a linked file). Files removed by hand are not counted: they are found by
+    The daemon makes it odd while it removes data files (garbage collection, a connection's
+    unused lease files, a given-up reservation) and even again after. So: a file seen linked
+    after the generation read an even ``g`` is still linked while `value` is ``g`` (read
+    after the I/O that must have reached a linked file); an odd value is never remembered
+    (`seen`): the file may go right after it was seen. Files removed by hand are not counted: they are found by
     `LeaseCache.drop_removed`, and after an answer naming a missing file
     (`LeaseCache.suspect`).
 
@@ -98,8 +99,14 @@ class GenerationPage:
         self._read = _U64.unpack_from
 
     def value(self) -> int:
-        """The generation now."""
+        """The generation now (odd: a removal under way)."""
         return int(self._read(self._page)[0])
+
+    def seen(self) -> int:
+        """The generation now, to remember as checked before a look at a file: -1 while a
+        removal is under way (odd), which then counts as never checked."""
+        value = int(self._read(self._page)[0])
+        return -1 if value & 1 else value
 
     @classmethod
     def of(cls, fds: Sequence[int]) -> GenerationPage | None:
@@ -206,8 +213,8 @@ class LeasedRange:
     """A byte range of ``file`` the daemon leased to this client to place rows in:
     ``[next, end)`` is still free, ``[start, next)`` taken.
 
-    ``seen`` is the removal generation (`GenerationPage`) read before ``file`` was last
-    known to be linked (granted by the daemon, or checked); -1: never, check it."""
+    ``seen`` is the removal generation (`GenerationPage`), even, read before ``file`` was
+    last known to be linked (granted by the daemon, or checked); -1: never, check it."""
 
     file: str
     fd: int
