@@ -72,6 +72,10 @@ DEFAULT_SOCKET = "/run/payloadd/payloadd.sock"
 """Socket path used when neither ``socket_path``, ``base_url`` nor ``PAYLOADD_SOCKET`` is given."""
 
 T = TypeVar("T")
+Items = Sequence[tuple[str, np.ndarray, int]]
+"""The items of an append: ``(field, rows, pos)``."""
+Segments = list[list[PayloadSegment]]
+"""The segments of each item of an append."""
 HTTPT = TypeVar("HTTPT")
 """The client's HTTP transport (`HTTPTransport` or `AsyncHTTPTransport`)."""
 DataPlaneT = TypeVar("DataPlaneT")
@@ -85,7 +89,44 @@ _DTYPE_NAMES = {np.dtype(name).newbyteorder("<"): name for name in SUPPORTED_DTY
 _append_response = msgspec.msgpack.Decoder(AppendResponse)
 
 
-def _rows_for_wire(rows: Any) -> np.ndarray:
+_WIRE: dict[np.dtype[Any], tuple[np.dtype[Any], str]] = {
+    np.dtype(name): (np.dtype(name) if np.dtype(name) == little else little, name)
+    for little, name in _DTYPE_NAMES.items()
+}
+"""Dtype of some rows -> (their dtype on the wire, its name): the supported dtypes in native
+byte order to start with (`_rows_for_wire` adds the others it meets)."""
+_NAMES: set[str] = set()
+"""Names (fields, runs) found valid: the pattern is not matched again (bounded)."""
+
+
+def _name(value: Any, what: str) -> str:
+    """`check_name`, once per name."""
+    if type(value) is str and value in _NAMES:
+        return value
+    check_name(value, what)
+    if type(value) is str:
+        if len(_NAMES) >= 4096:
+            _NAMES.clear()
+        _NAMES.add(value)
+    return str(value)
+
+
+def _rows_for_wire(rows: Any) -> tuple[np.ndarray, str]:
+    """``rows``, little-endian and C-contiguous, and their dtype's name; a copy only when
+    they are not already so."""
+    if type(rows) is np.ndarray:  # the common case, checked once, fast
+        wire = _WIRE.get(rows.dtype)
+        if wire is not None and rows.ndim >= 2 and 0 not in rows.shape[1:]:
+            if wire[0] is rows.dtype and rows.flags.c_contiguous:
+                return rows, wire[1]
+            return np.ascontiguousarray(rows, dtype=wire[0]), wire[1]
+    arr = _rows_checked(rows)
+    name = _DTYPE_NAMES[arr.dtype]
+    _WIRE.setdefault(rows.dtype, (arr.dtype, name))
+    return arr, name
+
+
+def _rows_checked(rows: Any) -> np.ndarray:
     if not isinstance(rows, np.ndarray):
         raise InvalidRequestError(f"rows must be a numpy.ndarray, got {type(rows).__name__}")
     if isinstance(rows, np.ma.MaskedArray):  # its mask would be dropped, its masked values kept
@@ -180,8 +221,8 @@ class BaseClient(Generic[HTTPT, DataPlaneT]):
         """
         if call.local:
             return call.decode(b"")
-        data_plane = self._data_plane
-        if call.data_plane_steps is not None and data_plane is not None and self._data_plane_due():
+        data_plane = self._data_plane_first()
+        if call.data_plane_steps is not None and data_plane is not None:
             try:
                 result: T = yield data_plane
                 return result
@@ -199,12 +240,28 @@ class BaseClient(Generic[HTTPT, DataPlaneT]):
 
     # -- append -------------------------------------------------------------------------
 
-    def _append_call(
+    def _data_plane_first(self) -> DataPlaneT | None:
+        """The data plane, when a call that can take it goes there first now (`_route`)."""
+        if self._data_plane is not None and self._data_plane_due():
+            return self._data_plane
+        return None
+
+    def _append_items(
         self, items: Sequence[tuple[str, np.ndarray, int]], run: str, step: int
-    ) -> Call[list[list[PayloadSegment]]]:
-        run = check_name(run, "run")
+    ) -> tuple[list[AppendItem], list[memoryview]]:
+        """The items of an append, checked, and their rows as little-endian bytes.
+
+        Raises
+        ------
+        InvalidRequestError
+            Bad items, field, run, step, position or rows.
+        """
+        run = _name(run, "run")
         step = check_int(step, "step")
-        if isinstance(items, tuple) or not isinstance(items, Sequence) or not items:
+        listed = type(items) is list or (
+            not isinstance(items, tuple) and isinstance(items, Sequence)
+        )
+        if not listed or not items:
             raise InvalidRequestError("items must be a non-empty list of (field, rows, pos)")
         headers: list[AppendItem] = []
         bodies: list[memoryview] = []
@@ -213,14 +270,25 @@ class BaseClient(Generic[HTTPT, DataPlaneT]):
                 fld, rows, pos = item
             except (TypeError, ValueError):
                 raise InvalidRequestError(f"item {i} must be (field, rows, pos)") from None
-            fld = check_name(fld, f"item {i} field")
-            arr = _rows_for_wire(rows)
+            fld = _name(fld, f"item {i} field")
+            arr, name = _rows_for_wire(rows)
             pos = check_int(pos, f"item {i} pos")
-            if pos + len(arr) > INT64_MAX:
+            n = len(arr)
+            if pos + n > INT64_MAX:
                 raise InvalidRequestError(f"item {i}: pos + rows overflows int64")
-            name = _DTYPE_NAMES[arr.dtype]
-            headers.append(AppendItem(fld, name, list(arr.shape[1:]), len(arr), pos, run, step))
+            headers.append(AppendItem(fld, name, list(arr.shape[1:]), n, pos, run, step))
             bodies.append(arr.data.cast("B") if arr.size else memoryview(b""))
+        return headers, bodies
+
+    def _append_call(
+        self, items: Sequence[tuple[str, np.ndarray, int]], run: str, step: int
+    ) -> Call[list[list[PayloadSegment]]]:
+        return self._append_call_of(*self._append_items(items, run, step))
+
+    def _append_call_of(
+        self, headers: list[AppendItem], bodies: list[memoryview]
+    ) -> Call[list[list[PayloadSegment]]]:
+        """The call of an append of `_append_items`."""
 
         def body() -> list[Any]:
             header = _encoder.encode(AppendRequest(headers))

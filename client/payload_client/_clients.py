@@ -15,7 +15,7 @@ from typing import Any, Literal, TypeVar, overload
 
 import numpy as np
 
-from ._base import BaseClient
+from ._base import BaseClient, Items, Segments
 from ._segment import PayloadSegment
 from ._transports import (
     AsyncDataPlane,
@@ -81,6 +81,12 @@ class PayloadClient(BaseClient[HTTPTransport, SyncDataPlane]):
     def _send(self, call: Call[T]) -> T:
         return drive(self._route(call), lambda transport: transport.handle_call(call))
 
+    def _append(self, items: Items, run: str, step: int) -> Segments:
+        """An append, at once in the data plane's leases if it can (``append_now``)."""
+        headers, bodies = self._append_items(items, run, step)
+        done = dp.append_now(headers, bodies) if (dp := self._data_plane_first()) else None
+        return done if done is not None else self._send(self._append_call_of(headers, bodies))
+
     def append(
         self, field: str, rows: np.ndarray, pos: int, *, run: str, step: int
     ) -> list[PayloadSegment]:
@@ -122,7 +128,7 @@ class PayloadClient(BaseClient[HTTPTransport, SyncDataPlane]):
             The daemon cannot be reached or answered badly (`ConnectError`,
             `TimeoutError`, `ConnectionLostError`: nothing was stored).
         """
-        return self._send(self._append_call([(field, rows, pos)], run, step))[0]
+        return self._append([(field, rows, pos)], run, step)[0]
 
     def append_many(
         self, items: Sequence[tuple[str, np.ndarray, int]], *, run: str, step: int
@@ -146,7 +152,7 @@ class PayloadClient(BaseClient[HTTPTransport, SyncDataPlane]):
         InvalidRequestError, PayloadTooLargeError, AppendInDoubtError, TransportError
             As `append`; nothing is written when any item is invalid.
         """
-        return self._send(self._append_call(items, run, step))
+        return self._append(items, run, step)
 
     @overload
     def read_field(
@@ -436,8 +442,7 @@ class PayloadClient(BaseClient[HTTPTransport, SyncDataPlane]):
 
 
 class AsyncPayloadClient(BaseClient[AsyncHTTPTransport, AsyncDataPlane]):
-    """Asyncio client of a payloadd daemon: the methods of `PayloadClient`, awaitable; also
-    an async context manager.
+    """Asyncio client of a payloadd daemon: `PayloadClient`'s methods, awaitable; async with.
 
     Its parameters, the errors its constructor raises and its retry rules are those of
     `PayloadClient` (see there).
@@ -456,17 +461,23 @@ class AsyncPayloadClient(BaseClient[AsyncHTTPTransport, AsyncDataPlane]):
             self._route(call), lambda transport: transport.handle_async_call(call)
         )
 
+    async def _append(self, items: Items, run: str, step: int) -> Segments:
+        """Awaitable `PayloadClient._append` (at once: up to 1 MiB of rows)."""
+        headers, bodies = self._append_items(items, run, step)
+        done = dp.append_now(headers, bodies) if (dp := self._data_plane_first()) else None
+        return done if done is not None else await self._send(self._append_call_of(headers, bodies))
+
     async def append(
         self, field: str, rows: np.ndarray, pos: int, *, run: str, step: int
     ) -> list[PayloadSegment]:
         """Awaitable `PayloadClient.append`."""
-        return (await self._send(self._append_call([(field, rows, pos)], run, step)))[0]
+        return (await self._append([(field, rows, pos)], run, step))[0]
 
     async def append_many(
         self, items: Sequence[tuple[str, np.ndarray, int]], *, run: str, step: int
     ) -> list[list[PayloadSegment]]:
         """Awaitable `PayloadClient.append_many`."""
-        return await self._send(self._append_call(items, run, step))
+        return await self._append(items, run, step)
 
     @overload
     async def read_field(

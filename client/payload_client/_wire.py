@@ -493,22 +493,41 @@ class ReserveReply(msgspec.Struct, tag="reserved", array_like=True):
 
 class LeaseRequest(msgspec.Struct, tag="lease", array_like=True):
     """Ask for a private byte range of the current file of ``(run, step, field)``: at least
-    ``nbytes``; the client places rows in it itself, without asking again."""
+    ``nbytes``; the client places rows in it itself, without asking again.
+
+    ``more``: other keys ``(run, step, field, nbytes)`` to lease in the same round trip, as
+    the daemon can (each one may be left out: the client asks for it again when it needs
+    it). ``nbytes`` 0 asks ahead of need: granted only far from the disk limits. A daemon
+    from before ``more`` leases the first key only."""
 
     run: str
     step: NonNegInt
     field: str
     nbytes: NonNegInt
+    more: list[tuple[str, NonNegInt, str, NonNegInt]] = []
+
+
+class LeaseGrant(msgspec.Struct, array_like=True):
+    """One more lease of a `LeaseReply`: of key ``more[index]`` of the request, the range
+    ``[offset, offset + nbytes)`` of ``file``."""
+
+    index: int
+    file: str
+    offset: int
+    nbytes: int
 
 
 class LeaseReply(msgspec.Struct, tag="leased", array_like=True):
     """The leased range ``[offset, offset + nbytes)`` of ``file``, with one write-only
-    descriptor as SCM_RIGHTS; ``fsync``: the client fsyncs before returning segments."""
+    descriptor as SCM_RIGHTS; ``fsync``: the client fsyncs before returning segments.
+    ``more``: the leases granted of the request's ``more``, each with one more descriptor,
+    in this order after the first."""
 
     file: str
     offset: int
     nbytes: int
     fsync: bool
+    more: list[LeaseGrant] = []
 
 
 class NoteRequest(msgspec.Struct, tag="note", array_like=True):
@@ -551,9 +570,15 @@ class FieldsRequest(msgspec.Struct, tag="fields", array_like=True):
 
 
 class FieldsReply(msgspec.Struct, tag="fieldtable", array_like=True):
-    """The daemon's fields table, as ``GET /v1/fields`` answers it."""
+    """The daemon's fields table, as ``GET /v1/fields`` answers it.
+
+    ``generation``: a read-only descriptor of the daemon's removal generation comes with it
+    (SCM_RIGHTS): a page whose first 8 bytes are a little-endian ``u64`` that the daemon
+    increments before it removes any data file (`payload_client._transports._descriptors.GenerationPage`).
+    A client maps it once per connection."""
 
     table: FieldsTable
+    generation: bool = False
 
 
 class ErrorReply(msgspec.Struct, tag="error", array_like=True):

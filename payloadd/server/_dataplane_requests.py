@@ -17,11 +17,17 @@ import secrets
 import socket
 import time
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, overload
 
 import msgspec
 
-from payload_client import InvalidRequestError, PayloadTooLargeError, ServerError
+from payload_client import (
+    BusyError,
+    InvalidRequestError,
+    PayloadError,
+    PayloadTooLargeError,
+    ServerError,
+)
 from payload_client.protocol import (
     LEASES,
     MAX_FDS,
@@ -33,6 +39,7 @@ from payload_client.protocol import (
     ErrorReply,
     FieldsReply,
     FieldsRequest,
+    LeaseGrant,
     LeaseReply,
     LeaseRequest,
     NoteRequest,
@@ -49,9 +56,12 @@ from payloadd.store._budget import Descriptors, out_of_descriptors
 from payloadd.store._counts import DATA_PLANE
 from payloadd.store._store import Store
 
-__all__ = ["Answer", "Connection", "DataPlaneRequests"]
+__all__ = ["LEASE_ALONG", "Answer", "Connection", "DataPlaneRequests"]
 
 log = logging.getLogger("payloadd.dataplane")
+
+LEASE_ALONG = min(MAX_FDS - 1, LEASES // 4)
+"""Most keys one lease request gets leased along with its own (`LeaseRequest.more`)."""
 
 _decoder = msgspec.msgpack.Decoder(DataRequest)
 _note_decoder = msgspec.msgpack.Decoder(NoteRequest)
@@ -79,21 +89,24 @@ class Connection:
 class Answer(NamedTuple):
     """A request's reply: its ``kind`` (for the metrics), the ``reply``, the descriptors to
     pass with it and the per-request descriptors ``taken`` for them; the sender closes the
-    descriptors and gives those back."""
+    descriptors and gives those back, then calls each of ``after`` (`DataPlaneRequests.after`:
+    what the reply need not wait for)."""
 
     kind: str
     reply: DataReply
     fds: list[int]
     taken: int
+    after: list[Callable[[], object]]
 
 
 class _Passing:
     """What a handler passes so far: descriptors opened, per-request descriptors taken (all
-    closed and given back if it fails)."""
+    closed and given back if it fails), what is done once the reply is sent."""
 
     def __init__(self) -> None:
         self.fds: list[int] = []
         self.taken = 0
+        self.after: list[Callable[[], object]] = []
 
 
 _Handler = Callable[["DataPlaneRequests", Connection, Any, _Passing], DataReply]
@@ -187,6 +200,9 @@ class DataPlaneRequests:
             For a malformed note: answering it would hand the reply to the next request
             of a client that waits for none, so the connection is dropped instead.
         """
+        tag = _tag(body)
+        if tag is not None and tag != _NOTE:  # another request: no decoding here
+            return None
         try:
             return _note_decoder.decode(body)
         except msgspec.DecodeError:
@@ -217,12 +233,22 @@ class DataPlaneRequests:
             if handler is None:
                 raise InvalidRequestError(f"unexpected request {type(req).__name__}")
             reply = handler(self, conn, req, passing)
-            return Answer(kind, reply, passing.fds, passing.taken)
+            return Answer(kind, reply, passing.fds, passing.taken, passing.after)
         except Exception as exc:
             for fd in passing.fds:
                 os.close(fd)
             self.fds.give(passing.taken)
-            return Answer(kind, self._error(exc), [], 0)
+            return Answer(kind, self._error(exc), [], 0, passing.after)
+
+    @staticmethod
+    def after(answer: Answer) -> None:
+        """Do what ``answer``'s request left for after its reply (leases it ended); one
+        failing step is logged and the rest still done."""
+        for fn in answer.after:
+            try:
+                fn()
+            except Exception:
+                log.exception("data plane: ending a lease after a reply")
 
     def _error(self, exc: Exception) -> ErrorReply:
         """The reply to a failed request (`wire_error`), counted."""
@@ -240,24 +266,80 @@ class DataPlaneRequests:
 
     def _lease(self, conn: Connection, req: LeaseRequest, passing: _Passing) -> DataReply:
         key = (req.run, req.step, req.field)
-        self.fds.take(1, "a lease")
-        passing.taken = 1
-        lease, fd = self._lease_file(conn, key, req.nbytes)
-        passing.fds.append(fd)
+        more = req.more[:LEASE_ALONG]
+        try:  # the keys asked for besides: only as the descriptors allow
+            self.fds.take(1 + len(more), "a lease")
+        except (BusyError, PayloadTooLargeError):
+            self.fds.take(1, "a lease")
+            more = []
+        passing.taken = 1 + len(more)
+        with self.store.syncs_together():  # fsync="always": each new directory entry once
+            lease, fd = self._lease_file(conn, key, req.nbytes)
+            passing.fds.append(fd)
+            self._hold(conn, key, lease, passing)
+            grants = self._lease_more(conn, more, key, passing)
+        self.fds.give(passing.taken - len(passing.fds))  # those of keys left out
+        passing.taken = len(passing.fds)
+        files = [lease.file, *(g.file for g in grants)]
+        passing.after.append(functools.partial(self.store.counts.handed_out, "write", files))
+        fsync = self.store.fsync == "always"
+        return LeaseReply(lease.file, lease.offset, lease.nbytes, fsync, grants)
+
+    def _lease_more(
+        self,
+        conn: Connection,
+        more: list[tuple[str, int, str, int]],
+        key: tuple[str, int, str],
+        passing: _Passing,
+    ) -> list[LeaseGrant]:
+        """The leases of a request's ``more`` (besides ``key``), as many as can be had."""
+        grants: list[LeaseGrant] = []
+        for i, (run, step, fld, nbytes) in enumerate(more):
+            other = (run, step, fld)
+            if other == key or other in conn.leases:
+                continue  # the client holds it (or asked twice)
+            try:
+                got = self._lease_file(conn, other, nbytes, ahead=nbytes == 0)
+            except (PayloadError, OSError) as exc:  # left out: asked again when needed
+                log.debug("data plane: a lease asked along was left out: %s", exc)
+                continue
+            if got is None:  # near a disk limit: only what is needed now
+                continue
+            passing.fds.append(got[1])
+            self._hold(conn, other, got[0], passing)
+            grants.append(LeaseGrant(i, got[0].file, got[0].offset, got[0].nbytes))
+        return grants
+
+    def _hold(
+        self, conn: Connection, key: tuple[str, int, str], lease: LeasedRange, passing: _Passing
+    ) -> None:
+        """``conn``'s lease of ``key`` is ``lease`` from now on; beyond `LEASES`, its oldest
+        one ends (the client keeps as many, in the same order): once the reply is sent."""
         old = conn.leases.pop(key, None)  # this client moves on to the new range
         if old is not None:
-            old.release()
+            passing.after.append(old.release)
         conn.leases[key] = lease
         while len(conn.leases) > LEASES:  # as many as a client keeps: the oldest is done
             done = next(iter(conn.leases))
-            conn.leases.pop(done).release()
-            self.store.seal_lease(conn.owner, done)  # its unused tail stops counting
-        self.store.counts.handed_out("write", [lease.file])
-        fsync = self.store.fsync == "always"
-        return LeaseReply(lease.file, lease.offset, lease.nbytes, fsync)
+            passing.after.append(conn.leases.pop(done).release)
+            # its unused tail stops counting
+            passing.after.append(functools.partial(self.store.seal_lease, conn.owner, done))
 
     def _fields(self, conn: Connection, req: FieldsRequest, passing: _Passing) -> DataReply:
-        return FieldsReply(self.store.fields)
+        page = self.store.generation
+        if page is None:
+            return FieldsReply(self.store.fields)
+        try:  # the removal generation, once per connection; without it, clients fstat
+            self.fds.take(1, "the generation page")
+        except (BusyError, PayloadTooLargeError):
+            return FieldsReply(self.store.fields)
+        try:
+            passing.fds.append(page.reader())
+        except OSError:
+            self.fds.give(1)
+            return FieldsReply(self.store.fields)
+        passing.taken = 1
+        return FieldsReply(self.store.fields, generation=True)
 
     def _open(self, conn: Connection, req: OpenRequest, passing: _Passing) -> DataReply:
         if len(req.files) > MAX_FDS:
@@ -347,18 +429,42 @@ class DataPlaneRequests:
                 raise busy from exc
             raise
 
+    @overload
     def _lease_file(
         self, conn: Connection, key: tuple[str, int, str], nbytes: int
-    ) -> tuple[LeasedRange, int]:
-        """A lease of ``key`` in a file of this connection's, and the client's descriptor.
+    ) -> tuple[LeasedRange, int]: ...
 
-        Garbage collection may remove a leased file at any time, also before its descriptor
-        is opened here: then the range is given up and a new one leased (in a new file).
+    @overload
+    def _lease_file(
+        self, conn: Connection, key: tuple[str, int, str], nbytes: int, ahead: bool
+    ) -> tuple[LeasedRange, int] | None: ...
+
+    def _lease_file(
+        self, conn: Connection, key: tuple[str, int, str], nbytes: int, ahead: bool = False
+    ) -> tuple[LeasedRange, int] | None:
+        """A lease of ``key`` in a file of this connection's, and the client's descriptor
+        (``ahead``: of need, `Store.lease_ahead`: ``None`` near a disk limit).
+
+        A new file's descriptor is the one the store created it with (`LeasedRange.writer`),
+        else one of the client's own is opened. Garbage collection may remove a leased file
+        at any time, also before its descriptor is handed out here: then the range is given
+        up and a new one leased (in a new file).
         """
         for _ in range(8):
-            lease = self.store.lease(*key, nbytes, self.lease_bytes, owner=conn.owner)
+            if ahead:
+                got = self.store.lease_ahead(*key, nbytes, self.lease_bytes, owner=conn.owner)
+                if got is None:
+                    return None
+                lease = got
+            else:
+                lease = self.store.lease(*key, nbytes, self.lease_bytes, owner=conn.owner)
             try:
-                writer = self._writer(lease.file)
+                writer = lease.writer()
+                if writer < 0:
+                    writer = self._writer(lease.file)
+                elif os.fstat(writer).st_nlink == 0:  # removed since it was created
+                    os.close(writer)
+                    raise FileNotFoundError(lease.file)
             except FileNotFoundError:
                 lease.release()
             except BaseException:
@@ -368,6 +474,21 @@ class DataPlaneRequests:
                 self.store.counts.leased(key[2], lease.nbytes)
                 return lease, writer
         raise ServerError(f"every file leased for run {key[0]!r} step {key[1]} was removed at once")
+
+
+_NOTE = b"\xa4note"
+
+
+def _tag(body: bytearray) -> bytes | None:
+    """The msgpack of the tag of the request ``body`` when it is a short string (every tag
+    is) right after the array header; ``None`` when its form is another."""
+    if not body:
+        return None
+    head = body[0]
+    at = 1 if 0x90 <= head <= 0x9F else 3 if head == 0xDC else 5 if head == 0xDD else 0
+    if not at or len(body) <= at or not 0xA0 <= body[at] <= 0xBF:
+        return None
+    return bytes(body[at : at + 1 + (body[at] & 0x1F)])
 
 
 _HANDLERS: dict[type[Any], tuple[str, _Handler]] = {

@@ -400,7 +400,8 @@ class DataPlaneServer:
     def _send(self, conn: Connection, reply: DataReply, fds: list[int] | None = None) -> None:
         data = _framed(reply)
         sent = socket.send_fds(conn.sock, [data], fds) if fds else 0  # SO_SNDTIMEO bounds both
-        conn.sock.sendall(data[sent:])
+        if sent < len(data):
+            conn.sock.sendall(data[sent:])
 
     def _answer(self, conn: Connection, body: bytearray) -> None:
         start = time.perf_counter()
@@ -412,14 +413,15 @@ class DataPlaneServer:
                 self._send(conn, CommitReply([]))
             self._count_request("note", start)
             return
-        kind, reply, fds, taken = self.requests.answer(body, conn)
+        answer = self.requests.answer(body, conn)
         try:
-            self._send(conn, reply, fds)
+            self._send(conn, answer.reply, answer.fds)
         finally:
-            for fd in fds:
+            for fd in answer.fds:
                 os.close(fd)
-            self.fds.give(taken)
-            self._count_request(kind, start)
+            self.fds.give(answer.taken)
+            self._count_request(answer.kind, start)
+            self.requests.after(answer)  # while the client uses the reply
 
     def _count_request(self, kind: str, start: float) -> None:
         if self.metrics is not None:

@@ -72,8 +72,8 @@ def proc_sample(pid: int, keep_paths: int = 64) -> dict[str, Any] | None:
             target = os.readlink(f"/proc/{pid}/fd/{name}")
         except OSError:  # closed meanwhile
             continue
-        if target.endswith(" (deleted)"):
-            deleted.append(target)
+        if target.endswith(" (deleted)") and not target.startswith("/memfd:"):
+            deleted.append(target)  # (a memfd, such as the daemon's generation page, has no name)
     return {
         "pid": pid,
         "rss_mib": round(rss_kib / 1024, 2),

@@ -81,6 +81,10 @@ class AppendOwner(Protocol):
         """A lease of ``f`` ended (its client wrote ``f`` unseen), and is released."""
         ...
 
+    def hand_over(self, f: AppendFile) -> int:
+        """The owner's write descriptor of ``f``, now the caller's; -1 if it has none."""
+        ...
+
 
 class PendingAppend:
     """Reserved byte ranges waiting for their rows; fill with `write`, finish with `commit`.
@@ -217,6 +221,13 @@ class LeasedRange:
         self._owner, self._file = owner, f
         self.file, self.offset, self.nbytes = f.rel, offset, nbytes
         self._released = False
+
+    def writer(self) -> int:
+        """The store's write descriptor of the range's file, now the caller's (to pass to
+        the client and close): a file the lease created keeps the one it was created with
+        until then. -1 when there is none (a file leased before, or handed over): the
+        caller opens one."""
+        return self._owner.hand_over(self._file)
 
     def release(self) -> None:
         """The client is done with the range (its unused tail stays a hole)."""

@@ -145,6 +145,22 @@ class DiskBudget:
             room = min(room, free - self.min_free_bytes)
         return room
 
+    def spare(self) -> int:
+        """The room under both limits now, as `room` finds it, but never refused: a very
+        large number when neither is set, below zero when over one.
+
+        Raises
+        ------
+        OSError
+            ``statvfs`` of the root fails.
+        """
+        room = 1 << 62
+        if self.max_root_bytes:
+            room = self.max_root_bytes - self.used
+        if self.min_free_bytes:
+            room = min(room, self.free_bytes() - self.min_free_bytes)
+        return room
+
     def reserve(self, nbytes: int) -> None:
         """Count ``nbytes`` just reserved (checked by `room` first)."""
         self.used += nbytes

@@ -6,7 +6,9 @@ mode 0640, their directories 0750), keeps the shared current file of every
 (`FileTable.place`), and seals, closes and discards them; it counts what they reserve
 against the disk limits (`payloadd.store._disk_limits.DiskBudget`) and marks what the next
 flush must fsync (`payloadd.store._durability.DirtyFiles`). It is the `AppendOwner` of the
-pending appends and leased ranges of `payloadd.store._store.Store`.
+pending appends and leased ranges of `payloadd.store._store.Store`. It removes data files
+only inside `FileTable.removing` (the removal generation moves,
+`payloadd.store._generation.GenerationPage`), as every removal of the store does.
 """
 
 from __future__ import annotations
@@ -15,13 +17,14 @@ import contextlib
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Literal
 
 from payload_client.protocol import AppendItem
 from payloadd.store._disk_limits import DiskBudget
 from payloadd.store._durability import DirtyFiles
+from payloadd.store._generation import GenerationPage
 from payloadd.store._records import AppendFile, Placement, os_errors
 
 __all__ = ["DIR_MODE", "FILE_MODE", "FileTable"]
@@ -30,6 +33,24 @@ DIR_MODE = 0o750
 FILE_MODE = 0o640
 SPARES = 16
 """Idle shared files kept per ``(run, step, field)`` under ``one_writer`` (`take_idle`)."""
+MADE = 1024
+"""Step directories a file table remembers it made (`FileTable.new_file`)."""
+
+
+class _Recent:
+    """The latest ``size`` strings added (a set that forgets the oldest)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.items: dict[str, None] = {}
+
+    def __contains__(self, item: str) -> bool:
+        return item in self.items
+
+    def add(self, item: str) -> None:
+        self.items[item] = None
+        if len(self.items) > self.size:
+            del self.items[next(iter(self.items))]
 
 
 class FileTable:
@@ -51,6 +72,8 @@ class FileTable:
         Shared current files kept open; the least recently appended to is sealed beyond.
     budget : DiskBudget
         The disk limits the files' reserved bytes count against.
+    generation : GenerationPage, optional
+        The removal generation, which every removal of a data file moves (`removing`).
 
     Attributes
     ----------
@@ -81,8 +104,11 @@ class FileTable:
         max_file_bytes: int,
         append_files: int,
         budget: DiskBudget,
+        generation: GenerationPage | None = None,
     ) -> None:
         self.root, self.node, self.instance, self.fsync = root, node, instance, fsync
+        self.generation = generation
+        self._root = str(root)
         self.max_file_bytes = max_file_bytes
         self.append_files = append_files
         self.budget = budget
@@ -94,6 +120,15 @@ class FileTable:
         self.one_writer = False  # set by the store from its root's policy
         self.open_files: dict[str, AppendFile] = {}
         self._seq = 0
+        self._made = _Recent(MADE)  # step directories made (a hint: they may be gone)
+        self._later = threading.local()  # directories to fsync at the end of a block
+
+    def removing(self) -> contextlib.AbstractContextManager[None]:
+        """Remove data files in the block: the removal generation moves at its start and end
+        (clients then check their leases' files after writing). Lock held."""
+        if self.generation is None:
+            return contextlib.nullcontext()
+        return self.generation.removing()
 
     def seal(self, f: AppendFile) -> None:
         """No more appends to ``f``; close it once no pending append uses it. Lock held."""
@@ -105,7 +140,7 @@ class FileTable:
         """Close ``f``: reserved bytes past its end were never written, and stop counting
         against the cap. Lock held."""
         with contextlib.suppress(OSError):
-            st = os.fstat(f.fd) if f.fd >= 0 else os.stat(self.root / f.rel)
+            st = os.fstat(f.fd) if f.fd >= 0 else os.stat(f"{self._root}/{f.rel}")
             if f.fd >= 0 or (st.st_dev, st.st_ino) == f.ino:
                 self.budget.forget(max(0, f.size - st.st_size))
         if f.fd >= 0:
@@ -125,7 +160,7 @@ class FileTable:
         f.open, f.sealed = False, True
         self.open_files.pop(f.rel, None)
         path = self.root / f.rel
-        with contextlib.suppress(FileNotFoundError):
+        with self.removing(), contextlib.suppress(FileNotFoundError):
             os.unlink(path)
         for d in (path.parent, path.parent.parent):
             try:
@@ -138,7 +173,7 @@ class FileTable:
         if f.fd >= 0:
             return os.fstat(f.fd).st_nlink == 0
         try:
-            st = os.stat(self.root / f.rel)
+            st = os.stat(f"{self._root}/{f.rel}")
         except FileNotFoundError:
             return True
         return (st.st_dev, st.st_ino) != f.ino
@@ -184,49 +219,68 @@ class FileTable:
             self.release_locked(files)
 
     def _mkdirs(self, rel_dir: str) -> list[str]:
-        """Create ``rel_dir`` and its parents under the root, each with mode 0750; return the
-        directories that got a new entry (relative, ``"."`` for the root)."""
-        path, parent = self.root, "."
+        """Create ``rel_dir`` and its missing parents under the root, each with mode 0750;
+        return the directories that got a new entry (relative, ``"."`` for the root),
+        parents first. The deepest is tried first: a new step of a run is one ``mkdir``."""
         grown: list[str] = []
-        for part in rel_dir.split("/"):
-            path = path / part
-            rel = part if parent == "." else f"{parent}/{part}"
+        self._mkdir(rel_dir, grown)
+        return grown
+
+    def _mkdir(self, rel: str, grown: list[str]) -> None:
+        parent = rel.rpartition("/")[0]
+        path = f"{self._root}/{rel}"
+        try:
+            os.mkdir(path, DIR_MODE)
+        except FileExistsError:
+            return
+        except FileNotFoundError:  # its parent is missing too
+            if not parent:
+                raise
+            self._mkdir(parent, grown)
             try:
                 os.mkdir(path, DIR_MODE)
             except FileExistsError:
-                parent = rel
-                continue
-            os.chmod(path, DIR_MODE)  # exact mode, whatever the umask
-            grown.append(parent)
-            parent = rel
-        return grown
+                return
+        os.chmod(path, DIR_MODE)  # exact mode, whatever the umask
+        grown.append(parent or ".")
 
     def new_file(
         self, run: str, step: int, field: str, owner: int = 0, keep_fd: bool = True
     ) -> AppendFile:
         """Create the next data file of ``(run, step, field)``, registered as open but as
-        nobody's current file; caller holds the lock."""
+        nobody's current file; caller holds the lock.
+
+        The step directories this table made are remembered (the latest `MADE` of them):
+        a file of one of those is created at once, its directories only when that fails
+        (removed since); no system call for the directories of a step that has files.
+        """
         d = f"{self.node}/{run}/{step}"
-        grown = [*self._mkdirs(d), d]  # directories with a new entry: parents first
         self._seq += 1
         rel = f"{d}/{field}-{self.instance}-{self._seq:06d}.bin"
-        fd = os.open(
-            self.root / rel, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE
-        )
+        path = f"{self._root}/{rel}"
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+        grown = [d]  # directories with a new entry: parents first
+        if d not in self._made:  # a new step, most likely: its directory first
+            grown = [*self._mkdirs(d), d]
+            self._made.add(d)
+        try:
+            fd = os.open(path, flags, FILE_MODE)
+        except FileNotFoundError:  # made before, and removed since (garbage collection)
+            grown = [*self._mkdirs(d), d]
+            fd = os.open(path, flags, FILE_MODE)
         try:
             if self.fsync == "always":
-                for g in reversed(grown):  # the file's entry first, up to the root's
-                    dfd = os.open(self.root / g, os.O_RDONLY | os.O_DIRECTORY)
-                    try:
-                        os.fsync(dfd)
-                    finally:
-                        os.close(dfd)
+                later = getattr(self._later, "dirs", None)
+                if later is not None:  # at the end of `syncs_together`
+                    later.update(dict.fromkeys(reversed(grown)))
+                else:
+                    self._sync_dirs(reversed(grown))  # the file's entry first, up to the root's
             elif self.dirty is not None:
                 self.dirty.created(grown)
             st = os.fstat(fd)
         except BaseException:
             os.close(fd)
-            os.unlink(self.root / rel)
+            os.unlink(path)
             raise
         if not keep_fd:
             os.close(fd)
@@ -234,6 +288,30 @@ class FileTable:
         f = AppendFile(rel, 0, fd, (run, step, field), owner=owner, ino=(st.st_dev, st.st_ino))
         self.open_files[rel] = f
         return f
+
+    def _sync_dirs(self, dirs: Iterable[str]) -> None:
+        for g in dirs:
+            dfd = os.open(f"{self._root}/{g}", os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+
+    @contextlib.contextmanager
+    def syncs_together(self) -> Iterator[None]:
+        """Under ``fsync="always"``, the directories that files created in the block (by
+        this thread) got entries in are fsync'd once each, at its end, not once per file:
+        hand none of the files out before. Call without the lock."""
+        if self.fsync != "always":
+            yield
+            return
+        self._later.dirs = dirs = dict[str, None]()
+        try:
+            yield
+        finally:
+            self._later.dirs = None
+        with os_errors(self.root):
+            self._sync_dirs(dirs)
 
     def new_shared(self, key: tuple[str, int, str]) -> AppendFile:
         """A new shared current file of ``key``; the least recently appended to rest beyond
@@ -355,6 +433,14 @@ class FileTable:
                     os.fsync(f.fd)
         elif self.dirty is not None:
             self.dirty.wrote(f.rel for f in files)
+
+    def hand_over(self, f: AppendFile) -> int:
+        """The daemon's write descriptor of ``f``, now the caller's (to pass to a client and
+        close): the one `payloadd.store._store.Store.lease` kept open when it created a
+        lease file; -1 when there is none (the caller opens one of its own)."""
+        with self.lock:
+            fd, f.fd = f.fd, -1
+        return fd
 
     def lease_ended(self, f: AppendFile) -> None:
         """A lease of ``f`` ended: its client wrote ``f`` unseen (for the next flush), and

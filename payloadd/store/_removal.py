@@ -8,6 +8,7 @@ removal methods with it. `payloadd.store._records.Removal` is what one removal t
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from collections.abc import Callable, Collection
@@ -135,15 +136,17 @@ class Removals:
         own = node is None or node == self.node
         out = Removal(in_use=planned.in_use)
         with self.table.lock, os_errors(self.root):
-            for rel, size in planned.files:
-                try:
-                    os.unlink(self.root / rel)
-                except FileNotFoundError:
-                    continue
-                out.files.append((rel, size))
-                if own:
-                    self.table.budget.forget(size)
-                self.reads.drop(rel)
+            removing = self.table.removing() if planned.files else contextlib.nullcontext()
+            with removing:  # clients check their leases' files after it
+                for rel, size in planned.files:
+                    try:
+                        os.unlink(self.root / rel)
+                    except FileNotFoundError:
+                        continue
+                    out.files.append((rel, size))
+                    if own:
+                        self.table.budget.forget(size)
+                    self.reads.drop(rel)
             out.dirs += _rmdir_if_empty(self.root / f"{self.node if own else node}/{run}/{step}")
         return out
 
@@ -179,7 +182,8 @@ class Removals:
                             continue
                         out.files.append((rel, 0))
                         if not dry_run:
-                            os.unlink(self.root / rel)
+                            with self.table.removing():
+                                os.unlink(self.root / rel)
                     if not dry_run:
                         out.dirs += _rmdir_if_empty(self.root / rel_dir)
             if not dry_run:

@@ -40,7 +40,6 @@ from payload_client.protocol import (
     Extent,
     FieldsTable,
     Stats,
-    check_field,
     check_item,
     check_name,
 )
@@ -50,6 +49,8 @@ from payloadd.store._counts import HTTP, Counts
 from payloadd.store._disk_limits import DiskBudget, tree_sizes
 from payloadd.store._files import DIR_MODE, FileTable
 from payloadd.store._fs_kind import RootPolicy, detect
+from payloadd.store._generation import GenerationPage
+from payloadd.store._leases import Leases
 from payloadd.store._ledger import Ledger
 from payloadd.store._prefetch import Prefetcher
 from payloadd.store._readers import ExtentReader, Readers
@@ -110,6 +111,9 @@ class Store:
         The read-ahead of windows clients will read next.
     policy : RootPolicy
         How it is treated.
+    generation : GenerationPage or None
+        The removal generation, which every removal of a data file moves; data-plane clients
+        map it (``None`` without memfd sealing: clients check after every write).
     """
 
     def __init__(
@@ -142,12 +146,15 @@ class Store:
         self.started = time.monotonic()
         budget = DiskBudget(self.root, self.root / node, max_root_bytes, min_free_bytes)
         self.policy = policy if policy is not None else RootPolicy.for_kind(detect(self.root))
+        self.generation = GenerationPage.create()
         self._table = FileTable(
-            self.root, self.node, self.instance, fsync, max_file_bytes, append_files, budget
-        )
+            self.root, self.node, self.instance, fsync, max_file_bytes, append_files, budget,
+            self.generation,
+        )  # fmt: skip
         self._table.one_writer = self.policy.one_writer
         self._owners = itertools.count(1)
         self.last_used: dict[str, float] = {}
+        self._leases = Leases(self._table, self.fields, max_file_bytes, self.last_used)
         self.counts = Counts(self.fields.fields)
         self.reads = Readers(
             self.root, self.node, max_read_bytes, self.touch, self.policy, read_cache,
@@ -320,9 +327,10 @@ class Store:
         The range is at least ``nbytes`` and at most ``max(nbytes, size)`` bytes; it never
         crosses the rotation size. Only ``owner``'s leases are ever placed in that file (a
         new one when there is none yet, it was removed or is full), so the descriptor its
-        client gets can only reach its own rows. The file stays open (and counts as
-        appended to) until the lease is released; it is sealed by `end_owner`. Whoever hands
-        the lease to a client counts it (`Counts.leased`).
+        client gets can only reach its own rows (a new file's is kept for it:
+        `LeasedRange.writer`). The file stays open (and counts as appended to) until the
+        lease is released; it is sealed by `end_owner`. Whoever hands the lease to a client
+        counts it (`Counts.leased`).
 
         Raises
         ------
@@ -336,59 +344,34 @@ class Store:
             ``nbytes``). The whole range counts against the cap from now on, until its file
             is closed (then an unused tail at the file's end stops counting).
         """
-        check_name(run, "run")
-        check_name(field, "field")
-        check_field(self.fields, field)
-        if nbytes > self.max_file_bytes:
-            raise PayloadTooLargeError(
-                f"lease of {nbytes} bytes is above the rotation size {self.max_file_bytes}"
-            )
-        key = (run, step, field, owner)
-        t = self._table
-        with t.lock, os_errors(self.root):
-            room = t.budget.room(nbytes, f"lease of {nbytes} bytes")
-            f = t.leased.get(key)
-            if f is None or t.removed(f) or (f.size + nbytes > self.max_file_bytes and f.size > 0):
-                f = t.new_file(run, step, field, owner, keep_fd=False)
-                old = t.leased.pop(key, None)
-                if old is not None:
-                    t.seal(old)
-                t.leased[key] = f
-            granted = max(nbytes, min(size, self.max_file_bytes - f.size, room))
-            offset = f.size
-            f.size += granted
-            f.users += 1
-            f.leases += 1
-            self.last_used[run] = time.monotonic()
-            t.budget.reserve(granted)
-            if t.dirty is not None:
-                t.dirty.leased(f.rel)
-        return LeasedRange(t, f, offset, granted)
+        got = self._leases.lease(run, step, field, nbytes, size, owner)
+        assert got is not None
+        return got
+
+    def lease_ahead(
+        self, run: str, step: int, field: str, nbytes: int, size: int, owner: int
+    ) -> LeasedRange | None:
+        """`lease`, for a key a client has not appended to yet (it asks ahead, to save a
+        round trip later): ``None``, nothing reserved, unless the disk limits leave room for
+        `payloadd.store._leases.AHEAD_ROOM` such leases."""
+        return self._leases.lease(run, step, field, nbytes, size, owner, ahead=True)
+
+    def syncs_together(self) -> contextlib.AbstractContextManager[None]:
+        """A block whose new files' directories are fsync'd once each at its end, under
+        ``fsync="always"`` (`FileTable.syncs_together`): several leases at once."""
+        return self._table.syncs_together()
 
     def seal_lease(self, owner: int, key: tuple[str, int, str]) -> None:
         """``owner``'s connection is done with ``key`` (its oldest lease ended): seal its
         lease file of that key, which closes once no lease uses it."""
-        t = self._table
-        with t.lock:
-            f = t.leased.pop((*key, owner), None)
-            if f is not None:
-                t.seal(f)
+        self._leases.seal_lease(owner, key)
 
     def end_owner(self, owner: int) -> None:
         """``owner``'s connection ended: seal its lease files (each closes once its last
         lease is released, and the unused tail stops counting). One it never wrote a byte
         into is removed: no row of it was acknowledged (a client that writes after all
         finds the file removed, and places its rows again, as after garbage collection)."""
-        t = self._table
-        with t.lock:
-            for key in [k for k in t.leased if k[3] == owner]:
-                f = t.leased.pop(key)
-                t.seal(f)
-                if f.users == 0 and not f.open:
-                    with contextlib.suppress(OSError):
-                        st = os.stat(self.root / f.rel)
-                        if st.st_size == 0 and (st.st_dev, st.st_ino) == f.ino:
-                            t.discard(f)
+        self._leases.end_owner(owner)
 
     def append(self, items: Sequence[AppendItem], data: Any) -> list[list[PayloadSegment]]:
         """Append ``items`` whose rows are ``data`` (concatenated); return their segments."""
@@ -486,6 +469,8 @@ class Store:
         self.prefetcher.close()
         self._table.close()
         self.reads.close()
+        if self.generation is not None:
+            self.generation.close()
 
     def count(self, name: str, n: int = 1) -> None:
         """`Counts.add` of this store: add ``n`` to the counter ``name`` of `Stats`; it stops

@@ -53,6 +53,7 @@ from payload_client._wire import (
     GcReport,
     GcRequest,
     Health,
+    LeaseGrant,
     LeaseReply,
     LeaseRequest,
     NoteRequest,
@@ -130,8 +131,9 @@ EXAMPLES: dict[type[msgspec.Struct], msgspec.Struct] = {
     ReserveRequest: ReserveRequest([ITEM]),
     ReservedExtent: ReservedExtent(1, 64, 128),
     ReserveReply: ReserveReply(5, ["a.bin", "b.bin"], [ReservedExtent(0, 0, 8)]),
-    LeaseRequest: LeaseRequest("r", 2, "routed_experts", 1536),
-    LeaseReply: LeaseReply("a.bin", 6, 1 << 24, True),
+    LeaseRequest: LeaseRequest("r", 2, "routed_experts", 1536, [("r", 2, "sampling_mask", 0)]),
+    LeaseGrant: LeaseGrant(0, "b.bin", 0, 1 << 24),
+    LeaseReply: LeaseReply("a.bin", 6, 1 << 24, True, [LeaseGrant(0, "b.bin", 0, 1 << 24)]),
     NoteRequest: NoteRequest(1, 2, 3, True, [("n", "r")], [("f", 2, 3)]),
     CommitRequest: CommitRequest(5),
     AbortRequest: AbortRequest(5),
@@ -140,7 +142,7 @@ EXAMPLES: dict[type[msgspec.Struct], msgspec.Struct] = {
     FieldSpec: FieldSpec(["uint8", "uint16"], 7, 16, "float32"),
     FieldsTable: FieldsTable({"f": FieldSpec(["int32"])}, "refuse"),
     FieldsRequest: FieldsRequest(),
-    FieldsReply: FieldsReply(FieldsTable({"f": FieldSpec(["int32"], -1, 8)}, "refuse")),
+    FieldsReply: FieldsReply(FieldsTable({"f": FieldSpec(["int32"], -1, 8)}, "refuse"), True),
     StepUsage: StepUsage(3, 2, 1616, 8192, 1.5e9),
     RunUsage: RunUsage("r", 4, 3232, 16384, 1.5e9, [StepUsage(3, 2, 1616, 8192, 1.5e9)], 1),
     GcEntry: GcEntry(1.5e9, "watermark", "r", [0, 1], 2, 3072),
@@ -243,8 +245,21 @@ LAYOUT: dict[str, list[str]] = {
     "ReserveRequest": ["items: list[AppendItem]"],
     "ReservedExtent": ["file: int", "offset: int", "nbytes: int"],
     "ReserveReply": ["txn: int", "files: list[str]", "extents: list[ReservedExtent]"],
-    "LeaseRequest": ["run: str", f"step: {NNI}", "field: str", f"nbytes: {NNI}"],
-    "LeaseReply": ["file: str", "offset: int", "nbytes: int", "fsync: bool"],
+    "LeaseRequest": [
+        "run: str",
+        f"step: {NNI}",
+        "field: str",
+        f"nbytes: {NNI}",
+        f"more: list[tuple[str, {NNI}, str, {NNI}]] = list()",
+    ],
+    "LeaseGrant": ["index: int", "file: str", "offset: int", "nbytes: int"],
+    "LeaseReply": [
+        "file: str",
+        "offset: int",
+        "nbytes: int",
+        "fsync: bool",
+        "more: list[LeaseGrant] = list()",
+    ],
     "NoteRequest": [
         f"appends: {NNI}",
         f"rows: {NNI}",
@@ -268,7 +283,7 @@ LAYOUT: dict[str, list[str]] = {
         "unknown_fields: Literal['allow', 'refuse'] = 'allow'",
     ],
     "FieldsRequest": [],
-    "FieldsReply": ["table: FieldsTable"],
+    "FieldsReply": ["table: FieldsTable", "generation: bool = False"],
     "StepUsage": ["step: int", "files: int", "bytes: int", "disk_bytes: int", "mtime: float"],
     "RunUsage": [
         "run: str",
@@ -310,7 +325,7 @@ LAYOUT: dict[str, list[str]] = {
 """Today's fields of every wire Struct, in order: later versions may only append to these."""
 
 OPTIONS: dict[str, tuple[bool, str | None]] = {
-    name: (True, None) for name in ("PayloadSegment", "Extent", "ReservedExtent")
+    name: (True, None) for name in ("PayloadSegment", "Extent", "ReservedExtent", "LeaseGrant")
 } | {
     "OpenRequest": (True, "open"),
     "OpenReply": (True, "opened"),

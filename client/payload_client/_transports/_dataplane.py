@@ -9,6 +9,7 @@ id) before they hand out anything cached.
 
 from __future__ import annotations
 
+import array
 import asyncio
 import builtins
 import contextlib
@@ -17,17 +18,26 @@ import select
 import socket
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any, TypeVar
 
 import msgspec
-import numpy as np
 
 from .._errors import ProtocolError, TimeoutError, TransportError
-from .._wire import FRAME_PREFIX, DataReply, DataRequest, NoteRequest
+from .._segment import PayloadSegment
+from .._wire import FRAME_PREFIX, AppendItem, DataReply, DataRequest, ErrorReply, NoteRequest
 from . import _descriptors
 from ._base import AsyncTransport, DataPlaneDownError, Transport, drive, drive_async
 from ._call import Call
-from ._dataplane_steps import MAX_FDS, Blocking, Exchange, Fresh, Steps, note_steps
+from ._dataplane_steps import (
+    MAX_FDS,
+    Blocking,
+    Exchange,
+    Fresh,
+    Steps,
+    append_leased,
+    note_steps,
+)
 from ._descriptors import LeaseCache, ReadCache, Scratch
 
 __all__ = ["AsyncDataPlane", "SyncDataPlane"]
@@ -66,7 +76,7 @@ def _fds_of(ancdata: list[tuple[int, int, bytes]]) -> list[int]:
     for level, kind, data in ancdata:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             usable = len(data) - len(data) % 4
-            fds += list(np.frombuffer(data[:usable], dtype=np.int32).tolist())
+            fds += array.array("i", data[:usable]).tolist()
     return fds
 
 
@@ -81,14 +91,45 @@ def _decode(body: bytes | bytearray | memoryview, fds: list[int]) -> DataReply:
 
 
 _ANCILLARY = socket.CMSG_SPACE(MAX_FDS * 4)
+_MISSING = frozenset({"FileMissingError", "FileGoneError"})
 
 
-def _closed_by_peer(sock: socket.socket | None) -> bool:
-    """Whether the daemon closed ``sock`` (it restarted): a poll that never waits."""
-    if sock is None:
+class _Poll:
+    """Whether a socket has something to read (a reply, or its end): a look that never
+    waits, safe from several threads at once (an epoll set; ``select`` where there is none).
+    """
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.epoll: Any = None
+        try:
+            self.epoll = select.epoll()
+            self.epoll.register(sock.fileno(), select.EPOLLIN)
+        except (AttributeError, OSError):  # no epoll here, or no descriptor left for one
+            if self.epoll is not None:
+                self.epoll.close()
+            self.epoll = None
+
+    def readable(self) -> bool:
+        """Whether it has; ``True`` when it cannot tell (closed meanwhile)."""
+        try:
+            if self.epoll is not None:
+                return bool(self.epoll.poll(0))
+            return bool(select.select([self.sock], [], [], 0)[0])
+        except (OSError, ValueError):
+            return True
+
+    def close(self) -> None:
+        if self.epoll is not None:
+            self.epoll.close()
+
+
+def _closed_by_peer(sock: socket.socket | None, poll: _Poll | None) -> bool:
+    """Whether the daemon closed ``sock`` (it restarted): a look that never waits (``poll``:
+    the socket's)."""
+    if sock is None or poll is None:
         return False
-    readable, _, _ = select.select([sock], [], [], 0)
-    if not readable:
+    if not poll.readable():
         return False  # open, nothing pending: the normal case
     try:
         return sock.recv(1, socket.MSG_PEEK) == b""  # readable: end of stream, or an error
@@ -153,6 +194,7 @@ class _DataPlane:
         self.connect_timeout = connect_timeout
         self.pid = _pid[0]
         self.sock: socket.socket | None = None
+        self.poll: _Poll | None = None  # of sock: readable means gone (or a reply)
         self.cache = ReadCache()
         self.leases = LeaseCache()
         self._checked = time.monotonic()  # last look for removed files
@@ -164,6 +206,9 @@ class _DataPlane:
         if self.sock is not None:
             self.sock.close()
             self.sock = None
+        if self.poll is not None:
+            self.poll.close()
+            self.poll = None
         self.cache.clear()
         self.leases.clear()
 
@@ -213,11 +258,53 @@ class _DataPlane:
                 yield Exchange(note, reply=False)
         return result
 
+    def _connected(self, sock: socket.socket) -> None:
+        """``sock`` is the connection from now on."""
+        self.sock = sock
+        self.poll = _Poll(sock)
+
+    def _answered(self, answer: tuple[DataReply, list[int]]) -> tuple[DataReply, list[int]]:
+        """``answer``, as received; one naming a missing file of the daemon's (maybe removed
+        by hand: the removal generation does not count that) has every lease's file checked
+        before the next rows in it are acknowledged."""
+        reply = answer[0]
+        if type(reply) is ErrorReply and reply.error in _MISSING:
+            self.leases.suspect()
+        return answer
+
+    def append_now(
+        self, items: Sequence[AppendItem], bodies: Sequence[memoryview]
+    ) -> list[list[PayloadSegment]] | None:
+        """The append, at once, without an exchange (`append_leased`), when no check or
+        note is due first; ``None``: run `append_steps` instead (nothing acknowledged).
+
+        What the steps' `Fresh` does is checked without waiting for the lock: another
+        process's leases (a fork), a daemon that closed the connection (it restarted: the
+        socket is readable), a look for removed files or a note of the runs in use due.
+
+        Raises
+        ------
+        PayloadError
+            As `append_leased`.
+        """
+        if self.sock is None or self.pid != os.getpid():
+            return None
+        now = time.monotonic()
+        if (
+            now - self._checked >= _descriptors.DROP_REMOVED_S
+            or now - self._told >= _descriptors.TELL_USE_S
+        ):
+            return None
+        poll = self.poll
+        if poll is None or poll.readable():
+            return None
+        return append_leased(items, bodies, self.leases)
+
     def _refresh(self) -> None:
         """Drop what a parent process or a daemon that went away handed out; call only when
         no reply is on its way."""
         self._check_owner(exact=True)
-        if _closed_by_peer(self.sock):  # restarted: a new connection, fresh descriptors
+        if _closed_by_peer(self.sock, self.poll):  # restarted: a new connection, fresh ones
             self._drop()
         now = time.monotonic()
         if now - self._checked >= _descriptors.DROP_REMOVED_S:
@@ -246,7 +333,8 @@ class SyncDataPlane(_DataPlane, Transport):
         self.lock = threading.Lock()
 
     def _connect(self) -> socket.socket:
-        if self.sock is None:
+        sock = self.sock
+        if sock is None:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             sock.settimeout(self.connect_timeout)
             try:
@@ -255,8 +343,8 @@ class SyncDataPlane(_DataPlane, Transport):
                 sock.close()
                 raise DataPlaneDownError(f"no data plane at {self.path}: {exc}") from exc
             sock.settimeout(self.timeout)  # a stuck daemon fails the call, as over HTTP
-            self.sock = sock
-        return self.sock
+            self._connected(sock)
+        return sock
 
     def _exchange(self, request: DataRequest, reply: bool = True) -> Any:
         frame: _Frame | None = None
@@ -285,7 +373,7 @@ class SyncDataPlane(_DataPlane, Transport):
             except BaseException:  # cancelled, interrupted: its reply would go to the next
                 self._failed(None, frame)
                 raise
-        return frame.reply()
+        return self._answered(frame.reply())
 
     def run(self, steps: Steps[T]) -> T:
         """Drive ``steps`` to its result; a step's failure is raised inside ``steps``.
@@ -342,7 +430,8 @@ class AsyncDataPlane(_DataPlane, AsyncTransport):
         self.lock: asyncio.Lock | None = None
 
     async def _connect(self) -> socket.socket:
-        if self.sock is None:
+        sock = self.sock
+        if sock is None:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             sock.setblocking(False)
             try:
@@ -351,8 +440,8 @@ class AsyncDataPlane(_DataPlane, AsyncTransport):
             except OSError as exc:  # TimeoutError included
                 sock.close()
                 raise DataPlaneDownError(f"no data plane at {self.path}: {exc}") from exc
-            self.sock = sock
-        return self.sock
+            self._connected(sock)
+        return sock
 
     async def _recvmsg(self, sock: socket.socket) -> tuple[bytes, list[int]]:
         loop = asyncio.get_running_loop()
@@ -406,7 +495,7 @@ class AsyncDataPlane(_DataPlane, AsyncTransport):
             except BaseException:  # cancelled, interrupted: its reply would go to the next
                 self._failed(None, frame)
                 raise
-        return frame.reply()
+        return self._answered(frame.reply())
 
     async def run(self, steps: Steps[T]) -> T:
         """Drive ``steps`` to its result; a step's failure is raised inside ``steps``.
@@ -429,6 +518,15 @@ class AsyncDataPlane(_DataPlane, AsyncTransport):
         if step.nbytes > THREAD_BYTES:
             return await asyncio.to_thread(step.fn)
         return step.fn()
+
+    def append_now(
+        self, items: Sequence[AppendItem], bodies: Sequence[memoryview]
+    ) -> list[list[PayloadSegment]] | None:
+        """`SyncDataPlane.append_now`, on the event loop: for rows a thread would not
+        write (up to `THREAD_BYTES`)."""
+        if sum(b.nbytes for b in bodies) > THREAD_BYTES:
+            return None
+        return super().append_now(items, bodies)
 
     async def handle_async_call(self, call: Call[T]) -> T:
         """Awaitable `SyncDataPlane.handle_call`."""

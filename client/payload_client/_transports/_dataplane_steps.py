@@ -20,6 +20,7 @@ import contextlib
 import errno
 import functools
 import os
+import sys
 import time
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ import numpy as np
 
 from .._errors import (
     AppendInDoubtError,
+    PayloadError,
     ProtocolError,
     SegmentFileError,
     StorageFullError,
@@ -58,7 +60,15 @@ from .._wire import (
     ReserveRequest,
 )
 from ._base import DataPlaneDownError
-from ._descriptors import LeaseCache, LeasedRange, ReadCache, Scratch
+from ._descriptors import (
+    LEASE_ALONG,
+    NOTE_EVERY,
+    GenerationPage,
+    LeaseCache,
+    LeasedRange,
+    ReadCache,
+    Scratch,
+)
 
 __all__ = [
     "MAX_FDS",
@@ -66,6 +76,7 @@ __all__ = [
     "Exchange",
     "Fresh",
     "Steps",
+    "append_leased",
     "append_steps",
     "note_steps",
     "read_steps",
@@ -223,8 +234,30 @@ def reserve_steps(
     return done.segments
 
 
+Place = tuple[tuple[str, int, str], LeasedRange, int]
+"""Where one item of an append goes: its key, its lease, the offset in the lease's file."""
+
+
+def _removed(leases: Sequence[LeasedRange], page: GenerationPage | None) -> list[LeasedRange]:
+    """Those of ``leases`` whose file was removed (call after writing into them): a lease
+    seen linked at the removal generation read now is still linked (no ``fstat``); any
+    other is checked, and seen at that generation when linked and no removal is under way
+    (`GenerationPage.seen`)."""
+    if page is None:
+        return [lease for lease in leases if os.fstat(lease.fd).st_nlink == 0]
+    now = page.seen()
+    gone = []
+    for lease in leases:
+        if now < 0 or lease.seen != now:
+            if os.fstat(lease.fd).st_nlink == 0:
+                gone.append(lease)
+            else:
+                lease.seen = now
+    return gone
+
+
 def _write_leased(
-    places: list[tuple[tuple[str, int, str], LeasedRange, int]], bodies: Sequence[memoryview]
+    places: list[Place], bodies: Sequence[memoryview], page: GenerationPage | None
 ) -> list[tuple[str, int, str]]:
     """pwrite each item at its place (fsync where the lease says so); return the keys whose
     file garbage collection removed meanwhile: those rows are not acknowledged."""
@@ -232,14 +265,115 @@ def _write_leased(
         _pwrite_all(lease.fd, body, offset)
     for fd in {lease.fd for _, lease, _ in places if lease.fsync}:
         os.fsync(fd)
-    return [key for key, lease, _ in places if os.fstat(lease.fd).st_nlink == 0]
+    gone = _removed([lease for _, lease, _ in places], page)
+    return [key for key, lease, _ in places if lease in gone]
 
 
-def _claims(
-    places: list[tuple[tuple[str, int, str], LeasedRange, int]], sizes: list[int]
-) -> list[tuple[LeasedRange, int, int]]:
+def _write_error(exc: OSError) -> PayloadError:
+    """The error of a failed write of rows into leases."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return StorageFullError(f"payload file system is full: {exc.strerror}")
+    return TransportError(f"writing rows through the data plane failed: {exc}")
+
+
+def _claims(places: list[Place], sizes: list[int]) -> list[tuple[LeasedRange, int, int]]:
     """The ``(lease, offset, nbytes)`` of each item placed so far."""
     return [(lease, at, n) for (_, lease, at), n in zip(places, sizes[: len(places)], strict=True)]
+
+
+def _lease_request(
+    key: tuple[str, int, str],
+    n: int,
+    items: Sequence[AppendItem],
+    sizes: list[int],
+    later: int,
+    leases: LeaseCache,
+) -> LeaseRequest:
+    """The lease request of ``key`` (``n`` bytes), with every key of ``items[later:]`` that
+    has no lease either, then the fields the client appended to in the run's step before
+    (ahead of need: appends usually go to the same fields step after step)."""
+    run, step, _ = key
+    want: dict[tuple[str, int, str], int] = {}
+    for it, size in zip(items[later:], sizes[later:], strict=True):
+        other = (it.run, it.step, it.field)
+        if other != key and not leases.holds(other):
+            want[other] = want.get(other, 0) + size
+    for fld in leases.fields_before(run, step):
+        other = (run, step, fld)
+        if other != key and other not in want and not leases.holds(other):
+            want[other] = 0
+    more = [(r, s, f, size) for (r, s, f), size in want.items()][:LEASE_ALONG]
+    return LeaseRequest(run, step, key[2], n, more)
+
+
+def _take_leases(
+    request: LeaseRequest, reply: DataReply, fds: list[int], leases: LeaseCache, seen: int
+) -> None:
+    """Keep the leases of ``reply`` (to ``request``), in the daemon's order; ``seen``: the
+    removal generation read before the request (-1: none)."""
+    _raise_for(reply, fds, LeaseReply)
+    assert isinstance(reply, LeaseReply)
+    if len(fds) != 1 + len(reply.more) or any(
+        not 0 <= g.index < len(request.more) for g in reply.more
+    ):
+        for fd in fds:
+            os.close(fd)
+        raise ProtocolError(f"lease sent {len(fds)} descriptors for {1 + len(reply.more)} leases")
+    grants = [((request.run, request.step, request.field), reply.file, reply.offset, reply.nbytes)]
+    for g in reply.more:
+        run, step, fld, _ = request.more[g.index]
+        grants.append(((run, step, fld), g.file, g.offset, g.nbytes))
+    for (key, file, offset, nbytes), fd in zip(grants, fds, strict=True):
+        leases.put(key, LeasedRange(file, fd, offset, offset + nbytes, reply.fsync, offset, seen))
+
+
+def append_leased(
+    items: Sequence[AppendItem], bodies: Sequence[memoryview], leases: LeaseCache
+) -> list[list[PayloadSegment]] | None:
+    """The whole of `append_steps` when it needs no exchange: the fields table is known,
+    every item fits in its key's lease, no note is due. ``None`` otherwise, or when a file
+    was removed meanwhile: nothing acknowledged, `append_steps` places every item again.
+
+    Raises
+    ------
+    InvalidRequestError
+        An item the fields table refuses (nothing written).
+    StorageFullError, TransportError
+        The write failed.
+    """
+    fields = leases.fields
+    if fields is None or leases.unnoted[0] >= NOTE_EVERY - 1:
+        return None
+    for i, item in enumerate(items):  # the daemon never sees these rows: check them here
+        check_item(fields, item, i)
+    sizes = [b.nbytes for b in bodies]
+    places = leases.claim_all(items, sizes)  # and begun: no descriptor of them closes
+    if places is None:
+        return None
+    try:
+        synced = False
+        for (lease, offset), body in zip(places, bodies, strict=True):
+            n = os.pwrite(lease.fd, body, offset)
+            if n != body.nbytes:  # a short write (a signal): the rest
+                _pwrite_all(lease.fd, body[n:], offset + n)
+            synced |= lease.fsync
+        if synced:
+            for fd in {lease.fd for lease, _ in places if lease.fsync}:
+                os.fsync(fd)
+        gone = _removed([lease for lease, _ in places], leases.generation)
+    except OSError as exc:
+        raise _write_error(exc) from exc
+    finally:
+        leases.end()
+    if gone:
+        for lease in gone:
+            leases.forget_lease(lease)
+        return None
+    leases.note(items, sizes, every=sys.maxsize)  # told by the next `append_steps`
+    return [
+        [PayloadSegment(it.field, lease.file, offset, it.pos, it.rows, it.dtype, list(it.shape))]
+        for it, (lease, offset) in zip(items, places, strict=True)
+    ]
 
 
 def append_steps(
@@ -248,14 +382,20 @@ def append_steps(
     """Place each item in the client's lease of its ``(run, step, field)`` and pwrite it.
 
     The items are checked against the daemon's fields table first (fetched once per daemon
-    connection). No round trip while the leases have room; a new lease costs one. Items the daemon will
-    not lease (larger than its rotation size) go through `reserve_steps` instead.
+    connection, with the daemon's removal generation, `GenerationPage`). No round trip
+    while the leases have room; a new lease costs one, which also leases every other key of
+    the append without one and, ahead of need, the fields the client appended to in the
+    run's step before (`_lease_request`). Items the daemon will not lease (larger than its
+    rotation size) go through `reserve_steps` instead.
     """
     yield Fresh()
     if leases.fields is None:
         reply, fds = yield Exchange(FieldsRequest())
-        for fd in fds:
-            os.close(fd)
+        if isinstance(reply, FieldsReply) and reply.generation:
+            leases.generation = GenerationPage.of(fds)
+        else:
+            for fd in fds:
+                os.close(fd)
         if isinstance(reply, ErrorReply) and reply.error == "BusyError":
             raise error_from_wire(0, reply.error, reply.message)
         # a daemon from before the fields table answers with an error: it has no table
@@ -264,35 +404,28 @@ def append_steps(
         check_item(leases.fields, item, i)
     sizes = [b.nbytes for b in bodies]
     while True:
-        places: list[tuple[tuple[str, int, str], LeasedRange, int]] = []
+        places: list[Place] = []
         too_large = False
         leases.begin()  # no lease descriptor is closed while this append writes
         try:
             try:
-                for item, n in zip(items, sizes, strict=True):
+                for i, (item, n) in enumerate(zip(items, sizes, strict=True)):
                     key = (item.run, item.step, item.field)
                     got = leases.claim(key, n)
                     if got is None:
-                        req = LeaseRequest(item.run, item.step, item.field, n)
+                        req = _lease_request(key, n, items, sizes, i + 1, leases)
+                        page = leases.generation
+                        seen = page.seen() if page is not None else -1
                         reply, fds = yield Exchange(req)
                         if isinstance(reply, ErrorReply) and reply.error == "PayloadTooLargeError":
                             for fd in fds:
                                 os.close(fd)
                             too_large = True  # the whole append goes through a reservation
                             break
-                        _raise_for(reply, fds, LeaseReply)
-                        assert isinstance(reply, LeaseReply)
-                        if len(fds) != 1:
-                            for fd in fds:
-                                os.close(fd)
-                            raise ProtocolError(f"lease sent {len(fds)} descriptors, expected 1")
-                        end = reply.offset + reply.nbytes
-                        leases.put(
-                            key, LeasedRange(reply.file, fds[0], reply.offset, end, reply.fsync)
-                        )
+                        _take_leases(req, reply, fds, leases, seen)
                         got = leases.claim(key, n)
                         if got is None:
-                            raise ProtocolError(f"lease of {reply.nbytes} bytes cannot hold {n}")
+                            raise ProtocolError(f"lease of {req.nbytes} bytes cannot hold {n}")
                     places.append((key, *got))
             except BaseException:  # nothing written: the next append lands where these would
                 leases.unclaim(_claims(places, sizes))
@@ -301,12 +434,11 @@ def append_steps(
                 leases.unclaim(_claims(places, sizes))
                 return (yield from reserve_steps(items, bodies))
 
+            write = functools.partial(_write_leased, places, bodies, leases.generation)
             try:
-                gone = yield Blocking(functools.partial(_write_leased, places, bodies), sum(sizes))
+                gone = yield Blocking(write, sum(sizes))
             except OSError as exc:
-                if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                    raise StorageFullError(f"payload file system is full: {exc.strerror}") from exc
-                raise TransportError(f"writing rows through the data plane failed: {exc}") from exc
+                raise _write_error(exc) from exc
         finally:
             leases.end()
         if not gone:

@@ -1,12 +1,24 @@
-"""Descriptor caches of the data plane client: read descriptors by file, leases by key.
+"""Descriptor caches of the data plane client: read descriptors by file, leases by key, and
+the daemon's removal generation.
 
-Both close what they evict only when no I/O is in flight, so a descriptor number is never
-used after it was closed (and perhaps reused for another file).
+Both caches close what they evict only when no I/O is in flight, so a descriptor number is
+never used after it was closed (and perhaps reused for another file).
+
+`GenerationPage` is the daemon's removal generation, mapped read-only: a counter the daemon
+makes odd while it removes data files and even again after (``payloadd.store._generation``).
+While it reads the same even value as when a descriptor's file was last seen linked, the
+file is still linked: no ``fstat`` is needed to know it. The lease appends use it (`LeasedRange.seen`); a read can
+too: `LeaseCache.generation` holds the connection's page, passed with the fields table
+(`FieldsReply`, asked once per connection; a read before any append can ask for it the
+same way, `append_steps` shows how), and is dropped with the connection's leases.
 """
 
 from __future__ import annotations
 
+import contextlib
+import mmap
 import os
+import struct
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -20,9 +32,11 @@ from .._wire import AppendItem, FieldsTable, NoteRequest
 __all__ = [
     "CACHE_FDS",
     "DROP_REMOVED_S",
+    "GenerationPage",
     "TELL_USE_S",
     "KEPT_SCRATCH",
     "LEASES",
+    "LEASE_ALONG",
     "NOTE_EVERY",
     "LeaseCache",
     "LeasedRange",
@@ -37,6 +51,9 @@ LEASES = 64
 connection."""
 NOTE_EVERY = 64
 """Appends a client places in its leases before it tells the daemon's counters."""
+LEASE_ALONG = 16
+"""Most keys a client asks to lease along with the one it needs (`LeaseCache.fields_before`,
+and the other keys of the same append), in the same round trip."""
 KEPT_SCRATCH = 64 << 20
 """Largest scratch buffer a client keeps for the next read (it keeps at most four)."""
 TELL_USE_S = 0.25
@@ -49,6 +66,59 @@ removed (at the start of a call): their space is freed once the client closes th
 
 K = TypeVar("K")
 V = TypeVar("V")
+_U64 = struct.Struct("<Q")
+
+
+class GenerationPage:
+    """The daemon's removal generation, read from the page it passed (a read-only mapping).
+
+    The daemon makes it odd while it removes data files (garbage collection, a connection's
+    unused lease files, a given-up reservation) and even again after. So: a file seen linked
+    after the generation read an even ``g`` is still linked while `value` is ``g`` (read
+    after the I/O that must have reached a linked file); an odd value is never remembered
+    (`seen`): the file may go right after it was seen. Files removed by hand are not counted: they are found by
+    `LeaseCache.drop_removed`, and after an answer naming a missing file
+    (`LeaseCache.suspect`).
+
+    Parameters
+    ----------
+    fd : int
+        The page's descriptor, as passed; closed here (the mapping stays).
+
+    Raises
+    ------
+    OSError, ValueError
+        It cannot be mapped (the descriptor is closed all the same).
+    """
+
+    def __init__(self, fd: int) -> None:
+        try:
+            self._page = mmap.mmap(fd, _U64.size, mmap.MAP_SHARED, mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        self._read = _U64.unpack_from
+
+    def value(self) -> int:
+        """The generation now (odd: a removal under way)."""
+        return int(self._read(self._page)[0])
+
+    def seen(self) -> int:
+        """The generation now, to remember as checked before a look at a file: -1 while a
+        removal is under way (odd), which then counts as never checked."""
+        value = int(self._read(self._page)[0])
+        return -1 if value & 1 else value
+
+    @classmethod
+    def of(cls, fds: Sequence[int]) -> GenerationPage | None:
+        """The page of the one descriptor in ``fds``, or ``None`` (every descriptor closed)
+        when there is not exactly one or it cannot be mapped."""
+        if len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            return None
+        with contextlib.suppress(OSError, ValueError):
+            return cls(fds[0])
+        return None
 
 
 class _Cache(Generic[K, V]):
@@ -100,7 +170,7 @@ class _Cache(Generic[K, V]):
             self._sweep()
 
     def _sweep(self) -> None:  # lock held
-        if self.inflight == 0:
+        if self.inflight == 0 and self.retired:
             for fd in self.retired:
                 os.close(fd)
             self.retired.clear()
@@ -138,16 +208,21 @@ class ReadCache(_Cache[str, int]):
         super().__init__(size, lambda fd: fd)
 
 
-@dataclass
+@dataclass(eq=False)
 class LeasedRange:
     """A byte range of ``file`` the daemon leased to this client to place rows in:
-    ``[next, end)`` is still free."""
+    ``[next, end)`` is still free, ``[start, next)`` taken.
+
+    ``seen`` is the removal generation (`GenerationPage`), even, read before ``file`` was
+    last known to be linked (granted by the daemon, or checked); -1: never, check it."""
 
     file: str
     fd: int
     next: int
     end: int
     fsync: bool
+    start: int = 0
+    seen: int = -1
 
 
 class LeaseCache(_Cache[tuple[str, int, str], LeasedRange]):
@@ -158,6 +233,9 @@ class LeaseCache(_Cache[tuple[str, int, str], LeasedRange]):
         self.unnoted = [0, 0, 0]  # appends, rows, bytes placed but not yet told
         self.unnoted_fields: dict[str, list[int]] = {}  # field -> [rows, bytes] of those
         self.fields: FieldsTable | None = None  # the daemon's fields table, once fetched
+        self.generation: GenerationPage | None = None  # passed with the fields table
+        # run -> its two latest steps leased in -> field -> lease (for `fields_before`)
+        self.recent: dict[str, dict[int, dict[str, LeasedRange]]] = {}
 
     def note(
         self, items: Sequence[AppendItem], sizes: Sequence[int], every: int = NOTE_EVERY
@@ -193,7 +271,16 @@ class LeaseCache(_Cache[tuple[str, int, str], LeasedRange]):
             self.unnoted = [0, 0, 0]
             self.unnoted_fields = {}
             self.fields = None  # a restarted daemon may have other settings
+            self.generation = None  # its page is another (this mapping closes once unused)
+            self.recent = {}
         super().clear()
+
+    def suspect(self) -> None:
+        """Check every lease's file before the next rows in it are acknowledged: a file of
+        the daemon's was found missing, maybe removed by hand (no generation counts that)."""
+        with self.lock:
+            for lease in self.items.values():
+                lease.seen = -1
 
     def take_note(self) -> NoteRequest | None:
         """The note of every untold append, if any (before stats, at close)."""
@@ -212,6 +299,67 @@ class LeaseCache(_Cache[tuple[str, int, str], LeasedRange]):
             lease.next += nbytes
             self.used.add(lease.file)
             return lease, offset
+
+    def claim_all(
+        self, items: Sequence[AppendItem], sizes: Sequence[int]
+    ) -> list[tuple[LeasedRange, int]] | None:
+        """`claim` room for every item in its key's lease, all or none, and `begin` I/O:
+        ``(lease, offset)`` of each item; ``None`` when one key has no lease or too little
+        room (then nothing is claimed or begun). Call `end` after writing."""
+        with self.lock:
+            leases = self.items
+            got: list[tuple[LeasedRange, int]] = []
+            for it, n in zip(items, sizes, strict=True):
+                lease = leases.get((it.run, it.step, it.field))
+                if lease is None or lease.next + n > lease.end:
+                    for taken, offset in reversed(got):
+                        taken.next = offset
+                    return None
+                got.append((lease, lease.next))
+                lease.next += n
+            self.inflight += 1
+            used = self.used
+            for lease, _ in got:
+                used.add(lease.file)
+        return got
+
+    def holds(self, key: tuple[str, int, str]) -> bool:
+        """Whether the client has a lease of ``key`` (with room or not)."""
+        with self.lock:
+            return key in self.items
+
+    def fields_before(self, run: str, step: int) -> list[str]:
+        """The fields appended to in the latest step of ``run`` before ``step`` (of the two
+        latest the client leased in): those it likely appends to in ``step`` too."""
+        with self.lock:
+            steps = self.recent.get(run)
+            before = [s for s in steps if s < step] if steps else []
+            if not before or steps is None:
+                return []
+            return [f for f, lease in steps[max(before)].items() if lease.next > lease.start]
+
+    def put(self, key: tuple[str, int, str], value: LeasedRange) -> None:
+        """Keep ``value``, the lease of ``key`` (`_Cache.put`); remembered by step of its
+        run for `fields_before`."""
+        run, step, fld = key
+        with self.lock:
+            steps = self.recent.pop(run, None) or {}
+            self.recent[run] = steps  # the run used last goes last
+            steps.setdefault(step, {})[fld] = value
+            if len(steps) > 2:
+                del steps[min(steps)]
+            if len(self.recent) > self.size:
+                del self.recent[next(iter(self.recent))]
+        super().put(key, value)
+
+    def forget_lease(self, lease: LeasedRange) -> None:
+        """Forget ``lease`` if it is still its key's (`forget`)."""
+        with self.lock:
+            key = next((k for k, v in self.items.items() if v is lease), None)
+            if key is not None:
+                del self.items[key]
+                self.retired.append(lease.fd)
+                self._sweep()
 
     def unclaim(self, claims: Sequence[tuple[LeasedRange, int, int]]) -> None:
         """Give back ``(lease, offset, nbytes)`` claims of an append that wrote nothing,

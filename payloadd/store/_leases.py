@@ -1,0 +1,121 @@
+"""Leases: private byte ranges of data files that data-plane clients write themselves.
+
+`Leases` places each data-plane connection's leases in files of its own (the `FileTable`'s
+``leased`` files of ``(run, step, field, owner)``), seals them when the connection is done
+with a key or ends, and removes those it never wrote into. `payloadd.store._store.Store`
+owns one and answers its lease methods with it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+
+from payload_client import PayloadTooLargeError
+from payload_client.protocol import FieldsTable, check_field, check_name
+from payloadd.store._appends import LeasedRange
+from payloadd.store._files import FileTable
+from payloadd.store._records import os_errors
+
+__all__ = ["AHEAD_ROOM", "Leases"]
+
+AHEAD_ROOM = 8
+"""A lease taken ahead of need (`Leases.lease` with ``ahead``) is granted only while the
+room under the disk limits holds this many whole leases: never near a limit, where it would
+take room from appends that need it."""
+
+
+class Leases:
+    """The leases of a store's data-plane connections, under the lock of its file table.
+
+    Parameters
+    ----------
+    table : FileTable
+        The files open for appends (its lock, disk budget, durability marks).
+    fields : FieldsTable
+        What each field takes (a lease of a refused field is refused).
+    max_file_bytes : int
+        The rotation size: no lease crosses it.
+    last_used : dict
+        Run -> monotonic time of its last use (a lease is one).
+    """
+
+    def __init__(
+        self,
+        table: FileTable,
+        fields: FieldsTable,
+        max_file_bytes: int,
+        last_used: dict[str, float],
+    ) -> None:
+        self.table, self.fields, self.max_file_bytes = table, fields, max_file_bytes
+        self.last_used = last_used
+
+    def lease(
+        self,
+        run: str,
+        step: int,
+        field: str,
+        nbytes: int,
+        size: int,
+        owner: int,
+        *,
+        ahead: bool = False,
+    ) -> LeasedRange | None:
+        """`payloadd.store._store.Store.lease`; with ``ahead``, ``None`` (nothing reserved)
+        unless the disk limits leave `AHEAD_ROOM` leases of ``size`` bytes."""
+        check_name(run, "run")
+        check_name(field, "field")
+        check_field(self.fields, field)
+        cap = self.max_file_bytes
+        if nbytes > cap:
+            raise PayloadTooLargeError(f"lease of {nbytes} bytes is above the rotation size {cap}")
+        if ahead:
+            nbytes = max(nbytes, 1)
+        key = (run, step, field, owner)
+        t = self.table
+        with t.lock, os_errors(t.root):
+            if ahead:
+                room = t.budget.spare()
+                if room < AHEAD_ROOM * max(size, nbytes):
+                    return None
+            else:
+                room = t.budget.room(nbytes, f"lease of {nbytes} bytes")
+            f = t.leased.get(key)
+            if f is None or t.removed(f) or (f.size + nbytes > cap and f.size > 0):
+                f = t.new_file(run, step, field, owner)  # its descriptor: for the client
+                old = t.leased.pop(key, None)
+                if old is not None:
+                    t.seal(old)
+                t.leased[key] = f
+            granted = max(nbytes, min(size, cap - f.size, room))
+            offset = f.size
+            f.size += granted
+            f.users += 1
+            f.leases += 1
+            self.last_used[run] = time.monotonic()
+            t.budget.reserve(granted)
+            if t.dirty is not None:
+                t.dirty.leased(f.rel)
+        return LeasedRange(t, f, offset, granted)
+
+    def seal_lease(self, owner: int, key: tuple[str, int, str]) -> None:
+        """`payloadd.store._store.Store.seal_lease`."""
+        t = self.table
+        with t.lock:
+            f = t.leased.pop((*key, owner), None)
+            if f is not None:
+                t.seal(f)
+
+    def end_owner(self, owner: int) -> None:
+        """`payloadd.store._store.Store.end_owner`."""
+        t = self.table
+        with t.lock:
+            for key in [k for k in t.leased if k[3] == owner]:
+                f = t.leased.pop(key)
+                t.seal(f)
+                if f.users == 0 and not f.open:
+                    with contextlib.suppress(OSError):
+                        st = os.stat(t.root / f.rel)
+                        if st.st_size == 0 and (st.st_dev, st.st_ino) == f.ino:
+                            t.discard(f)
