@@ -66,7 +66,11 @@ from ._wire import (
     Usage,
 )
 
-__all__ = ["DEFAULT_SOCKET", "BaseClient"]
+__all__ = ["DEFAULT_SOCKET", "BaseClient", "Planned"]
+
+Planned = tuple[list[Any], list[Any], list[Any], int, bool]
+"""A read's windows planned: plans, outputs, results, bytes the pieces need, whether any file
+is read (`BaseClient._read_plans`)."""
 
 DEFAULT_SOCKET = "/run/payloadd/payloadd.sock"
 """Socket path used when neither ``socket_path``, ``base_url`` nor ``PAYLOADD_SOCKET`` is given."""
@@ -352,6 +356,10 @@ class BaseClient(Generic[HTTPT, DataPlaneT]):
         return self._json_call("/v1/prefetch", Prefetched, "POST", ReadRequest(extents))
 
     def _read_call(self, windows: Sequence[WindowLike]) -> Call[list[ReadResult]]:
+        return self._read_call_of(self._read_plans(windows))
+
+    def _read_plans(self, windows: Sequence[WindowLike]) -> Planned:
+        """The windows planned, their outputs prepared (before any I/O), the results."""
         if isinstance(windows, tuple) or not isinstance(windows, Sequence):
             raise InvalidRequestError("windows must be a list of Window")
         plans: list[WindowPlan | None] = []
@@ -383,6 +391,10 @@ class BaseClient(Generic[HTTPT, DataPlaneT]):
                 if len(windows) > 1:  # name the window, keep the error's class and attributes
                     exc.args = (f"window {i}: {exc}",)
                 raise
+        return plans, outs, results, total, files
+
+    def _read_call_of(self, planned: Planned) -> Call[list[ReadResult]]:
+        plans, outs, results, total, files = planned
         box: list[ReadLayout] = []
 
         def layout() -> ReadLayout:  # over HTTP: the answer carries the pieces' bytes only
@@ -412,7 +424,7 @@ class BaseClient(Generic[HTTPT, DataPlaneT]):
             expected=total,
             local=not files,
             data_plane_steps=lambda dp: _then(
-                read_steps(plans, outs, dp.cache, dp.scratch), results
+                read_steps(plans, outs, dp.cache, dp.scratch, dp.leases), results
             ),
             idempotent=True,
         )

@@ -87,6 +87,13 @@ class PayloadClient(BaseClient[HTTPTransport, SyncDataPlane]):
         done = dp.append_now(headers, bodies) if (dp := self._data_plane_first()) else None
         return done if done is not None else self._send(self._append_call_of(headers, bodies))
 
+    def _read(self, windows: Sequence[WindowLike]) -> list[ReadResult]:
+        """A read, at once from cached descriptors if it can (``read_now``)."""
+        planned = self._read_plans(windows)
+        if planned[4] and (dp := self._data_plane_first()) and dp.read_now(*planned[:2]):
+            return planned[2]
+        return self._send(self._read_call_of(planned))
+
     def append(
         self, field: str, rows: np.ndarray, pos: int, *, run: str, step: int
     ) -> list[PayloadSegment]:
@@ -155,46 +162,19 @@ class PayloadClient(BaseClient[HTTPTransport, SyncDataPlane]):
         return self._append(items, run, step)
 
     @overload
-    def read_field(
-        self,
-        segments: Sequence[PayloadSegment],
-        field: str,
-        lo: int,
-        hi: int,
-        fill: int | float,
-        *,
-        out: np.ndarray | None = None,
-        dtype: Any = None,
-        coverage: Literal[False] = False,
-    ) -> np.ndarray | None: ...
+    def read_field(self, segments: Sequence[PayloadSegment], field: str, lo: int,
+                   hi: int, fill: int | float, *, out: np.ndarray | None = None,
+                   dtype: Any = None, coverage: Literal[False] = False) -> np.ndarray | None: ...  # fmt: skip
 
     @overload
-    def read_field(
-        self,
-        segments: Sequence[PayloadSegment],
-        field: str,
-        lo: int,
-        hi: int,
-        fill: int | float,
-        *,
-        out: np.ndarray | None = None,
-        dtype: Any = None,
-        coverage: Literal[True],
-    ) -> CoveredRead: ...
+    def read_field(self, segments: Sequence[PayloadSegment], field: str, lo: int,
+                   hi: int, fill: int | float, *, out: np.ndarray | None = None,
+                   dtype: Any = None, coverage: Literal[True]) -> CoveredRead: ...  # fmt: skip
 
     @overload
-    def read_field(
-        self,
-        segments: Sequence[PayloadSegment],
-        field: str,
-        lo: int,
-        hi: int,
-        fill: int | float,
-        *,
-        out: np.ndarray | None = None,
-        dtype: Any = None,
-        coverage: bool,
-    ) -> ReadResult: ...
+    def read_field(self, segments: Sequence[PayloadSegment], field: str, lo: int,
+                   hi: int, fill: int | float, *, out: np.ndarray | None = None,
+                   dtype: Any = None, coverage: bool) -> ReadResult: ...  # fmt: skip
 
     def read_field(
         self,
@@ -263,7 +243,7 @@ class PayloadClient(BaseClient[HTTPTransport, SyncDataPlane]):
             The daemon cannot be reached or answered badly.
         """
         window = Window(segments, field, lo, hi, fill, out, dtype, coverage)
-        return self._send(self._read_call([window]))[0]
+        return self._read([window])[0]
 
     def read_many(self, windows: Sequence[WindowLike]) -> list[ReadResult]:
         """Read several windows in one round trip (e.g. a rank's routing and mask windows).
@@ -283,7 +263,7 @@ class PayloadClient(BaseClient[HTTPTransport, SyncDataPlane]):
         ------
         As `read_field`; errors of one window name its index.
         """
-        return self._send(self._read_call(windows))
+        return self._read(windows)
 
     def prefetch(self, windows: Sequence[WindowLike]) -> Prefetched:
         """Ask the daemon to read ahead the bytes of ``windows``, and return at once: a rank
@@ -467,6 +447,13 @@ class AsyncPayloadClient(BaseClient[AsyncHTTPTransport, AsyncDataPlane]):
         done = dp.append_now(headers, bodies) if (dp := self._data_plane_first()) else None
         return done if done is not None else await self._send(self._append_call_of(headers, bodies))
 
+    async def _read(self, windows: Sequence[WindowLike]) -> list[ReadResult]:
+        """Awaitable `PayloadClient._read` (at once: up to 1 MiB of rows)."""
+        planned = self._read_plans(windows)
+        if planned[4] and (dp := self._data_plane_first()) and dp.read_now(*planned[:2]):
+            return planned[2]
+        return await self._send(self._read_call_of(planned))
+
     async def append(
         self, field: str, rows: np.ndarray, pos: int, *, run: str, step: int
     ) -> list[PayloadSegment]:
@@ -480,46 +467,19 @@ class AsyncPayloadClient(BaseClient[AsyncHTTPTransport, AsyncDataPlane]):
         return await self._append(items, run, step)
 
     @overload
-    async def read_field(
-        self,
-        segments: Sequence[PayloadSegment],
-        field: str,
-        lo: int,
-        hi: int,
-        fill: int | float,
-        *,
-        out: np.ndarray | None = None,
-        dtype: Any = None,
-        coverage: Literal[False] = False,
-    ) -> np.ndarray | None: ...
+    async def read_field(self, segments: Sequence[PayloadSegment], field: str, lo: int,
+                         hi: int, fill: int | float, *, out: np.ndarray | None = None,
+                         dtype: Any = None, coverage: Literal[False] = False) -> np.ndarray | None: ...  # fmt: skip
 
     @overload
-    async def read_field(
-        self,
-        segments: Sequence[PayloadSegment],
-        field: str,
-        lo: int,
-        hi: int,
-        fill: int | float,
-        *,
-        out: np.ndarray | None = None,
-        dtype: Any = None,
-        coverage: Literal[True],
-    ) -> CoveredRead: ...
+    async def read_field(self, segments: Sequence[PayloadSegment], field: str, lo: int,
+                         hi: int, fill: int | float, *, out: np.ndarray | None = None,
+                         dtype: Any = None, coverage: Literal[True]) -> CoveredRead: ...  # fmt: skip
 
     @overload
-    async def read_field(
-        self,
-        segments: Sequence[PayloadSegment],
-        field: str,
-        lo: int,
-        hi: int,
-        fill: int | float,
-        *,
-        out: np.ndarray | None = None,
-        dtype: Any = None,
-        coverage: bool,
-    ) -> ReadResult: ...
+    async def read_field(self, segments: Sequence[PayloadSegment], field: str, lo: int,
+                         hi: int, fill: int | float, *, out: np.ndarray | None = None,
+                         dtype: Any = None, coverage: bool) -> ReadResult: ...  # fmt: skip
 
     async def read_field(
         self,
@@ -535,11 +495,11 @@ class AsyncPayloadClient(BaseClient[AsyncHTTPTransport, AsyncDataPlane]):
     ) -> ReadResult:
         """Awaitable `PayloadClient.read_field`."""
         window = Window(segments, field, lo, hi, fill, out, dtype, coverage)
-        return (await self._send(self._read_call([window])))[0]
+        return (await self._read([window]))[0]
 
     async def read_many(self, windows: Sequence[WindowLike]) -> list[ReadResult]:
         """Awaitable `PayloadClient.read_many`."""
-        return await self._send(self._read_call(windows))
+        return await self._read(windows)
 
     async def prefetch(self, windows: Sequence[WindowLike]) -> Prefetched:
         """Awaitable `PayloadClient.prefetch`."""

@@ -25,6 +25,7 @@ import msgspec
 
 from .._errors import ProtocolError, TimeoutError, TransportError
 from .._segment import PayloadSegment
+from .._windows import WindowPlan
 from .._wire import FRAME_PREFIX, AppendItem, DataReply, DataRequest, ErrorReply, NoteRequest
 from . import _descriptors
 from ._base import AsyncTransport, DataPlaneDownError, Transport, drive, drive_async
@@ -37,6 +38,7 @@ from ._dataplane_steps import (
     Steps,
     append_leased,
     note_steps,
+    read_cached,
 )
 from ._descriptors import LeaseCache, ReadCache, Scratch
 
@@ -287,18 +289,37 @@ class _DataPlane:
         PayloadError
             As `append_leased`.
         """
-        if self.sock is None or self.pid != os.getpid():
+        if not self._now_ok():
             return None
+        return append_leased(items, bodies, self.leases)
+
+    def _now_ok(self) -> bool:
+        """Whether a call may skip its steps' `Fresh` (see `append_now`)."""
+        if self.sock is None or self.pid != os.getpid():
+            return False
         now = time.monotonic()
         if (
             now - self._checked >= _descriptors.DROP_REMOVED_S
             or now - self._told >= _descriptors.TELL_USE_S
         ):
-            return None
+            return False
         poll = self.poll
-        if poll is None or poll.readable():
-            return None
-        return append_leased(items, bodies, self.leases)
+        return poll is not None and not poll.readable()
+
+    def read_now(self, plans: Sequence[WindowPlan | None], outs: Sequence[Any]) -> bool:
+        """The read, at once, without an exchange (`read_cached`: every file it needs has a
+        descriptor known linked and long enough), when no check or note is due first;
+        ``False``: nothing was read, run `read_steps` instead.
+
+        Raises
+        ------
+        PayloadError
+            As `read_steps` (a file that ends during the read).
+        """
+        page = self.leases.generation
+        if page is None or not self._now_ok():
+            return False
+        return read_cached(plans, outs, self.cache, self.scratch, page)
 
     def _refresh(self) -> None:
         """Drop what a parent process or a daemon that went away handed out; call only when
@@ -527,6 +548,13 @@ class AsyncDataPlane(_DataPlane, AsyncTransport):
         if sum(b.nbytes for b in bodies) > THREAD_BYTES:
             return None
         return super().append_now(items, bodies)
+
+    def read_now(self, plans: Sequence[WindowPlan | None], outs: Sequence[Any]) -> bool:
+        """`SyncDataPlane.read_now`, on the event loop: for reads a thread would not do (up
+        to `THREAD_BYTES`)."""
+        if sum(p.nbytes for p in plans if p is not None) > THREAD_BYTES:
+            return False
+        return super().read_now(plans, outs)
 
     async def handle_async_call(self, call: Call[T]) -> T:
         """Awaitable `SyncDataPlane.handle_call`."""

@@ -78,7 +78,9 @@ __all__ = [
     "Steps",
     "append_leased",
     "append_steps",
+    "fields_steps",
     "note_steps",
+    "read_cached",
     "read_steps",
     "reserve_steps",
 ]
@@ -390,16 +392,8 @@ def append_steps(
     """
     yield Fresh()
     if leases.fields is None:
-        reply, fds = yield Exchange(FieldsRequest())
-        if isinstance(reply, FieldsReply) and reply.generation:
-            leases.generation = GenerationPage.of(fds)
-        else:
-            for fd in fds:
-                os.close(fd)
-        if isinstance(reply, ErrorReply) and reply.error == "BusyError":
-            raise error_from_wire(0, reply.error, reply.message)
-        # a daemon from before the fields table answers with an error: it has no table
-        leases.fields = reply.table if isinstance(reply, FieldsReply) else FieldsTable({})
+        yield from fields_steps(leases)
+    assert leases.fields is not None
     for i, item in enumerate(items):  # the daemon never sees these rows: check them here
         check_item(leases.fields, item, i)
     sizes = [b.nbytes for b in bodies]
@@ -455,23 +449,83 @@ def append_steps(
     ]
 
 
+def fields_steps(leases: LeaseCache) -> Steps[None]:
+    """Fetch the daemon's fields table and its removal generation page (once a connection)."""
+    reply, fds = yield Exchange(FieldsRequest())
+    if isinstance(reply, FieldsReply) and reply.generation:
+        leases.generation = GenerationPage.of(fds)
+    else:
+        for fd in fds:
+            os.close(fd)
+    if isinstance(reply, ErrorReply) and reply.error == "BusyError":
+        raise error_from_wire(0, reply.error, reply.message)
+    # a daemon from before the fields table answers with an error: it has no table
+    leases.fields = reply.table if isinstance(reply, FieldsReply) else FieldsTable({})
+
+
+def read_cached(
+    plans: Sequence[WindowPlan | None],
+    outs: Sequence[np.ndarray | None],
+    cache: ReadCache,
+    scratch: Scratch,
+    page: GenerationPage,
+) -> bool:
+    """The read at once, without steps, when every file it needs has a `ReadCache.fresh`
+    descriptor (the common read of a trainer's next window); ``False``: nothing was read,
+    run `read_steps`."""
+    layout = ReadLayout(plans, outs, kernel=True, alloc=scratch.take)
+    try:
+        generation = page.seen()
+        fds = {}
+        for f, end in layout.ends.items():
+            fd = cache.fresh(f, end, generation)
+            if fd is None:
+                return False
+            fds[f] = fd
+        cache.used.update(layout.ends)  # told to the daemon (GC spares runs in use)
+        cache.begin()  # nothing this read uses is closed before it ends
+        try:
+            _read_extents(layout, fds)
+        finally:
+            cache.end()
+        return True
+    finally:
+        if layout.stage is not None:
+            scratch.give(layout.stage)
+
+
+def _read_extents(layout: ReadLayout, fds: dict[str, int]) -> None:
+    for (file, offset, _), bufs in zip(layout.extents, layout.buffers, strict=True):
+        fd = fds[file]
+        for at in range(0, len(bufs), IOV_MAX):
+            chunk = bufs[at : at + IOV_MAX]
+            _pread_into(fd, chunk, offset, file)
+            offset += sum(b.nbytes for b in chunk)
+    layout.finish()
+
+
 def read_steps(
     plans: Sequence[WindowPlan | None],
     outs: Sequence[np.ndarray | None],
     cache: ReadCache,
     scratch: Scratch,
+    leases: LeaseCache | None = None,
 ) -> Steps[None]:
     """Get descriptors for the files not cached yet, then preadv every extent of the call
     (`payload_client._layout.ReadLayout`: pieces back to back in a file are one ``preadv``)
     into its buffers, and lay the staged rows into the outputs.
 
     A descriptor the daemon marks ``read_once`` (`OpenReply`) serves this read only and is
-    closed after it, never cached.
+    closed after it, never cached. A cached one is looked at (``fstat``: removed, long
+    enough) unless `ReadCache.fresh` at the removal generation of ``leases`` (fetched with
+    the fields table at the first read that asks the daemon anyway).
     """
     layout = ReadLayout(plans, outs, kernel=True, alloc=scratch.take)
     ends = layout.ends
     if not ends:
         return
+    page = leases.generation if leases is not None else None
+    generation = page.seen() if page is not None else -1  # before any look at a file
     cache.used.update(ends)  # told to the daemon (GC spares runs in use)
     once: list[int] = []  # descriptors of this read only: closed at its end
     cache.begin()  # nothing this read uses is closed before it ends
@@ -479,6 +533,11 @@ def read_steps(
         fds_by_file: dict[str, int] = {}
         sizes: dict[str, int] = {}
         for f in ends:
+            fd = cache.fresh(f, ends[f], generation)
+            if fd is not None:
+                fds_by_file[f] = fd
+                sizes[f] = ends[f]
+                continue
             fd = cache.get(f)
             if fd is None:
                 continue
@@ -494,7 +553,10 @@ def read_steps(
                 continue
             fds_by_file[f] = fd
             sizes[f] = st.st_size
+            cache.seen(f, fd, st.st_size, generation)
         missing = [(f, e) for f, e in ends.items() if f not in fds_by_file]
+        if missing and leases is not None and leases.fields is None:
+            yield from fields_steps(leases)  # the removal generation comes with the table
         for start in range(0, len(missing), MAX_FDS):
             batch = missing[start : start + MAX_FDS]
             reply, fds = yield Exchange(OpenRequest(batch))
@@ -511,28 +573,21 @@ def read_steps(
                 else:
                     once.append(fd)
                 fds_by_file[f] = fd
-            for f, _ in batch:  # every descriptor is the cache's or this read's by now
+            for i, (f, _) in enumerate(batch):  # each descriptor is the cache's or this read's
                 try:
                     sizes[f] = os.fstat(fds_by_file[f]).st_size
                 except OSError as exc:  # ESTALE: another node removed it meanwhile
                     cache.forget(f)
                     raise SegmentFileError(f"payload file {f!r} cannot be read: {exc}") from exc
+                if i in keep:  # the daemon opened it linked, after `generation` was read
+                    cache.seen(f, fds_by_file[f], sizes[f], generation)
         for f, end in ends.items():  # a cached descriptor is re-checked: the same rule as HTTP
             if sizes[f] < end:
                 raise SegmentFileError(
                     f"payload file {f!r} has {sizes[f]} bytes but a segment ends at byte {end}"
                 )
 
-        def read() -> None:
-            for (file, offset, _), bufs in zip(layout.extents, layout.buffers, strict=True):
-                fd = fds_by_file[file]
-                for at in range(0, len(bufs), IOV_MAX):
-                    chunk = bufs[at : at + IOV_MAX]
-                    _pread_into(fd, chunk, offset, file)
-                    offset += sum(b.nbytes for b in chunk)
-            layout.finish()
-
-        yield Blocking(read, layout.nbytes)
+        yield Blocking(functools.partial(_read_extents, layout, fds_by_file), layout.nbytes)
     finally:
         cache.end()
         for fd in once:
