@@ -1,9 +1,9 @@
-"""Data-plane reads at once from cached descriptors (``read_now``): no exchange, no ``fstat``
-while the daemon's removal generation says no file went; a collected file is still 410.
+"""Data-plane reads at once from cached descriptors (``read_now``): no exchange, one ``fstat``
+a file; a collected file is still 410, also when another node's daemon collected it.
 
 Real daemons on real sockets; the client's periodic look at every descriptor and its notes of
-runs in use are pushed out of the way, so that only the generation tells a reader that a file
-went.
+runs in use are pushed out of the way, so that only the read's own look tells a reader that a
+file went.
 """
 
 from __future__ import annotations
@@ -50,14 +50,14 @@ def test_a_second_read_is_served_at_once_and_a_collection_ends_that(daemon: Daem
         c.read_field(old, R, 0, 3, 0, out=out)
         c.read_field(new, R, 0, 3, 0, out=out)
         out[...] = 0
-        assert at_once(c, old, out)  # cached, seen linked at this generation
+        assert at_once(c, old, out)  # cached, still linked
         np.testing.assert_array_equal(out, rows(1))
         assert admin.gc(run, 0).files == 1  # another client collects step 0
-        assert not at_once(c, old, out)  # the generation moved: looked at again
+        assert not at_once(c, old, out)  # removed: the daemon answers
         with pytest.raises(FileGoneError):
             c.read_field(old, R, 0, 3, 0, out=out)  # never the removed file's bytes
         np.testing.assert_array_equal(c.read_field(new, R, 0, 3, 0, out=out), rows(2))
-        assert at_once(c, new, out)  # looked at after the collection: at once again
+        assert at_once(c, new, out)  # still there: at once
 
 
 def test_reads_racing_collections_give_their_rows_or_410(daemon: Daemon) -> None:

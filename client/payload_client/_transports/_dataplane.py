@@ -308,18 +308,17 @@ class _DataPlane:
 
     def read_now(self, plans: Sequence[WindowPlan | None], outs: Sequence[Any]) -> bool:
         """The read, at once, without an exchange (`read_cached`: every file it needs has a
-        descriptor known linked and long enough), when no check or note is due first;
-        ``False``: nothing was read, run `read_steps` instead.
+        cached descriptor, still linked and long enough), when no check or note is due
+        first; ``False``: nothing was read, run `read_steps` instead.
 
         Raises
         ------
         PayloadError
             As `read_steps` (a file that ends during the read).
         """
-        page = self.leases.generation
-        if page is None or not self._now_ok():
+        if not self._now_ok():
             return False
-        return read_cached(plans, outs, self.cache, self.scratch, page)
+        return read_cached(plans, outs, self.cache, self.scratch)
 
     def _refresh(self) -> None:
         """Drop what a parent process or a daemon that went away handed out; call only when

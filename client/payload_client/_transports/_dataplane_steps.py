@@ -468,18 +468,23 @@ def read_cached(
     outs: Sequence[np.ndarray | None],
     cache: ReadCache,
     scratch: Scratch,
-    page: GenerationPage,
 ) -> bool:
-    """The read at once, without steps, when every file it needs has a `ReadCache.fresh`
-    descriptor (the common read of a trainer's next window); ``False``: nothing was read,
-    run `read_steps`."""
+    """The read at once, without steps, when every file it needs has a cached descriptor
+    whose file is still linked and long enough (one ``fstat`` each: the daemon's removal
+    generation does not count what another node's daemon removes on a shared root); the
+    common read of a trainer's next window. ``False``: nothing was read, run `read_steps`."""
     layout = ReadLayout(plans, outs, kernel=True, alloc=scratch.take)
     try:
-        generation = page.seen()
         fds = {}
         for f, end in layout.ends.items():
-            fd = cache.fresh(f, end, generation)
+            fd = cache.get(f)
             if fd is None:
+                return False
+            try:
+                st = os.fstat(fd)
+            except OSError:  # ESTALE: the steps ask the daemon
+                return False
+            if st.st_nlink == 0 or st.st_size < end:
                 return False
             fds[f] = fd
         cache.used.update(layout.ends)  # told to the daemon (GC spares runs in use)
@@ -516,16 +521,14 @@ def read_steps(
     into its buffers, and lay the staged rows into the outputs.
 
     A descriptor the daemon marks ``read_once`` (`OpenReply`) serves this read only and is
-    closed after it, never cached. A cached one is looked at (``fstat``: removed, long
-    enough) unless `ReadCache.fresh` at the removal generation of ``leases`` (fetched with
-    the fields table at the first read that asks the daemon anyway).
+    closed after it, never cached; a cached one is looked at (``fstat``: removed, long
+    enough) before it is used. ``leases`` gets the fields table at the first read that asks
+    the daemon anyway (and with it the removal generation, for appends).
     """
     layout = ReadLayout(plans, outs, kernel=True, alloc=scratch.take)
     ends = layout.ends
     if not ends:
         return
-    page = leases.generation if leases is not None else None
-    generation = page.seen() if page is not None else -1  # before any look at a file
     cache.used.update(ends)  # told to the daemon (GC spares runs in use)
     once: list[int] = []  # descriptors of this read only: closed at its end
     cache.begin()  # nothing this read uses is closed before it ends
@@ -533,11 +536,6 @@ def read_steps(
         fds_by_file: dict[str, int] = {}
         sizes: dict[str, int] = {}
         for f in ends:
-            fd = cache.fresh(f, ends[f], generation)
-            if fd is not None:
-                fds_by_file[f] = fd
-                sizes[f] = ends[f]
-                continue
             fd = cache.get(f)
             if fd is None:
                 continue
@@ -553,10 +551,9 @@ def read_steps(
                 continue
             fds_by_file[f] = fd
             sizes[f] = st.st_size
-            cache.seen(f, fd, st.st_size, generation)
         missing = [(f, e) for f, e in ends.items() if f not in fds_by_file]
         if missing and leases is not None and leases.fields is None:
-            yield from fields_steps(leases)  # the removal generation comes with the table
+            yield from fields_steps(leases)  # once a connection, as appends do
         for start in range(0, len(missing), MAX_FDS):
             batch = missing[start : start + MAX_FDS]
             reply, fds = yield Exchange(OpenRequest(batch))
@@ -573,14 +570,12 @@ def read_steps(
                 else:
                     once.append(fd)
                 fds_by_file[f] = fd
-            for i, (f, _) in enumerate(batch):  # each descriptor is the cache's or this read's
+            for f, _ in batch:  # every descriptor is the cache's or this read's by now
                 try:
                     sizes[f] = os.fstat(fds_by_file[f]).st_size
                 except OSError as exc:  # ESTALE: another node removed it meanwhile
                     cache.forget(f)
                     raise SegmentFileError(f"payload file {f!r} cannot be read: {exc}") from exc
-                if i in keep:  # the daemon opened it linked, after `generation` was read
-                    cache.seen(f, fds_by_file[f], sizes[f], generation)
         for f, end in ends.items():  # a cached descriptor is re-checked: the same rule as HTTP
             if sizes[f] < end:
                 raise SegmentFileError(

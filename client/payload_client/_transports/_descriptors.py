@@ -202,46 +202,10 @@ class _Cache(Generic[K, V]):
 
 
 class ReadCache(_Cache[str, int]):
-    """Read-only descriptors by file, and for each what its last ``fstat`` found.
-
-    A file seen linked and ``size`` bytes long at an even removal generation ``g``
-    (`GenerationPage.seen`, read before the look) is still linked and at least that long
-    while the generation is ``g``: its descriptor is `fresh`, and a read needs no ``fstat``
-    (data files only grow; another node's files are never kept, `OpenReply.read_once`).
-    Files removed by hand are not counted by the generation: the look at every descriptor
-    (`drop_removed`, at most `DROP_REMOVED_S` apart) finds them.
-    """
+    """Read-only descriptors by file."""
 
     def __init__(self, size: int = CACHE_FDS) -> None:
         super().__init__(size, lambda fd: fd)
-        self.checked: dict[str, tuple[int, int, int]] = {}  # file -> (fd, size, generation)
-
-    def put(self, key: str, value: int) -> None:
-        self.checked.pop(key, None)
-        super().put(key, value)
-
-    def forget(self, key: str) -> None:
-        self.checked.pop(key, None)
-        super().forget(key)
-
-    def clear(self) -> None:
-        self.checked.clear()
-        super().clear()
-
-    def seen(self, file: str, fd: int, size: int, generation: int) -> None:
-        """Remember that ``fd`` of ``file`` was linked and ``size`` bytes long at
-        ``generation`` (ignored when negative: a removal was under way)."""
-        if generation >= 0:
-            self.checked[file] = (fd, size, generation)
-
-    def fresh(self, file: str, end: int, generation: int) -> int | None:
-        """The cached descriptor of ``file`` when it was seen linked and at least ``end``
-        bytes long at ``generation`` (the generation now, even), else ``None``."""
-        got = self.checked.get(file)
-        if got is None or generation < 0 or got[2] != generation or got[1] < end:
-            return None
-        fd = self.get(file)
-        return fd if fd == got[0] else None
 
 
 @dataclass(eq=False)
