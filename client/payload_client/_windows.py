@@ -249,8 +249,9 @@ class WindowPlan:
         at = 0
         parts = self.parts
         if isinstance(parts, PieceTable):  # match the largest piece
-            j = int(parts.nbytes.argmax())
-            at = int(parts.offset[j]) - int(parts.dst[j]) * (nbytes // shape[0])
+            if parts.nbytes.size:
+                j = int(parts.nbytes.argmax())
+                at = int(parts.offset[j]) - int(parts.dst[j]) * (nbytes // shape[0])
         elif parts:
             big = max(parts, key=lambda p: p.nbytes)
             at = big.offset - big.dst * (nbytes // shape[0])

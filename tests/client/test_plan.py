@@ -235,3 +235,14 @@ def test_only_intersecting_segments_name_files_to_check(small: int, few: int) ->
     assert alone is not None and dict(alone.ends) == {} and alone.count == 0
     assert both is not None and dict(both.ends) == {"here.bin": 32, "hidden.bin": 12}
     assert [p.file for p in both.pieces] == ["here.bin"]
+
+
+@pytest.mark.parametrize(("small", "few"), PATHS)
+def test_a_large_window_no_segment_reaches_is_all_fill(small: int, few: int) -> None:
+    """Many segments, none in the window, an output large enough to be page-matched."""
+    segs = [PayloadSegment("routed", "a.bin", i * 384, 10_000 + i, 1, "uint8", [48, 8])
+            for i in range(20)]  # fmt: skip
+    with paths(small, few):
+        (got,) = read({"a.bin": bytes(20 * 384)}, [(segs, "routed", 0, 1000, 7, None, None)],
+                      True, GAP)  # fmt: skip
+    assert got.shape == (1000, 48, 8) and (got == 7).all()
