@@ -185,10 +185,9 @@ def planted(draw: st.DrawFn, s: PayloadSegment) -> Any:
 @st.composite
 def segment_lists(draw: st.DrawFn, min_size: int = 16) -> list[Any]:
     segs: list[Any] = draw(st.lists(good_segment, min_size=min_size, max_size=60))
-    if segs:
-        where = st.integers(0, len(segs) - 1)
-        for i in draw(st.sets(where, max_size=3) | st.just(set())):
-            segs[i] = draw(planted(segs[i]))
+    k = min(len(segs), draw(st.sampled_from([0, 1, 1, 1, 2, 3])))
+    for i in draw(st.sets(st.integers(0, len(segs) - 1), min_size=k, max_size=k)) if k else ():
+        segs[i] = draw(planted(segs[i]))
     return segs
 
 
@@ -210,7 +209,7 @@ def same(got: tuple[Any, ...], want: tuple[Any, ...], inputs: Sequence[Any] = ()
 
 
 @settings(max_examples=300, deadline=None)
-@given(segment_lists(min_size=0))
+@given(segment_lists())
 def test_validate_segments_agrees(segs: list[Any]) -> None:
     got, want = outcome(validate_segments, segs), outcome(ref_validate, segs)
     same(got, want)
@@ -219,7 +218,7 @@ def test_validate_segments_agrees(segs: list[Any]) -> None:
 
 
 @settings(max_examples=200, deadline=None)
-@given(segment_lists(min_size=0))
+@given(segment_lists())
 def test_segment_columns_agree(segs: list[Any]) -> None:
     got, want = outcome(segment_columns, segs), outcome(ref_validate, segs)
     if want[0] == "raised":
