@@ -355,6 +355,7 @@ _BULK_MIN = 16
 _SEGMENT_TYPE = {PayloadSegment}
 _STR_TYPE = {str}
 _INT_TYPE = {int}
+_LIST_TYPE = {list}
 _SHAPE_TYPES = frozenset({list, tuple})
 
 
@@ -362,7 +363,7 @@ class _Checked(NamedTuple):
     """Columns of a validated segment list, for the operations of this package (private).
 
     ``shapes`` holds the distinct row shapes and ``dtypes`` the distinct dtypes when the
-    bulk check found them (``None`` otherwise).
+    bulk check found them (``None`` otherwise); ``lists``: every shape is a plain list.
     """
 
     segments: list[PayloadSegment]
@@ -378,6 +379,7 @@ class _Checked(NamedTuple):
     rows_a: np.ndarray
     dtypes: set[str] | None
     shapes: set[tuple[int, ...]] | None
+    lists: bool
 
 
 def _as_list(segments: Sequence[PayloadSegment]) -> list[PayloadSegment]:
@@ -397,6 +399,21 @@ def _checked_columns(segments: Sequence[PayloadSegment]) -> _Checked:
             return cols
     for i, seg in enumerate(segs):
         validate_segment(seg, i)
+    return _columns_of(segs)
+
+
+def _checked_list(segments: Sequence[PayloadSegment]) -> list[PayloadSegment] | _Checked:
+    """Validate ``segments`` (as `validate_segments`): a short list as it is, else columns."""
+    segs = _as_list(segments)
+    if len(segs) >= _BULK_MIN:
+        return _checked_columns(segs)
+    for i, seg in enumerate(segs):
+        validate_segment(seg, i)
+    return segs
+
+
+def _columns_of(segs: list[PayloadSegment]) -> _Checked:
+    """The columns of an already validated list."""
     field, file, offset, pos, rows, dtype, shape = _lists(segs)
     n = len(segs)
     return _Checked(
@@ -406,6 +423,7 @@ def _checked_columns(segments: Sequence[PayloadSegment]) -> _Checked:
         np.fromiter(rows, np.int64, n),
         None,
         None,
+        set(map(type, shape)) <= _LIST_TYPE,
     )  # fmt: skip
 
 
@@ -439,7 +457,7 @@ def _bulk_check(segs: list[Any]) -> _Checked | None:
         or set(map(type, pos)) != _INT_TYPE
         or set(map(type, rows)) != _INT_TYPE
         or set(map(type, dtype)) != _STR_TYPE
-        or not set(map(type, shape)) <= _SHAPE_TYPES
+        or not (shape_types := set(map(type, shape))) <= _SHAPE_TYPES
         or set(map(type, chain.from_iterable(shape))) != _INT_TYPE
     ):
         return None
@@ -465,7 +483,7 @@ def _bulk_check(segs: list[Any]) -> _Checked | None:
         return None
     cols = _Checked(
         segs, field, file, offset, pos, rows, dtype, shape, offset_a, pos_a, rows_a,
-        dtypes, shapes,
+        dtypes, shapes, shape_types == _LIST_TYPE,
     )  # fmt: skip
     # the int64 bounds, coarsely first (Python ints: no overflow), exactly when that fails
     max_rows = int(rows_a.max())

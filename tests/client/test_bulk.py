@@ -162,7 +162,9 @@ good_segment = st.builds(
     rows=st.integers(0, 12),
     dtype=st.sampled_from(sorted(SUPPORTED_DTYPES)),
     shape=st.one_of(
-        st.sampled_from([[48, 8], [4], [1]]).map(list), st.lists(st.integers(1, 5), min_size=1)
+        st.sampled_from([[48, 8], [4], [1]]).map(list),
+        st.lists(st.integers(1, 5), min_size=1),
+        st.lists(st.integers(1, 5), min_size=1, max_size=2).map(tuple),
     ),
 )
 
@@ -183,8 +185,13 @@ def planted(draw: st.DrawFn, s: PayloadSegment) -> Any:
 
 
 @st.composite
-def segment_lists(draw: st.DrawFn, min_size: int = 16) -> list[Any]:
-    segs: list[Any] = draw(st.lists(good_segment, min_size=min_size, max_size=60))
+def segment_lists(draw: st.DrawFn) -> list[Any]:
+    """Short lists (worked on segment by segment) and long ones (column by column)."""
+    short, long = (
+        st.lists(good_segment, max_size=15),
+        st.lists(good_segment, min_size=16, max_size=60),
+    )
+    segs: list[Any] = draw(short | long)
     k = min(len(segs), draw(st.sampled_from([0, 1, 1, 1, 2, 3])))
     for i in draw(st.sets(st.integers(0, len(segs) - 1), min_size=k, max_size=k)) if k else ():
         segs[i] = draw(planted(segs[i]))
@@ -261,7 +268,7 @@ def test_shift_agrees(segs: list[Any], delta: int) -> None:
 
 
 @settings(max_examples=200, deadline=None)
-@given(segment_lists(min_size=0), segment_lists(min_size=0), st.sampled_from([R, M, "x"]))
+@given(segment_lists(), segment_lists(), st.sampled_from([R, M, "x"]))
 def test_merge_agrees(pre: list[Any], dec: list[Any], field: str) -> None:
     got, want = outcome(merge_pd_segments, pre, dec, field), outcome(ref_merge, pre, dec, field)
     same(got, want, pre + dec)
@@ -335,3 +342,18 @@ def test_segments_are_not_tracked_by_the_collector() -> None:
     assert seg != msgspec.structs.replace(seg, shape=[4, 3])
     with pytest.raises(TypeError):  # a list field: unhashable, as before
         hash(seg)
+
+
+@pytest.mark.parametrize("n", [3, 40])
+def test_shift_makes_every_shape_a_list_and_shares_lists(n: int) -> None:
+    class Shape(list[int]):
+        pass
+
+    shapes: list[Any] = [(2, 3), Shape([2, 3]), [2, 3]] * n
+    segs = [PayloadSegment(R, "a.bin", 0, i, 1, "uint8", sh) for i, sh in enumerate(shapes)]
+    got = shift_segments(segs, 5)
+    assert [type(s.shape) for s in got] == [list] * len(segs)
+    assert got == [msgspec.structs.replace(s, pos=s.pos + 5, shape=[2, 3]) for s in segs]
+    only_lists = [s for s in segs if type(s.shape) is list]
+    moved = shift_segments(only_lists, 1)
+    assert all(a.shape is b.shape for a, b in zip(moved, only_lists, strict=True))
