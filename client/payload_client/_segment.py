@@ -349,7 +349,7 @@ def segment_columns(segments: Sequence[PayloadSegment]) -> SegmentColumns:
 
 # -- bulk validation ---------------------------------------------------------------------
 
-_BULK_MIN = 16
+_BULK_MIN = 24
 """Shortest list checked column by column; shorter ones are checked segment by segment."""
 
 _SEGMENT_TYPE = {PayloadSegment}
@@ -416,11 +416,9 @@ def _columns_of(segs: list[PayloadSegment]) -> _Checked:
     """The columns of an already validated list."""
     field, file, offset, pos, rows, dtype, shape = _lists(segs)
     n = len(segs)
+    offset_a, pos_a, rows_a = np.fromiter(chain(offset, pos, rows), np.int64, 3 * n).reshape(3, n)
     return _Checked(
-        segs, field, file, offset, pos, rows, dtype, shape,
-        np.fromiter(offset, np.int64, n),
-        np.fromiter(pos, np.int64, n),
-        np.fromiter(rows, np.int64, n),
+        segs, field, file, offset, pos, rows, dtype, shape, offset_a, pos_a, rows_a,
         None,
         None,
         set(map(type, shape)) <= _LIST_TYPE,
@@ -473,24 +471,23 @@ def _bulk_check(segs: list[Any]) -> _Checked | None:
     shapes = {tuple(shape[0])} if shape.count(shape[0]) == n else set(map(tuple, shape))
     if () in shapes or min(map(min, shapes)) <= 0:
         return None
-    try:
-        offset_a = np.fromiter(offset, np.int64, n)
-        pos_a = np.fromiter(pos, np.int64, n)
-        rows_a = np.fromiter(rows, np.int64, n)
+    try:  # one array [3, n]: offsets, positions, row counts
+        ints = np.fromiter(chain(offset, pos, rows), np.int64, 3 * n).reshape(3, n)
     except OverflowError:  # beyond int64
         return None
-    if min(offset_a.min(), pos_a.min(), rows_a.min()) < 0:
+    if ints.min() < 0:
         return None
+    offset_a, pos_a, rows_a = ints
     cols = _Checked(
         segs, field, file, offset, pos, rows, dtype, shape, offset_a, pos_a, rows_a,
         dtypes, shapes, shape_types == _LIST_TYPE,
     )  # fmt: skip
     # the int64 bounds, coarsely first (Python ints: no overflow), exactly when that fails
-    max_rows = int(rows_a.max())
+    max_offset, max_pos, max_rows = ints.max(axis=1).tolist()
     max_nbytes = max(_ITEMSIZE[d] for d in dtypes) * max(map(math.prod, shapes))
-    if int(pos_a.max()) + max_rows > INT64_MAX and bool((pos_a > INT64_MAX - rows_a).any()):
+    if max_pos + max_rows > INT64_MAX and bool((pos_a > INT64_MAX - rows_a).any()):
         return None
-    if max_nbytes > INT64_MAX or int(offset_a.max()) + max_rows * max_nbytes > INT64_MAX:
+    if max_nbytes > INT64_MAX or max_offset + max_rows * max_nbytes > INT64_MAX:
         kind, kinds = _kinds(cols)
         sizes = [_ITEMSIZE[d] * math.prod(sh) for d, sh in kinds]
         if max(sizes) > INT64_MAX:

@@ -32,7 +32,7 @@ from payload_client import (
     validate_segment,
     validate_segments,
 )
-from payload_client._segment import INT64_MAX, segment_columns
+from payload_client._segment import _BULK_MIN, INT64_MAX, segment_columns
 
 R, M = "routed_experts", "sampling_mask"
 ITEMSIZE = {d: np.dtype(d).itemsize for d in SUPPORTED_DTYPES}
@@ -187,10 +187,8 @@ def planted(draw: st.DrawFn, s: PayloadSegment) -> Any:
 @st.composite
 def segment_lists(draw: st.DrawFn) -> list[Any]:
     """Short lists (worked on segment by segment) and long ones (column by column)."""
-    short, long = (
-        st.lists(good_segment, max_size=15),
-        st.lists(good_segment, min_size=16, max_size=60),
-    )
+    short = st.lists(good_segment, max_size=_BULK_MIN - 1)
+    long = st.lists(good_segment, min_size=_BULK_MIN, max_size=_BULK_MIN + 40)
     segs: list[Any] = draw(short | long)
     k = min(len(segs), draw(st.sampled_from([0, 1, 1, 1, 2, 3])))
     for i in draw(st.sets(st.integers(0, len(segs) - 1), min_size=k, max_size=k)) if k else ():
@@ -344,7 +342,7 @@ def test_segments_are_not_tracked_by_the_collector() -> None:
         hash(seg)
 
 
-@pytest.mark.parametrize("n", [3, 40])
+@pytest.mark.parametrize("n", [3, _BULK_MIN])
 def test_shift_makes_every_shape_a_list_and_shares_lists(n: int) -> None:
     class Shape(list[int]):
         pass
