@@ -44,8 +44,41 @@ def _cut(seg: PayloadSegment, start: int, stop: int) -> PayloadSegment:
         start,
         stop - start,
         seg.dtype,
-        list(seg.shape),
+        _shared(seg.shape),
     )
+
+
+def _shared(shape: Sequence[int]) -> list[int]:
+    """``shape`` itself when it is a list, else a list of it.
+
+    The operations' results share their inputs' shape lists: segments are immutable, and a
+    copy of each (100,000 lists) cost more than the rest of an operation.
+    """
+    return shape if type(shape) is list else list(shape)
+
+
+def _cut_many(
+    cols: _Checked, index: np.ndarray, start: np.ndarray, stop: np.ndarray
+) -> list[PayloadSegment]:
+    """Rows ``[start[k], stop[k])`` of each segment ``index[k]`` of ``cols`` (int64 [m])."""
+    segs = cols.segments
+    picked = index.tolist()
+    if len(cols.dtypes or ()) == 1 == len(cols.shapes or ()):
+        nbytes: int | np.ndarray = _row_nbytes(segs[picked[0]]) if picked else 0
+    else:
+        nbytes = np.array([_row_nbytes(segs[i]) for i in picked], dtype=np.int64)
+    # within each segment's bytes: no overflow (validated)
+    offset = cols.offset_a[index] + (start - cols.pos_a[index]) * nbytes
+    return [
+        PayloadSegment(s.field, s.file, o, p, r, s.dtype, _shared(s.shape))
+        for s, o, p, r in zip(
+            map(segs.__getitem__, picked),
+            offset.tolist(),
+            start.tolist(),
+            (stop - start).tolist(),
+            strict=True,
+        )
+    ]
 
 
 def clip_segments(segments: Sequence[PayloadSegment], lo: int, hi: int) -> list[PayloadSegment]:
@@ -64,7 +97,8 @@ def clip_segments(segments: Sequence[PayloadSegment], lo: int, hi: int) -> list[
         In the input order. A segment wholly outside the window is dropped; one that
         straddles an edge is trimmed (a front cut of ``k`` rows adds ``k * row_nbytes`` to
         ``offset`` and ``k`` to ``pos``); positions stay absolute. A zero-row placeholder is
-        kept when ``lo <= pos <= hi``. (Contract: DESIGN §3.)
+        kept when ``lo <= pos <= hi``. (Contract: DESIGN §3.) A segment kept whole is the
+        input object; a trimmed one shares its input's ``shape`` list when that is a list.
 
     Raises
     ------
@@ -95,10 +129,10 @@ def clip_segments(segments: Sequence[PayloadSegment], lo: int, hi: int) -> list[
     part = ~whole & (cols.rows_a > 0) & (np.maximum(pos, lo) < np.minimum(end, hi))
     keep = whole | part
     out = list(compress(segs, keep.tolist()))
-    where = np.flatnonzero(part[keep]).tolist(), np.flatnonzero(part).tolist()
-    for j, i in zip(*where, strict=True):
-        seg = segs[i]
-        out[j] = _cut(seg, max(seg.pos, lo), min(seg.pos + seg.rows, hi))
+    index = np.flatnonzero(part)
+    cut = _cut_many(cols, index, np.maximum(pos[index], lo), np.minimum(end[index], hi))
+    for j, seg in zip(np.flatnonzero(part[keep]).tolist(), cut, strict=True):
+        out[j] = seg
     return out
 
 
@@ -128,14 +162,13 @@ def shift_segments(segments: Sequence[PayloadSegment], delta: int) -> list[Paylo
     """
     delta = check_int(delta, "delta", minimum=-INT64_MAX)
     cols = _checked_list(segments)
-    # each result shares its input's shape list (a shape that is not a plain list becomes
-    # one): copying 100,000 lists cost more than the rest of the shift (the collector runs
-    # over every one), and segments are immutable
+    # each result shares its input's shape list (`_shared`): copying 100,000 lists cost
+    # more than the rest of the shift (the collector runs over every one)
     if isinstance(cols, list):
         out = []
         for i, seg in enumerate(cols):
             _check_shift(seg.pos, seg.pos + seg.rows, delta, i)
-            shape = seg.shape if type(seg.shape) is list else list(seg.shape)
+            shape = _shared(seg.shape)
             out.append(
                 PayloadSegment(
                     seg.field, seg.file, seg.offset, seg.pos + delta, seg.rows, seg.dtype, shape
@@ -152,7 +185,7 @@ def shift_segments(segments: Sequence[PayloadSegment], delta: int) -> list[Paylo
             i = int(np.argmax(end > INT64_MAX - delta))
             _check_shift(cols.pos[i], cols.pos[i] + cols.rows[i], delta, i)
     moved = (pos + delta).tolist()  # in [0, INT64_MAX]: checked above
-    shapes = cols.shape if cols.lists else [list(sh) for sh in cols.shape]
+    shapes = cols.shape if cols.lists else list(map(_shared, cols.shape))
     return [
         PayloadSegment(f, fi, o, p, r, d, sh)
         for f, fi, o, p, r, d, sh in zip(
@@ -204,7 +237,8 @@ def merge_pd_segments(
         where decode segments of ``field`` keep only positions ``>= cut`` (``cut`` is the
         largest ``pos + rows`` of the prefill ones): dropped when they end at or before
         ``cut``, front-trimmed when they start before it. (Contract: DESIGN §3, the P/D
-        rule of the router.)
+        rule of the router.) Segments kept whole are the input objects; a trimmed one
+        shares its input's ``shape`` list when that is a list.
 
     Raises
     ------
@@ -241,15 +275,17 @@ def merge_pd_segments(
     ours = np.array([f == field for f in dec.field], dtype=bool)
     # decode segments of `field` keep positions >= cut: dropped when they end at or
     # before it, front-trimmed when they start before it
-    drop = ours & (dec.pos_a + dec.rows_a <= cut)
+    end = dec.pos_a + dec.rows_a  # no overflow: validated
+    drop = ours & (end <= cut)
     trim = ours & ~drop & (dec.pos_a < cut)
     if not trim.any():
         return head + (list(compress(segs, (~drop).tolist())) if drop.any() else segs)
     keep = ~drop
     tail = list(compress(segs, keep.tolist()))
-    where = np.flatnonzero(trim[keep]).tolist(), np.flatnonzero(trim).tolist()
-    for j, i in zip(*where, strict=True):
-        tail[j] = _cut(segs[i], cut, segs[i].pos + segs[i].rows)
+    index = np.flatnonzero(trim)
+    trimmed = _cut_many(dec, index, np.full(len(index), cut, dtype=np.int64), end[index])
+    for j, seg in zip(np.flatnonzero(trim[keep]).tolist(), trimmed, strict=True):
+        tail[j] = seg
     return head + tail
 
 

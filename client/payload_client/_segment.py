@@ -499,16 +499,31 @@ def _bulk_check(segs: list[Any]) -> _Checked | None:
     return cols
 
 
+class _FirstSeen(dict[Any, int]):
+    """Numbers its keys 0, 1, 2, ... in the order they are first looked up."""
+
+    def __missing__(self, key: Any) -> int:
+        self[key] = number = len(self)
+        return number
+
+
 def _kinds(cols: _Checked) -> tuple[np.ndarray, list[tuple[str, tuple[int, ...]]]]:
     """Each segment's index into the distinct ``(dtype, shape)`` pairs, and the pairs."""
     n = len(cols.segments)
     if n == 0:
         return np.zeros(0, dtype=np.intp), []
-    if len(cols.dtypes or ()) == 1 == len(cols.shapes or ()):  # one kind, known in bulk
+    n_dtypes, n_shapes = len(cols.dtypes or ()), len(cols.shapes or ())  # 0: not known
+    if n_dtypes == 1 == n_shapes:
         return np.zeros(n, dtype=np.intp), [(cols.dtype[0], tuple(cols.shape[0]))]
-    keys = list(zip(cols.dtype, map(tuple, cols.shape), strict=True))
-    index = {key: i for i, key in enumerate(dict.fromkeys(keys))}
-    return np.fromiter(map(index.__getitem__, keys), np.intp, n), list(index)
+    seen = _FirstSeen()
+    if n_dtypes == 1:
+        kind = np.fromiter(map(seen.__getitem__, map(tuple, cols.shape)), np.intp, n)
+        return kind, [(cols.dtype[0], shape) for shape in seen]
+    if n_shapes == 1:
+        kind = np.fromiter(map(seen.__getitem__, cols.dtype), np.intp, n)
+        return kind, [(dtype, tuple(cols.shape[0])) for dtype in seen]
+    keys = zip(cols.dtype, map(tuple, cols.shape), strict=True)
+    return np.fromiter(map(seen.__getitem__, keys), np.intp, n), list(seen)
 
 
 def row_nbytes(segment: PayloadSegment) -> int:

@@ -190,6 +190,11 @@ def segment_lists(draw: st.DrawFn) -> list[Any]:
     short = st.lists(good_segment, max_size=_BULK_MIN - 1)
     long = st.lists(good_segment, min_size=_BULK_MIN, max_size=_BULK_MIN + 40)
     segs: list[Any] = draw(short | long)
+    # one dtype, one row shape or both across the list (one kind: the usual case)
+    same: dict[str, Any] = draw(
+        st.fixed_dictionaries({}, optional={"dtype": st.just("uint16"), "shape": st.just([4, 2])})
+    )
+    segs = [msgspec.structs.replace(s, **same) for s in segs]
     k = min(len(segs), draw(st.sampled_from([0, 1, 1, 1, 2, 3])))
     for i in draw(st.sets(st.integers(0, len(segs) - 1), min_size=k, max_size=k)) if k else ():
         segs[i] = draw(planted(segs[i]))
