@@ -273,6 +273,19 @@ def test_shift_agrees(segs: list[Any], delta: int) -> None:
 @settings(max_examples=200, deadline=None)
 @given(segment_lists(), segment_lists(), st.sampled_from([R, M, "x"]))
 def test_merge_agrees(pre: list[Any], dec: list[Any], field: str) -> None:
+    # the decode side around the prefill's end, so that some of its segments straddle it
+    ends = [
+        s.pos + s.rows
+        for s in pre
+        if isinstance(s, PayloadSegment) and s.field == field and type(s.pos) is type(s.rows) is int
+    ]
+    cut = max([e for e in ends if 0 <= e <= INT64_MAX], default=0)
+    dec = [
+        msgspec.structs.replace(s, pos=max(0, s.pos + cut - 100))
+        if isinstance(s, PayloadSegment) and type(s.pos) is int and 0 <= s.pos <= 200
+        else s
+        for s in dec
+    ]
     got, want = outcome(merge_pd_segments, pre, dec, field), outcome(ref_merge, pre, dec, field)
     same(got, want, pre + dec)
 
@@ -323,6 +336,30 @@ def test_shift_names_the_first_offending_segment() -> None:
         shift_segments(segs, 1)
     with pytest.raises(InvalidRequestError, match=r"^segment 70: shift by 6 overflows int64$"):
         shift_segments(segs, 6)
+
+
+def test_merge_trims_in_a_long_list() -> None:
+    pre = [PayloadSegment(R, "p.bin", 0, 0, 50, "uint8", [2, 3])]
+    dec = [PayloadSegment(R, "d.bin", 600 * i, 10 * i, 100, "uint8", [2, 3]) for i in range(40)]
+    got = merge_pd_segments(pre, dec)
+    assert got == ref_merge(pre, dec, R)
+    assert (got[1].offset, got[1].pos, got[1].rows) == (50 * 6, 50, 50)
+
+
+@pytest.mark.parametrize("vary", ["dtype", "shape"])
+def test_columns_of_kinds_in_first_seen_order(vary: str) -> None:
+    dtypes = ["int32", "uint8", "float16"] if vary == "dtype" else ["uint8"]
+    shapes = [[9], [2, 2], [1]] if vary == "shape" else [[3]]
+    segs = [
+        PayloadSegment(R, "a.bin", 0, i, 1, dtypes[i % len(dtypes)], shapes[i % len(shapes)])
+        for i in range(40)
+    ]
+    cols = segment_columns(segs)
+    assert cols.kinds == [
+        (dtypes[i % len(dtypes)], tuple(shapes[i % len(shapes)])) for i in range(3)
+    ]
+    assert cols.kind.tolist() == [i % 3 for i in range(40)]
+    assert cols.row_nbytes.tolist() == [nbytes(s) for s in segs]
 
 
 def test_columns_of_several_kinds() -> None:
