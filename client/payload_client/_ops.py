@@ -24,6 +24,9 @@ __all__ = ["clip_segments", "merge_pd_segments", "shift_segments"]
 # and is worked on segment by segment, a long one as columns (numpy for the arithmetic and
 # the checks, the results built in one comprehension). Both give the same results.
 
+_MERGE_BULK_MIN = 48
+"""Shortest side of a merge checked column by column (a merge on columns costs more)."""
+
 
 def _check_window(lo: int, hi: int) -> tuple[int, int]:
     lo = check_int(lo, "lo")
@@ -207,7 +210,7 @@ def _validate_side(
 ) -> list[PayloadSegment] | _Checked:
     """`_checked_list`, its error message prefixed with ``side`` (index kept)."""
     try:
-        return _checked_list(segments)
+        return _checked_list(segments, _MERGE_BULK_MIN)
     except InvalidSegmentError as exc:
         err = InvalidSegmentError(f"{side} {exc}", field=exc.field)
         err.index = exc.index

@@ -402,10 +402,13 @@ def _checked_columns(segments: Sequence[PayloadSegment]) -> _Checked:
     return _columns_of(segs)
 
 
-def _checked_list(segments: Sequence[PayloadSegment]) -> list[PayloadSegment] | _Checked:
-    """Validate ``segments`` (as `validate_segments`): a short list as it is, else columns."""
+def _checked_list(
+    segments: Sequence[PayloadSegment], minimum: int = _BULK_MIN
+) -> list[PayloadSegment] | _Checked:
+    """Validate ``segments`` (as `validate_segments`): a list shorter than ``minimum`` as it
+    is, a longer one as columns."""
     segs = _as_list(segments)
-    if len(segs) >= _BULK_MIN:
+    if len(segs) >= minimum:
         return _checked_columns(segs)
     for i, seg in enumerate(segs):
         validate_segment(seg, i)

@@ -32,6 +32,7 @@ from payload_client import (
     validate_segment,
     validate_segments,
 )
+from payload_client._ops import _MERGE_BULK_MIN
 from payload_client._segment import _BULK_MIN, INT64_MAX, segment_columns
 
 R, M = "routed_experts", "sampling_mask"
@@ -273,6 +274,7 @@ def test_shift_agrees(segs: list[Any], delta: int) -> None:
 @settings(max_examples=200, deadline=None)
 @given(segment_lists(), segment_lists(), st.sampled_from([R, M, "x"]))
 def test_merge_agrees(pre: list[Any], dec: list[Any], field: str) -> None:
+    assert _MERGE_BULK_MIN < _BULK_MIN + 40  # long lists reach it
     # the decode side around the prefill's end, so that some of its segments straddle it
     ends = [
         s.pos + s.rows
