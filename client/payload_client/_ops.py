@@ -8,9 +8,24 @@ from itertools import compress
 import numpy as np
 
 from ._errors import InvalidRequestError, InvalidSegmentError
-from ._segment import INT64_MAX, PayloadSegment, _Checked, _checked_columns, _row_nbytes, check_int
+from ._segment import (
+    INT64_MAX,
+    PayloadSegment,
+    _Checked,
+    _checked_list,
+    _columns_of,
+    _row_nbytes,
+    check_int,
+)
 
 __all__ = ["clip_segments", "merge_pd_segments", "shift_segments"]
+
+# Each operation validates its list with `_checked_list`: a short list comes back as a list
+# and is worked on segment by segment, a long one as columns (numpy for the arithmetic and
+# the checks, the results built in one comprehension). Both give the same results.
+
+_MERGE_BULK_MIN = 48
+"""Shortest side of a merge checked column by column (a merge on columns costs more)."""
 
 
 def _check_window(lo: int, hi: int) -> tuple[int, int]:
@@ -21,19 +36,52 @@ def _check_window(lo: int, hi: int) -> tuple[int, int]:
     return lo, hi
 
 
-def _trim_front(seg: PayloadSegment, k: int) -> PayloadSegment:
-    """Drop the first ``k`` rows (``0 <= k <= rows``) of a valid segment."""
-    if k == 0:
+def _cut(seg: PayloadSegment, start: int, stop: int) -> PayloadSegment:
+    """Rows ``[start, stop)`` of a valid segment (``pos <= start < stop <= pos + rows``)."""
+    if start == seg.pos and stop == seg.pos + seg.rows:
         return seg
     return PayloadSegment(
         seg.field,
         seg.file,
-        seg.offset + k * _row_nbytes(seg),
-        seg.pos + k,
-        seg.rows - k,
+        seg.offset + (start - seg.pos) * _row_nbytes(seg),
+        start,
+        stop - start,
         seg.dtype,
-        list(seg.shape),
+        _shared(seg.shape),
     )
+
+
+def _shared(shape: Sequence[int]) -> list[int]:
+    """``shape`` itself when it is a list, else a list of it.
+
+    The operations' results share their inputs' shape lists: segments are immutable, and a
+    copy of each (100,000 lists) cost more than the rest of an operation.
+    """
+    return shape if type(shape) is list else list(shape)
+
+
+def _cut_many(
+    cols: _Checked, index: np.ndarray, start: np.ndarray, stop: np.ndarray
+) -> list[PayloadSegment]:
+    """Rows ``[start[k], stop[k])`` of each segment ``index[k]`` of ``cols`` (int64 [m])."""
+    segs = cols.segments
+    picked = index.tolist()
+    if len(cols.dtypes or ()) == 1 == len(cols.shapes or ()):
+        nbytes: int | np.ndarray = _row_nbytes(segs[picked[0]]) if picked else 0
+    else:
+        nbytes = np.array([_row_nbytes(segs[i]) for i in picked], dtype=np.int64)
+    # within each segment's bytes: no overflow (validated)
+    offset = cols.offset_a[index] + (start - cols.pos_a[index]) * nbytes
+    return [
+        PayloadSegment(s.field, s.file, o, p, r, s.dtype, _shared(s.shape))
+        for s, o, p, r in zip(
+            map(segs.__getitem__, picked),
+            offset.tolist(),
+            start.tolist(),
+            (stop - start).tolist(),
+            strict=True,
+        )
+    ]
 
 
 def clip_segments(segments: Sequence[PayloadSegment], lo: int, hi: int) -> list[PayloadSegment]:
@@ -52,7 +100,8 @@ def clip_segments(segments: Sequence[PayloadSegment], lo: int, hi: int) -> list[
         In the input order. A segment wholly outside the window is dropped; one that
         straddles an edge is trimmed (a front cut of ``k`` rows adds ``k * row_nbytes`` to
         ``offset`` and ``k`` to ``pos``); positions stay absolute. A zero-row placeholder is
-        kept when ``lo <= pos <= hi``. (Contract: DESIGN §3.)
+        kept when ``lo <= pos <= hi``. (Contract: DESIGN §3.) A segment kept whole is the
+        input object; a trimmed one shares its input's ``shape`` list when that is a list.
 
     Raises
     ------
@@ -62,10 +111,19 @@ def clip_segments(segments: Sequence[PayloadSegment], lo: int, hi: int) -> list[
         If any segment is invalid (DESIGN §2).
     """
     lo, hi = _check_window(lo, hi)
-    cols = _checked_columns(segments)
+    cols = _checked_list(segments)
+    if isinstance(cols, list):
+        out = []
+        for seg in cols:
+            if seg.rows == 0:
+                if lo <= seg.pos <= hi:
+                    out.append(seg)
+                continue
+            start, stop = max(seg.pos, lo), min(seg.pos + seg.rows, hi)
+            if start < stop:
+                out.append(_cut(seg, start, stop))
+        return out
     segs = cols.segments
-    if not segs:
-        return []
     pos, end = cols.pos_a, cols.pos_a + cols.rows_a  # no overflow: validated
     # wholly inside (a placeholder: lo <= pos <= hi) is kept as it is
     whole = (pos >= lo) & (end <= hi)
@@ -74,19 +132,10 @@ def clip_segments(segments: Sequence[PayloadSegment], lo: int, hi: int) -> list[
     part = ~whole & (cols.rows_a > 0) & (np.maximum(pos, lo) < np.minimum(end, hi))
     keep = whole | part
     out = list(compress(segs, keep.tolist()))
-    where = np.flatnonzero(part[keep]).tolist(), np.flatnonzero(part).tolist()
-    for j, i in zip(*where, strict=True):
-        seg = segs[i]
-        start, stop = max(seg.pos, lo), min(seg.pos + seg.rows, hi)
-        out[j] = PayloadSegment(
-            seg.field,
-            seg.file,
-            seg.offset + (start - seg.pos) * _row_nbytes(seg),
-            start,
-            stop - start,
-            seg.dtype,
-            list(seg.shape),
-        )
+    index = np.flatnonzero(part)
+    cut = _cut_many(cols, index, np.maximum(pos[index], lo), np.minimum(end[index], hi))
+    for j, seg in zip(np.flatnonzero(part[keep]).tolist(), cut, strict=True):
+        out[j] = seg
     return out
 
 
@@ -104,7 +153,7 @@ def shift_segments(segments: Sequence[PayloadSegment], delta: int) -> list[Paylo
     -------
     list of PayloadSegment
         New segments, same order, only ``pos`` changed. Each shares its input's ``shape``
-        list (a segment is immutable: never mutate its shape).
+        list when that is a list (a segment is immutable: never mutate its shape).
 
     Raises
     ------
@@ -115,36 +164,53 @@ def shift_segments(segments: Sequence[PayloadSegment], delta: int) -> list[Paylo
         If any segment is invalid.
     """
     delta = check_int(delta, "delta", minimum=-INT64_MAX)
-    cols = _checked_columns(segments)
-    if not cols.segments:
-        return []
+    cols = _checked_list(segments)
+    # each result shares its input's shape list (`_shared`): copying 100,000 lists cost
+    # more than the rest of the shift (the collector runs over every one)
+    if isinstance(cols, list):
+        out = []
+        for i, seg in enumerate(cols):
+            _check_shift(seg.pos, seg.pos + seg.rows, delta, i)
+            shape = _shared(seg.shape)
+            out.append(
+                PayloadSegment(
+                    seg.field, seg.file, seg.offset, seg.pos + delta, seg.rows, seg.dtype, shape
+                )
+            )
+        return out
     pos = cols.pos_a
     if delta < 0 and int(pos.min()) + delta < 0:
         i = int(np.argmax(pos < -delta))
-        raise InvalidRequestError(
-            f"segment {i}: shift by {delta} makes pos {cols.pos[i] + delta} < 0"
-        )
+        _check_shift(cols.pos[i], cols.pos[i] + cols.rows[i], delta, i)
     if delta > 0:
         end = pos + cols.rows_a  # no overflow: validated
         if int(end.max()) + delta > INT64_MAX:
             i = int(np.argmax(end > INT64_MAX - delta))
-            raise InvalidRequestError(f"segment {i}: shift by {delta} overflows int64")
+            _check_shift(cols.pos[i], cols.pos[i] + cols.rows[i], delta, i)
     moved = (pos + delta).tolist()  # in [0, INT64_MAX]: checked above
-    # each result shares its input's shape list: copying 100,000 lists cost more than the
-    # rest of the shift (the collector runs over every one), and segments are immutable
+    shapes = cols.shape if cols.lists else list(map(_shared, cols.shape))
     return [
         PayloadSegment(f, fi, o, p, r, d, sh)
         for f, fi, o, p, r, d, sh in zip(
-            cols.field, cols.file, cols.offset, moved, cols.rows, cols.dtype, cols.shape,
-            strict=True,
+            cols.field, cols.file, cols.offset, moved, cols.rows, cols.dtype, shapes, strict=True
         )
-    ]  # fmt: skip
+    ]
 
 
-def _validate_side(segments: Sequence[PayloadSegment], side: str) -> _Checked:
-    """`_checked_columns`, its error message prefixed with ``side`` (index kept)."""
+def _check_shift(pos: int, end: int, delta: int, index: int) -> None:
+    """Refuse a shift of segment ``index`` (``[pos, end)``) that leaves ``[0, INT64_MAX]``."""
+    if pos + delta < 0:
+        raise InvalidRequestError(f"segment {index}: shift by {delta} makes pos {pos + delta} < 0")
+    if end + delta > INT64_MAX:
+        raise InvalidRequestError(f"segment {index}: shift by {delta} overflows int64")
+
+
+def _validate_side(
+    segments: Sequence[PayloadSegment], side: str
+) -> list[PayloadSegment] | _Checked:
+    """`_checked_list`, its error message prefixed with ``side`` (index kept)."""
     try:
-        return _checked_columns(segments)
+        return _checked_list(segments, _MERGE_BULK_MIN)
     except InvalidSegmentError as exc:
         err = InvalidSegmentError(f"{side} {exc}", field=exc.field)
         err.index = exc.index
@@ -174,7 +240,8 @@ def merge_pd_segments(
         where decode segments of ``field`` keep only positions ``>= cut`` (``cut`` is the
         largest ``pos + rows`` of the prefill ones): dropped when they end at or before
         ``cut``, front-trimmed when they start before it. (Contract: DESIGN §3, the P/D
-        rule of the router.)
+        rule of the router.) Segments kept whole are the input objects; a trimmed one
+        shares its input's ``shape`` list when that is a list.
 
     Raises
     ------
@@ -187,12 +254,21 @@ def merge_pd_segments(
         raise InvalidRequestError("field must be a non-empty string")
     pre = _validate_side(prefill, "prefill")
     dec = _validate_side(decode, "decode")
+    if isinstance(pre, list) and isinstance(dec, list):
+        head = [s for s in pre if s.field == field]
+        if not head:
+            _check_no_field(dec, field)
+            return dec
+        cut = max(s.pos + s.rows for s in head)
+        tail = [s for s in dec if s.field != field or s.pos + s.rows > cut]
+        return head + [
+            s if s.field != field else _cut(s, max(s.pos, cut), s.pos + s.rows) for s in tail
+        ]
+    pre = _columns_of(pre) if isinstance(pre, list) else pre
+    dec = _columns_of(dec) if isinstance(dec, list) else dec
     mine = [f == field for f in pre.field]
     if not any(mine):
-        if any(f == field for f in dec.field):
-            raise InvalidRequestError(
-                f"decode carries {field!r} segments but prefill has none to stitch onto"
-            )
+        _check_no_field(dec.segments, field)
         return dec.segments
     head = list(compress(pre.segments, mine))
     cut = int((pre.pos_a + pre.rows_a)[np.array(mine, dtype=bool)].max())
@@ -202,13 +278,22 @@ def merge_pd_segments(
     ours = np.array([f == field for f in dec.field], dtype=bool)
     # decode segments of `field` keep positions >= cut: dropped when they end at or
     # before it, front-trimmed when they start before it
-    drop = ours & (dec.pos_a + dec.rows_a <= cut)
+    end = dec.pos_a + dec.rows_a  # no overflow: validated
+    drop = ours & (end <= cut)
     trim = ours & ~drop & (dec.pos_a < cut)
     if not trim.any():
         return head + (list(compress(segs, (~drop).tolist())) if drop.any() else segs)
     keep = ~drop
     tail = list(compress(segs, keep.tolist()))
-    where = np.flatnonzero(trim[keep]).tolist(), np.flatnonzero(trim).tolist()
-    for j, i in zip(*where, strict=True):
-        tail[j] = _trim_front(segs[i], cut - dec.pos[i])
+    index = np.flatnonzero(trim)
+    trimmed = _cut_many(dec, index, np.full(len(index), cut, dtype=np.int64), end[index])
+    for j, seg in zip(np.flatnonzero(trim[keep]).tolist(), trimmed, strict=True):
+        tail[j] = seg
     return head + tail
+
+
+def _check_no_field(decode: list[PayloadSegment], field: str) -> None:
+    if any(s.field == field for s in decode):
+        raise InvalidRequestError(
+            f"decode carries {field!r} segments but prefill has none to stitch onto"
+        )

@@ -349,12 +349,13 @@ def segment_columns(segments: Sequence[PayloadSegment]) -> SegmentColumns:
 
 # -- bulk validation ---------------------------------------------------------------------
 
-_BULK_MIN = 16
+_BULK_MIN = 24
 """Shortest list checked column by column; shorter ones are checked segment by segment."""
 
 _SEGMENT_TYPE = {PayloadSegment}
 _STR_TYPE = {str}
 _INT_TYPE = {int}
+_LIST_TYPE = {list}
 _SHAPE_TYPES = frozenset({list, tuple})
 
 
@@ -362,7 +363,7 @@ class _Checked(NamedTuple):
     """Columns of a validated segment list, for the operations of this package (private).
 
     ``shapes`` holds the distinct row shapes and ``dtypes`` the distinct dtypes when the
-    bulk check found them (``None`` otherwise).
+    bulk check found them (``None`` otherwise); ``lists``: every shape is a plain list.
     """
 
     segments: list[PayloadSegment]
@@ -378,6 +379,7 @@ class _Checked(NamedTuple):
     rows_a: np.ndarray
     dtypes: set[str] | None
     shapes: set[tuple[int, ...]] | None
+    lists: bool
 
 
 def _as_list(segments: Sequence[PayloadSegment]) -> list[PayloadSegment]:
@@ -397,15 +399,32 @@ def _checked_columns(segments: Sequence[PayloadSegment]) -> _Checked:
             return cols
     for i, seg in enumerate(segs):
         validate_segment(seg, i)
+    return _columns_of(segs)
+
+
+def _checked_list(
+    segments: Sequence[PayloadSegment], minimum: int = _BULK_MIN
+) -> list[PayloadSegment] | _Checked:
+    """Validate ``segments`` (as `validate_segments`): a list shorter than ``minimum`` as it
+    is, a longer one as columns."""
+    segs = _as_list(segments)
+    if len(segs) >= minimum:
+        return _checked_columns(segs)
+    for i, seg in enumerate(segs):
+        validate_segment(seg, i)
+    return segs
+
+
+def _columns_of(segs: list[PayloadSegment]) -> _Checked:
+    """The columns of an already validated list."""
     field, file, offset, pos, rows, dtype, shape = _lists(segs)
     n = len(segs)
+    offset_a, pos_a, rows_a = np.fromiter(chain(offset, pos, rows), np.int64, 3 * n).reshape(3, n)
     return _Checked(
-        segs, field, file, offset, pos, rows, dtype, shape,
-        np.fromiter(offset, np.int64, n),
-        np.fromiter(pos, np.int64, n),
-        np.fromiter(rows, np.int64, n),
+        segs, field, file, offset, pos, rows, dtype, shape, offset_a, pos_a, rows_a,
         None,
         None,
+        set(map(type, shape)) <= _LIST_TYPE,
     )  # fmt: skip
 
 
@@ -439,7 +458,7 @@ def _bulk_check(segs: list[Any]) -> _Checked | None:
         or set(map(type, pos)) != _INT_TYPE
         or set(map(type, rows)) != _INT_TYPE
         or set(map(type, dtype)) != _STR_TYPE
-        or not set(map(type, shape)) <= _SHAPE_TYPES
+        or not (shape_types := set(map(type, shape))) <= _SHAPE_TYPES
         or set(map(type, chain.from_iterable(shape))) != _INT_TYPE
     ):
         return None
@@ -455,24 +474,23 @@ def _bulk_check(segs: list[Any]) -> _Checked | None:
     shapes = {tuple(shape[0])} if shape.count(shape[0]) == n else set(map(tuple, shape))
     if () in shapes or min(map(min, shapes)) <= 0:
         return None
-    try:
-        offset_a = np.fromiter(offset, np.int64, n)
-        pos_a = np.fromiter(pos, np.int64, n)
-        rows_a = np.fromiter(rows, np.int64, n)
+    try:  # one array [3, n]: offsets, positions, row counts
+        ints = np.fromiter(chain(offset, pos, rows), np.int64, 3 * n).reshape(3, n)
     except OverflowError:  # beyond int64
         return None
-    if min(offset_a.min(), pos_a.min(), rows_a.min()) < 0:
+    if ints.min() < 0:
         return None
+    offset_a, pos_a, rows_a = ints
     cols = _Checked(
         segs, field, file, offset, pos, rows, dtype, shape, offset_a, pos_a, rows_a,
-        dtypes, shapes,
+        dtypes, shapes, shape_types == _LIST_TYPE,
     )  # fmt: skip
     # the int64 bounds, coarsely first (Python ints: no overflow), exactly when that fails
-    max_rows = int(rows_a.max())
+    max_offset, max_pos, max_rows = ints.max(axis=1).tolist()
     max_nbytes = max(_ITEMSIZE[d] for d in dtypes) * max(map(math.prod, shapes))
-    if int(pos_a.max()) + max_rows > INT64_MAX and bool((pos_a > INT64_MAX - rows_a).any()):
+    if max_pos + max_rows > INT64_MAX and bool((pos_a > INT64_MAX - rows_a).any()):
         return None
-    if max_nbytes > INT64_MAX or int(offset_a.max()) + max_rows * max_nbytes > INT64_MAX:
+    if max_nbytes > INT64_MAX or max_offset + max_rows * max_nbytes > INT64_MAX:
         kind, kinds = _kinds(cols)
         sizes = [_ITEMSIZE[d] * math.prod(sh) for d, sh in kinds]
         if max(sizes) > INT64_MAX:
@@ -484,16 +502,31 @@ def _bulk_check(segs: list[Any]) -> _Checked | None:
     return cols
 
 
+class _FirstSeen(dict[Any, int]):
+    """Numbers its keys 0, 1, 2, ... in the order they are first looked up."""
+
+    def __missing__(self, key: Any) -> int:
+        self[key] = number = len(self)
+        return number
+
+
 def _kinds(cols: _Checked) -> tuple[np.ndarray, list[tuple[str, tuple[int, ...]]]]:
     """Each segment's index into the distinct ``(dtype, shape)`` pairs, and the pairs."""
     n = len(cols.segments)
     if n == 0:
         return np.zeros(0, dtype=np.intp), []
-    if len(cols.dtypes or ()) == 1 == len(cols.shapes or ()):  # one kind, known in bulk
+    n_dtypes, n_shapes = len(cols.dtypes or ()), len(cols.shapes or ())  # 0: not known
+    if n_dtypes == 1 == n_shapes:
         return np.zeros(n, dtype=np.intp), [(cols.dtype[0], tuple(cols.shape[0]))]
-    keys = list(zip(cols.dtype, map(tuple, cols.shape), strict=True))
-    index = {key: i for i, key in enumerate(dict.fromkeys(keys))}
-    return np.fromiter(map(index.__getitem__, keys), np.intp, n), list(index)
+    seen = _FirstSeen()
+    if n_dtypes == 1:
+        kind = np.fromiter(map(seen.__getitem__, map(tuple, cols.shape)), np.intp, n)
+        return kind, [(cols.dtype[0], shape) for shape in seen]
+    if n_shapes == 1:
+        kind = np.fromiter(map(seen.__getitem__, cols.dtype), np.intp, n)
+        return kind, [(dtype, tuple(cols.shape[0])) for dtype in seen]
+    keys = zip(cols.dtype, map(tuple, cols.shape), strict=True)
+    return np.fromiter(map(seen.__getitem__, keys), np.intp, n), list(seen)
 
 
 def row_nbytes(segment: PayloadSegment) -> int:

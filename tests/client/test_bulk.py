@@ -32,7 +32,8 @@ from payload_client import (
     validate_segment,
     validate_segments,
 )
-from payload_client._segment import INT64_MAX, segment_columns
+from payload_client._ops import _MERGE_BULK_MIN
+from payload_client._segment import _BULK_MIN, INT64_MAX, segment_columns
 
 R, M = "routed_experts", "sampling_mask"
 ITEMSIZE = {d: np.dtype(d).itemsize for d in SUPPORTED_DTYPES}
@@ -162,7 +163,9 @@ good_segment = st.builds(
     rows=st.integers(0, 12),
     dtype=st.sampled_from(sorted(SUPPORTED_DTYPES)),
     shape=st.one_of(
-        st.sampled_from([[48, 8], [4], [1]]).map(list), st.lists(st.integers(1, 5), min_size=1)
+        st.sampled_from([[48, 8], [4], [1]]).map(list),
+        st.lists(st.integers(1, 5), min_size=1),
+        st.lists(st.integers(1, 5), min_size=1, max_size=2).map(tuple),
     ),
 )
 
@@ -183,12 +186,19 @@ def planted(draw: st.DrawFn, s: PayloadSegment) -> Any:
 
 
 @st.composite
-def segment_lists(draw: st.DrawFn, min_size: int = 16) -> list[Any]:
-    segs: list[Any] = draw(st.lists(good_segment, min_size=min_size, max_size=60))
-    if segs:
-        where = st.integers(0, len(segs) - 1)
-        for i in draw(st.sets(where, max_size=3) | st.just(set())):
-            segs[i] = draw(planted(segs[i]))
+def segment_lists(draw: st.DrawFn) -> list[Any]:
+    """Short lists (worked on segment by segment) and long ones (column by column)."""
+    short = st.lists(good_segment, max_size=_BULK_MIN - 1)
+    long = st.lists(good_segment, min_size=_BULK_MIN, max_size=_BULK_MIN + 40)
+    segs: list[Any] = draw(short | long)
+    # one dtype, one row shape or both across the list (one kind: the usual case)
+    same: dict[str, Any] = draw(
+        st.fixed_dictionaries({}, optional={"dtype": st.just("uint16"), "shape": st.just([4, 2])})
+    )
+    segs = [msgspec.structs.replace(s, **same) for s in segs]
+    k = min(len(segs), draw(st.sampled_from([0, 1, 1, 1, 2, 3])))
+    for i in draw(st.sets(st.integers(0, len(segs) - 1), min_size=k, max_size=k)) if k else ():
+        segs[i] = draw(planted(segs[i]))
     return segs
 
 
@@ -210,7 +220,7 @@ def same(got: tuple[Any, ...], want: tuple[Any, ...], inputs: Sequence[Any] = ()
 
 
 @settings(max_examples=300, deadline=None)
-@given(segment_lists(min_size=0))
+@given(segment_lists())
 def test_validate_segments_agrees(segs: list[Any]) -> None:
     got, want = outcome(validate_segments, segs), outcome(ref_validate, segs)
     same(got, want)
@@ -219,7 +229,7 @@ def test_validate_segments_agrees(segs: list[Any]) -> None:
 
 
 @settings(max_examples=200, deadline=None)
-@given(segment_lists(min_size=0))
+@given(segment_lists())
 def test_segment_columns_agree(segs: list[Any]) -> None:
     got, want = outcome(segment_columns, segs), outcome(ref_validate, segs)
     if want[0] == "raised":
@@ -262,8 +272,22 @@ def test_shift_agrees(segs: list[Any], delta: int) -> None:
 
 
 @settings(max_examples=200, deadline=None)
-@given(segment_lists(min_size=0), segment_lists(min_size=0), st.sampled_from([R, M, "x"]))
+@given(segment_lists(), segment_lists(), st.sampled_from([R, M, "x"]))
 def test_merge_agrees(pre: list[Any], dec: list[Any], field: str) -> None:
+    assert _MERGE_BULK_MIN < _BULK_MIN + 40  # long lists reach it
+    # the decode side around the prefill's end, so that some of its segments straddle it
+    ends = [
+        s.pos + s.rows
+        for s in pre
+        if isinstance(s, PayloadSegment) and s.field == field and type(s.pos) is type(s.rows) is int
+    ]
+    cut = max([e for e in ends if 0 <= e <= INT64_MAX], default=0)
+    dec = [
+        msgspec.structs.replace(s, pos=max(0, s.pos + cut - 100))
+        if isinstance(s, PayloadSegment) and type(s.pos) is int and 0 <= s.pos <= 200
+        else s
+        for s in dec
+    ]
     got, want = outcome(merge_pd_segments, pre, dec, field), outcome(ref_merge, pre, dec, field)
     same(got, want, pre + dec)
 
@@ -316,6 +340,30 @@ def test_shift_names_the_first_offending_segment() -> None:
         shift_segments(segs, 6)
 
 
+def test_merge_trims_in_a_long_list() -> None:
+    pre = [PayloadSegment(R, "p.bin", 0, 0, 50, "uint8", [2, 3])]
+    dec = [PayloadSegment(R, "d.bin", 600 * i, 10 * i, 100, "uint8", [2, 3]) for i in range(40)]
+    got = merge_pd_segments(pre, dec)
+    assert got == ref_merge(pre, dec, R)
+    assert (got[1].offset, got[1].pos, got[1].rows) == (50 * 6, 50, 50)
+
+
+@pytest.mark.parametrize("vary", ["dtype", "shape"])
+def test_columns_of_kinds_in_first_seen_order(vary: str) -> None:
+    dtypes = ["int32", "uint8", "float16"] if vary == "dtype" else ["uint8"]
+    shapes = [[9], [2, 2], [1]] if vary == "shape" else [[3]]
+    segs = [
+        PayloadSegment(R, "a.bin", 0, i, 1, dtypes[i % len(dtypes)], shapes[i % len(shapes)])
+        for i in range(40)
+    ]
+    cols = segment_columns(segs)
+    assert cols.kinds == [
+        (dtypes[i % len(dtypes)], tuple(shapes[i % len(shapes)])) for i in range(3)
+    ]
+    assert cols.kind.tolist() == [i % 3 for i in range(40)]
+    assert cols.row_nbytes.tolist() == [nbytes(s) for s in segs]
+
+
 def test_columns_of_several_kinds() -> None:
     segs = [
         PayloadSegment(R, "a.bin", 0, i, 1, ("uint8", "int32")[i % 2], [[4], [2, 2]][i % 3 == 0])
@@ -336,3 +384,18 @@ def test_segments_are_not_tracked_by_the_collector() -> None:
     assert seg != msgspec.structs.replace(seg, shape=[4, 3])
     with pytest.raises(TypeError):  # a list field: unhashable, as before
         hash(seg)
+
+
+@pytest.mark.parametrize("n", [3, _BULK_MIN])
+def test_shift_makes_every_shape_a_list_and_shares_lists(n: int) -> None:
+    class Shape(list[int]):
+        pass
+
+    shapes: list[Any] = [(2, 3), Shape([2, 3]), [2, 3]] * n
+    segs = [PayloadSegment(R, "a.bin", 0, i, 1, "uint8", sh) for i, sh in enumerate(shapes)]
+    got = shift_segments(segs, 5)
+    assert [type(s.shape) for s in got] == [list] * len(segs)
+    assert got == [msgspec.structs.replace(s, pos=s.pos + 5, shape=[2, 3]) for s in segs]
+    only_lists = [s for s in segs if type(s.shape) is list]
+    moved = shift_segments(only_lists, 1)
+    assert all(a.shape is b.shape for a, b in zip(moved, only_lists, strict=True))
