@@ -337,12 +337,12 @@ def _ops(
             for dtype, out, base in (("uint8", out8, direct8), ("int32", out32, direct32)):
                 ops.append((f"packed read {dtype} out=, CP {cp} ({label})",
                             _reader(c, turn, ROUTED, wins, out, ROUTED_FILL), nbytes, base))  # fmt: skip
-            # a rank's second window of the same micro batch (its mask after its routing):
-            # the client has the list's columns already
-            if label == "data plane":
-                again = itertools.repeat(batches[0])
-                ops.append((f"packed read {dtype} out=, CP {cp}, list read before ({label})",
-                            _reader(c, again, ROUTED, wins, out, ROUTED_FILL), nbytes, base))  # fmt: skip
+                # a rank's second window of the same micro batch (its mask after its
+                # routing): the client has the list's columns already
+                if label == "data plane":
+                    again = itertools.repeat(batches[0])
+                    ops.append((f"packed read {dtype} out=, CP {cp}, list read before ({label})",
+                                _reader(c, again, ROUTED, wins, out, ROUTED_FILL), nbytes, base))  # fmt: skip
     labels = [(lo + 1, hi + 1) for lo, hi in spec.windows(spec.cp)]
     n = labels[0][1] - labels[0][0]
     outm = page_aligned(n * MAX_WIDTH * 4).view(np.int32).reshape(n, MAX_WIDTH)
