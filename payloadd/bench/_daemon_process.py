@@ -8,13 +8,13 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from payload_client import PayloadClient, PayloadError
 
-__all__ = ["start_daemon"]
+__all__ = ["run_child", "start_daemon"]
 
 
 @contextlib.contextmanager
@@ -40,21 +40,46 @@ def start_daemon(
         "--socket",
         str(socket_path),
     ]
-    proc = subprocess.Popen([*cmd, "--log-level", log_level, *extra], env=env, **popen)
+
+    def answers() -> None:
+        with PayloadClient(socket_path, timeout=5) as probe:
+            probe.health()
+
+    cmd += ["--log-level", log_level, *extra]
+    with run_child(cmd, socket_path, "payloadd", answers, env=env, **popen) as proc:
+        yield proc
+
+
+@contextlib.contextmanager
+def run_child(
+    cmd: list[str],
+    socket_path: Path,
+    what: str,
+    probe: Callable[[], object] = lambda: None,
+    **popen: Any,
+) -> Iterator[subprocess.Popen[bytes]]:
+    """Run ``cmd`` in a child process until the block ends; first wait (at most 30 s) until
+    ``socket_path`` takes a connection and ``probe()`` returns.
+
+    Raises
+    ------
+    RuntimeError
+        Naming ``what``, when the child exits or does not answer in time.
+    """
+    proc = subprocess.Popen(cmd, **popen)
     try:
         deadline = time.monotonic() + 30
-        with PayloadClient(socket_path, timeout=5) as probe:
-            while True:
-                try:
-                    # a plain connect first: httpcore leaks the socket of a refused connect
-                    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as raw:
-                        raw.connect(str(socket_path))
-                    probe.health()
-                    break
-                except (PayloadError, OSError):
-                    if proc.poll() is not None or time.monotonic() > deadline:
-                        raise RuntimeError(f"payloadd did not start (exit {proc.poll()})") from None
-                    time.sleep(0.05)
+        while True:
+            try:
+                # a plain connect first: httpcore leaks the socket of a refused connect
+                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as raw:
+                    raw.connect(str(socket_path))
+                probe()
+                break
+            except (PayloadError, OSError):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"{what} did not start (exit {proc.poll()})") from None
+                time.sleep(0.05)
         yield proc
     finally:
         proc.terminate()

@@ -18,10 +18,8 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Awaitable, Callable, Iterator, MutableMapping
 from pathlib import Path
 from typing import Any
@@ -31,6 +29,7 @@ import httpx
 import numpy as np
 
 from payload_client import PayloadClient
+from payloadd.bench._daemon_process import run_child
 from payloadd.bench._measure import Add, page_aligned, rotated, timed
 from payloadd.bench._rl_batch import LAYERS, ROUTED, TOP_K
 
@@ -105,26 +104,8 @@ def start_bare(sock: Path, root: Path) -> Iterator[subprocess.Popen[bytes]]:
         Folder of the files it preads.
     """
     cmd = [sys.executable, "-m", "payloadd.bench._http_ceiling", str(sock), str(root)]
-    proc = subprocess.Popen(cmd)
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as raw:
-                    raw.connect(str(sock))
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"the bare app did not start (exit {proc.poll()})") from None
-                time.sleep(0.05)
+    with run_child(cmd, sock, "the bare app") as proc:
         yield proc
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def _into(hc: httpx.Client, url: str, out: np.ndarray) -> None:
