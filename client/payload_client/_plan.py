@@ -26,6 +26,7 @@ import numpy as np
 from ._errors import InvalidRequestError, InvalidSegmentError
 from ._segment import (
     SUPPORTED_DTYPES,
+    FirstSeen,
     PayloadSegment,
     SegmentColumns,
     _row_nbytes,
@@ -268,8 +269,8 @@ class ListColumns:
             self.files: tuple[str, ...] = (names[0],)
             self.fcode = np.zeros(n, np.intp)
         else:
-            codes: dict[str, int] = {}
-            self.fcode = np.fromiter((codes.setdefault(f, len(codes)) for f in names), np.intp, n)
+            codes = FirstSeen()
+            self.fcode = np.fromiter(map(codes.__getitem__, names), np.intp, n)
             self.files = tuple(codes)
         self._fields: dict[str, FieldColumns] = {}
 
@@ -281,7 +282,7 @@ class ListColumns:
             if names.count(name) == len(names):
                 mine = np.arange(len(names))
             else:
-                mine = np.flatnonzero(np.fromiter((f == name for f in names), bool, len(names)))
+                mine = np.flatnonzero(np.fromiter(map(name.__eq__, names), bool, len(names)))
             got = self._fields[name] = FieldColumns(self, mine)
         return got
 

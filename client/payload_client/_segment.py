@@ -17,6 +17,7 @@ from ._errors import InvalidRequestError, InvalidSegmentError
 
 __all__ = [
     "INT64_MAX",
+    "FirstSeen",
     "NAME_PATTERN",
     "SUPPORTED_DTYPES",
     "PayloadSegment",
@@ -502,7 +503,7 @@ def _bulk_check(segs: list[Any]) -> _Checked | None:
     return cols
 
 
-class _FirstSeen(dict[Any, int]):
+class FirstSeen(dict[Any, int]):
     """Numbers its keys 0, 1, 2, ... in the order they are first looked up."""
 
     def __missing__(self, key: Any) -> int:
@@ -518,7 +519,7 @@ def _kinds(cols: _Checked) -> tuple[np.ndarray, list[tuple[str, tuple[int, ...]]
     n_dtypes, n_shapes = len(cols.dtypes or ()), len(cols.shapes or ())  # 0: not known
     if n_dtypes == 1 == n_shapes:
         return np.zeros(n, dtype=np.intp), [(cols.dtype[0], tuple(cols.shape[0]))]
-    seen = _FirstSeen()
+    seen = FirstSeen()
     if n_dtypes == 1:
         kind = np.fromiter(map(seen.__getitem__, map(tuple, cols.shape)), np.intp, n)
         return kind, [(cols.dtype[0], shape) for shape in seen]
