@@ -7,6 +7,7 @@ Import what you need from here; the ``_*`` modules are private.
 
 from ._base import DEFAULT_SOCKET
 from ._clients import AsyncPayloadClient, PayloadClient
+from ._cluster import NODES_ENV, AsyncClusterClient, ClusterClient, load_nodes
 from ._errors import (
     STATUS_BY_ERROR,
     AppendInDoubtError,
@@ -67,11 +68,14 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DEFAULT_SOCKET",
+    "NODES_ENV",
     "STATUS_BY_ERROR",
     "SUPPORTED_DTYPES",
     "AppendInDoubtError",
+    "AsyncClusterClient",
     "AsyncPayloadClient",
     "BusyError",
+    "ClusterClient",
     "ConnectError",
     "ConnectionLostError",
     "CoveredRead",
@@ -109,6 +113,7 @@ __all__ = [
     "WindowPlan",
     "assemble",
     "clip_segments",
+    "load_nodes",
     "coverage",
     "merge_pd_responses",
     "merge_pd_segments",

@@ -84,7 +84,11 @@ HTTPT = TypeVar("HTTPT")
 """The client's HTTP transport (`HTTPTransport` or `AsyncHTTPTransport`)."""
 DataPlaneT = TypeVar("DataPlaneT")
 """The client's data plane transport (`SyncDataPlane` or `AsyncDataPlane`)."""
+PeerT = TypeVar("PeerT")
+"""The client's peer port transport (`SyncPeerTransport` or `AsyncPeerTransport`)."""
 
+PEER_ASK_S = 60.0
+"""A daemon whose ``/healthz`` named no peer port is asked again after this many seconds."""
 HTTP_CHUNK = 256 << 10
 """Row bytes go to the HTTP stack in memoryview slices of at most this many bytes."""
 
@@ -154,13 +158,13 @@ def _then(steps: Steps[None], result: T) -> Steps[T]:
     return result
 
 
-class BaseClient(Generic[HTTPT, DataPlaneT]):
+class BaseClient(Generic[HTTPT, DataPlaneT, PeerT]):
     """What the sync and async clients share: their constructor, call building, the choice
     of transport and of retries, answer decoding. It does no I/O.
 
     The parameters, errors and retry rules are those of `PayloadClient` (see there).
-    A subclass gives the transports (`_open_http`, `_open_data_plane`) and runs the effects
-    of `_route` with `drive` or `drive_async`.
+    A subclass gives the transports (`_open_http`, `_open_data_plane`, `_open_peer`) and
+    runs the effects of `_route` with `drive` or `drive_async`.
     """
 
     def __init__(
@@ -190,6 +194,13 @@ class BaseClient(Generic[HTTPT, DataPlaneT]):
             self._open_data_plane(self.data_socket) if self.data_socket else None
         )
         self._http: HTTPT = self._open_http()
+        # over TCP with a token, reads take the daemon's peer port once /healthz names it
+        self._token = token if data_plane and base_url is not None and token else None
+        self._peer: PeerT | None = None
+
+    def _open_peer(self, host: str, port: int, token: str) -> PeerT:
+        """The peer port transport of ``host:port`` (no I/O yet)."""
+        raise NotImplementedError
 
     def _open_http(self) -> HTTPT:
         """The HTTP transport of this client's socket or URL (no I/O yet)."""
@@ -208,15 +219,17 @@ class BaseClient(Generic[HTTPT, DataPlaneT]):
     def _data_plane_due(self) -> bool:
         return time.monotonic() >= self._retry_data_plane_at
 
-    def _data_plane_failed(self) -> None:
-        self._retry_data_plane_at = time.monotonic() + self.DATA_PLANE_RETRY_S
+    def _data_plane_failed(self, seconds: float | None = None) -> None:
+        self._retry_data_plane_at = time.monotonic() + (seconds or self.DATA_PLANE_RETRY_S)
 
-    def _route(self, call: Call[T]) -> Generator[HTTPT | DataPlaneT, Any, T]:
+    def _route(self, call: Call[T]) -> Generator[tuple[Any, Call[Any]], Any, T]:
         """The transports ``call`` takes, attempt by attempt, as effects for `drive`.
 
-        Yields a transport; receives the call's result through it, or has the attempt's
-        exception thrown in. A call answered locally yields nothing. One with data plane
-        steps goes to the data plane when this client has one and it is due; if it is down
+        Yields ``(transport, call)``; receives the call's result through the transport, or
+        has the attempt's exception thrown in. A call answered locally yields nothing. One
+        with data plane steps goes to the data plane when this client has one and it is
+        due; a read of a client over TCP with a token goes to the daemon's peer port when
+        its ``/healthz`` names one (asked once, before the first read). If that way is down
         (`DataPlaneDownError`: nothing reached a file), HTTP carries the call, and the next
         ones for `DATA_PLANE_RETRY_S`. Over HTTP, an idempotent call whose connection drops
         is made once more (a new connection: httpx never reuses one that failed); any other
@@ -225,22 +238,52 @@ class BaseClient(Generic[HTTPT, DataPlaneT]):
         """
         if call.local:
             return call.decode(b"")
-        data_plane = self._data_plane_first()
-        if call.data_plane_steps is not None and data_plane is not None:
+        fast: Any = None
+        if call.data_plane_steps is not None:
+            fast = self._data_plane_first()
+        if (
+            fast is None
+            and call.peer_extents is not None
+            and self._token
+            and self._data_plane_due()
+        ):
+            if self._peer is None:
+                try:  # which port, if any: once, then after each failure
+                    health: Health = yield (self._http, self._health_call())
+                except (PayloadError, AttemptError):
+                    health = Health("", "", "")
+                if health.peer_port:
+                    host = httpx.URL(self.base_url).host
+                    self._peer = self._open_peer(host, health.peer_port, self._token)
+                else:  # none (asked again in a minute), or no answer (in a few seconds)
+                    self._data_plane_failed(PEER_ASK_S if health.node else None)
+            peer: Any = self._peer
+            if peer is not None and peer.takes(call):
+                fast = peer
+        if fast is not None:
             try:
-                result: T = yield data_plane
+                result: T = yield (fast, call)
                 return result
             except DataPlaneDownError:  # raised only before any row reached a file
                 self._data_plane_failed()
+                if fast is self._peer:  # asked anew next time: the daemon may have moved it
+                    self._forget_peer()
         for attempt in (1, 2):
             try:
-                result = yield self._http
+                result = yield (self._http, call)
                 return result
             except AttemptError as exc:
                 if attempt == 1 and call.idempotent and exc.dropped:
                     continue
                 raise exc.error(retried=attempt > 1) from exc.cause
         raise AssertionError("unreachable")
+
+    def _forget_peer(self) -> None:
+        """Drop the peer port transport (its idle connections are closed)."""
+        peer: Any = self._peer
+        self._peer = None
+        if peer is not None:
+            peer.close_idle()
 
     # -- append -------------------------------------------------------------------------
 
@@ -358,7 +401,8 @@ class BaseClient(Generic[HTTPT, DataPlaneT]):
     def _read_call(self, windows: Sequence[WindowLike]) -> Call[list[ReadResult]]:
         return self._read_call_of(self._read_plans(windows))
 
-    def _read_plans(self, windows: Sequence[WindowLike]) -> Planned:
+    @staticmethod
+    def _read_plans(windows: Sequence[WindowLike]) -> Planned:
         """The windows planned, their outputs prepared (before any I/O), the results."""
         if isinstance(windows, tuple) or not isinstance(windows, Sequence):
             raise InvalidRequestError("windows must be a list of Window")
@@ -368,7 +412,7 @@ class BaseClient(Generic[HTTPT, DataPlaneT]):
         total, files = 0, False
         for i, w in enumerate(windows):
             if type(w) is not Window:
-                w = self._window(i, w)
+                w = BaseClient._window(i, w)
             try:
                 dtype = w.out.dtype if w.dtype is None and w.out is not None else w.dtype
                 plan = plan_window(w.segments, w.field, w.lo, w.hi, w.fill, dtype)
@@ -427,6 +471,7 @@ class BaseClient(Generic[HTTPT, DataPlaneT]):
                 read_steps(plans, outs, dp.cache, dp.scratch, dp.leases), results
             ),
             idempotent=True,
+            peer_extents=lambda: _extents(layout()),
         )
 
     # -- small calls --------------------------------------------------------------------

@@ -15,14 +15,16 @@ from typing import Any, Literal, TypeVar, overload
 
 import numpy as np
 
-from ._base import BaseClient, Items, Segments
+from ._base import BaseClient, Items, Planned, Segments
 from ._segment import PayloadSegment
 from ._transports import (
     AsyncDataPlane,
     AsyncHTTPTransport,
+    AsyncPeerTransport,
     Call,
     HTTPTransport,
     SyncDataPlane,
+    SyncPeerTransport,
     drive,
     drive_async,
 )
@@ -34,7 +36,7 @@ __all__ = ["AsyncPayloadClient", "PayloadClient"]
 T = TypeVar("T")
 
 
-class PayloadClient(BaseClient[HTTPTransport, SyncDataPlane]):
+class PayloadClient(BaseClient[HTTPTransport, SyncDataPlane, SyncPeerTransport]):
     """Blocking client of a payloadd daemon; also a context manager.
 
     Parameters
@@ -52,8 +54,10 @@ class PayloadClient(BaseClient[HTTPTransport, SyncDataPlane]):
         long a pooled connection may idle before it is closed rather than reused (2 s, below
         the daemon's ``keep_alive_s``).
     data_plane : bool, default True
-        Move row bytes through file descriptors the daemon passes over ``<socket>.data``
-        when it serves one (same node); else, and always over TCP, over HTTP.
+        Move row bytes the fast way when the daemon offers it: through file descriptors
+        it passes over ``<socket>.data`` (same node), or, for reads over TCP with a
+        ``token``, over its peer port (another node, no HTTP: see `ClusterClient`);
+        else over HTTP.
 
     Raises
     ------
@@ -78,8 +82,11 @@ class PayloadClient(BaseClient[HTTPTransport, SyncDataPlane]):
     def _open_data_plane(self, path: str) -> SyncDataPlane:
         return SyncDataPlane(path, self.timeout.read, self.timeout.connect)
 
+    def _open_peer(self, host: str, port: int, token: str) -> SyncPeerTransport:
+        return SyncPeerTransport(host, port, token, self.timeout, self.where)
+
     def _send(self, call: Call[T]) -> T:
-        return drive(self._route(call), lambda transport: transport.handle_call(call))
+        return drive(self._route(call), lambda effect: effect[0].handle_call(effect[1]))
 
     def _append(self, items: Items, run: str, step: int) -> Segments:
         """An append, at once in the data plane's leases if it can (``append_now``)."""
@@ -88,8 +95,10 @@ class PayloadClient(BaseClient[HTTPTransport, SyncDataPlane]):
         return done if done is not None else self._send(self._append_call_of(headers, bodies))
 
     def _read(self, windows: Sequence[WindowLike]) -> list[ReadResult]:
-        """A read, at once from cached descriptors if it can (``read_now``)."""
-        planned = self._read_plans(windows)
+        return self._read_planned(self._read_plans(windows))
+
+    def _read_planned(self, planned: Planned) -> list[ReadResult]:
+        """A planned read, at once from cached descriptors if it can (``read_now``)."""
         if planned[4] and (dp := self._data_plane_first()) and dp.read_now(*planned[:2]):
             return planned[2]
         return self._send(self._read_call_of(planned))
@@ -407,6 +416,8 @@ class PayloadClient(BaseClient[HTTPTransport, SyncDataPlane]):
         if self._data_plane is not None:
             self._data_plane.tell_counters()
             self._data_plane.close()
+        if self._peer is not None:
+            self._peer.close()
         self._http.close()
 
     def __enter__(self) -> PayloadClient:
@@ -421,7 +432,7 @@ class PayloadClient(BaseClient[HTTPTransport, SyncDataPlane]):
         self.close()
 
 
-class AsyncPayloadClient(BaseClient[AsyncHTTPTransport, AsyncDataPlane]):
+class AsyncPayloadClient(BaseClient[AsyncHTTPTransport, AsyncDataPlane, AsyncPeerTransport]):
     """Asyncio client of a payloadd daemon: `PayloadClient`'s methods, awaitable; async with.
 
     Its parameters, the errors its constructor raises and its retry rules are those of
@@ -436,9 +447,12 @@ class AsyncPayloadClient(BaseClient[AsyncHTTPTransport, AsyncDataPlane]):
     def _open_data_plane(self, path: str) -> AsyncDataPlane:
         return AsyncDataPlane(path, self.timeout.read, self.timeout.connect)
 
+    def _open_peer(self, host: str, port: int, token: str) -> AsyncPeerTransport:
+        return AsyncPeerTransport(host, port, token, self.timeout, self.where)
+
     async def _send(self, call: Call[T]) -> T:
         return await drive_async(
-            self._route(call), lambda transport: transport.handle_async_call(call)
+            self._route(call), lambda effect: effect[0].handle_async_call(effect[1])
         )
 
     async def _append(self, items: Items, run: str, step: int) -> Segments:
@@ -448,8 +462,10 @@ class AsyncPayloadClient(BaseClient[AsyncHTTPTransport, AsyncDataPlane]):
         return done if done is not None else await self._send(self._append_call_of(headers, bodies))
 
     async def _read(self, windows: Sequence[WindowLike]) -> list[ReadResult]:
-        """Awaitable `PayloadClient._read` (at once: up to 1 MiB of rows)."""
-        planned = self._read_plans(windows)
+        return await self._read_planned(self._read_plans(windows))
+
+    async def _read_planned(self, planned: Planned) -> list[ReadResult]:
+        """Awaitable `PayloadClient._read_planned` (at once: up to 1 MiB of rows)."""
         if planned[4] and (dp := self._data_plane_first()) and dp.read_now(*planned[:2]):
             return planned[2]
         return await self._send(self._read_call_of(planned))
@@ -546,6 +562,8 @@ class AsyncPayloadClient(BaseClient[AsyncHTTPTransport, AsyncDataPlane]):
         if self._data_plane is not None:
             await self._data_plane.tell_counters()
             await self._data_plane.aclose()
+        if self._peer is not None:
+            await self._peer.aclose()
         await self._http.aclose()
 
     async def __aenter__(self) -> AsyncPayloadClient:

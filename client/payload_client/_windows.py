@@ -62,6 +62,8 @@ _SMALL = 8
 numpy columns: below it, numpy's cost per call is more than Python's per segment."""
 _FEW = 16
 """Plans of more pieces than this use array operations where they visit every piece."""
+_COLUMNS = ("file", "offset", "nbytes", "end", "dst", "rows", "kind")
+"""The array columns of a `PieceTable`."""
 _ITEMSIZE = {name: np.dtype(name).itemsize for name in SUPPORTED_DTYPES}
 _STORED = {name: np.dtype(name).newbyteorder("<") for name in SUPPORTED_DTYPES}
 """The on-disk (little-endian) dtype of each stored dtype name."""
@@ -210,6 +212,23 @@ class WindowPlan:
             assert self._pieces is not None
             self._table = table_of_pieces(self._pieces)
         return self._table
+
+    def of_node(self, node: str) -> WindowPlan:
+        """The part of this plan in files of ``node`` (``<node>/...``): its pieces, its
+        ends; the same window and output, so that reads of each node's part, into one
+        output, make the whole read (the pieces are disjoint in output rows)."""
+        prefix = node + "/"
+        ends = {f: e for f, e in self.ends.items() if f.startswith(prefix)}
+        if len(ends) == len(self.ends):
+            return self
+        parts = self.parts
+        if isinstance(parts, PieceTable):
+            codes = [i for i, f in enumerate(parts.files) if f.startswith(prefix)]
+            keep = np.isin(parts.file, codes)
+            parts = parts._replace(**{c: getattr(parts, c)[keep] for c in _COLUMNS})
+        else:
+            parts = tuple(p for p in parts if p.file.startswith(prefix))
+        return WindowPlan(self.lo, self.hi, self.row_shape, self.dtype, self.fill, parts, ends)
 
     def covered(self) -> np.ndarray:
         """A fresh ``bool [hi - lo]``: the output rows some piece writes."""

@@ -1,12 +1,11 @@
 """Wire types of the HTTP control plane (msgspec Structs) and the append body framing.
 
-Evolution rule: a Struct only ever gains fields appended at the end, each with a default, so
-an older peer decodes a newer message (unknown trailing fields are ignored) and a newer peer
-decodes an older one (missing fields take their defaults).
-Fields are never reordered, renamed, retyped or removed; tags stay. The one strict Struct is
-`GcRequest`: it refuses unknown fields (docs/http-api.md, "Wire evolution"), and it is encoded
-without the fields at their defaults, so that an older daemon takes a newer client's request
-unless that request uses a field the daemon does not know.
+Evolution rule: a Struct only gains fields appended at the end, with defaults (an older peer
+ignores unknown trailing fields, a newer one fills missing ones); never reordered, renamed,
+retyped or removed; tags stay. The one strict Struct, `GcRequest`, refuses unknown fields
+(docs/http-api.md, "Wire evolution") and is encoded without fields at their defaults, so an
+older daemon takes a newer client's request unless it uses a field the daemon does not know.
+The peer port's types are in `payload_client._peer_wire`.
 
 Append body (``POST /v1/append``, ``Content-Type: application/x-payload-append``)::
 
@@ -138,12 +137,10 @@ class Prefetched(msgspec.Struct):
 class Stats(msgspec.Struct):
     """Counters of a running daemon (``GET /v1/stats``); bytes in bytes, times in seconds.
 
-    ``reads`` and ``bytes_read`` count HTTP reads, ``appends`` and ``bytes_appended`` the
-    appends the daemon places row by row. On the data plane clients pread and pwrite
-    themselves: the daemon counts its requests, the descriptors it handed out, and the
-    leases (byte ranges clients place small appends in) it granted.
-
-    Durability: ``fsync`` is the policy (``never``, ``interval`` or ``always``); under
+    ``reads`` and ``bytes_read`` count reads the daemon answers with bytes (HTTP, peer
+    port); ``appends``, ``bytes_appended`` all appends. On the data plane clients pread and
+    pwrite themselves: the daemon counts its requests, the descriptors it handed out, and
+    the leases (byte ranges clients place small appends in) it granted. Durability: ``fsync`` is the policy (``never``, ``interval`` or ``always``); under
     ``interval``, ``flushes`` counts the flushes that fsync'd something, ``files_flushed`` the
     data files fsync'd, ``files_dirty`` those the next flush will fsync, ``flush_errors`` the
     fsyncs that failed. Disk limits: ``root_bytes`` is what counts against the cap
@@ -195,12 +192,15 @@ class Health(msgspec.Struct):
         ``"serving"``, ``"off"`` (the ``data_plane`` setting), or what keeps it from serving
         (e.g. ``"refusing connections: out of file descriptors (EMFILE) since 12:00:01Z"``);
         empty from a daemon older than this field.
+    peer_port : int
+        The daemon's peer port (reads between nodes, on the host of the URL); 0: none.
     """
 
     status: str
     node: str
     version: str
     data_plane: str = ""
+    peer_port: int = 0
 
 
 class GcRequest(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):

@@ -14,6 +14,9 @@ by appending fields with defaults.
 - **Data plane** (``<socket>`` + `DATA_SOCKET_SUFFIX`): frames of `FRAME_PREFIX` + msgpack,
   requests `DataRequest`, replies `DataReply` (errors as `ErrorReply`), up to `MAX_FDS`
   descriptors a reply, `LEASES` leases a client keeps.
+- **Peer port** (TCP, between nodes): frames as on the data plane, a `PeerHello` with the
+  token first (at most `HELLO_BYTES`), answered `PeerWelcome`; then `PeerRead` requests,
+  each answered `PeerBytes` and the raw bytes, or `ErrorReply` (`PeerRequest`, `PeerReply`).
 - **Rules both sides check**: `check_name` (run, step, field names), `check_relative_path`
   (segment paths), `check_field` / `check_item` against `DEFAULT_FIELDS` or a table,
   `INT64_MAX`, reads in pages of `PAGE` bytes (`page_matched`).
@@ -24,6 +27,16 @@ from __future__ import annotations
 from ._base import DEFAULT_SOCKET
 from ._errors import STATUS_BY_ERROR, UnauthorizedError, status_of
 from ._fields import DEFAULT_FIELDS, check_field, check_item
+from ._peer_wire import (
+    HELLO_BYTES,
+    PEER_VERSION,
+    PeerBytes,
+    PeerHello,
+    PeerRead,
+    PeerReply,
+    PeerRequest,
+    PeerWelcome,
+)
 from ._segment import INT64_MAX, check_name, check_relative_path
 from ._transports import LEASES, MAX_FDS
 from ._windows import PAGE, page_matched
@@ -75,6 +88,8 @@ __all__ = [
     "DEFAULT_FIELDS",
     "DEFAULT_SOCKET",
     "FRAME_PREFIX",
+    "HELLO_BYTES",
+    "PEER_VERSION",
     "INT64_MAX",
     "LEASES",
     "MAX_FDS",
@@ -107,6 +122,12 @@ __all__ = [
     "NoteRequest",
     "OpenReply",
     "OpenRequest",
+    "PeerBytes",
+    "PeerHello",
+    "PeerRead",
+    "PeerReply",
+    "PeerRequest",
+    "PeerWelcome",
     "Prefetched",
     "ReadRequest",
     "ReserveReply",

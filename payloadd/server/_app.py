@@ -53,6 +53,7 @@ from payloadd.server._http_io import (
 )
 from payloadd.server._metrics import Metrics
 from payloadd.server._openapi import install_openapi, metrics_operation, operation
+from payloadd.server._peer_server import PeerServer
 from payloadd.settings._settings import Settings
 from payloadd.store._appends import item_nbytes
 from payloadd.store._budget import Descriptors
@@ -124,6 +125,7 @@ def create_app(
     settings: Settings,
     data_listener: socket.socket | None = None,
     fds: Descriptors | None = None,
+    peer_listener: socket.socket | None = None,
 ) -> FastAPI:
     """Build the daemon's ASGI app for ``settings``.
 
@@ -143,6 +145,9 @@ def create_app(
     fds : Descriptors, optional
         The daemon's shares of ``RLIMIT_NOFILE`` (`serve` computes them once its sockets
         are bound); computed at start-up when not given.
+    peer_listener : socket.socket, optional
+        The peer port's listening socket, already bound (``peer_port``); bound at start-up
+        when not given.
 
     Returns
     -------
@@ -161,7 +166,7 @@ def create_app(
         The admin token settings are unusable (see `load_admin_token`).
     """
     token = load_admin_token(settings, warn=False)  # serve() warned already
-    daemon = Daemon(settings, data_listener, fds)
+    daemon = Daemon(settings, data_listener, fds, peer_listener)
     metrics, inflight = daemon.metrics, daemon.inflight
     timeout = settings.request_timeout_s
 
@@ -181,8 +186,12 @@ def create_app(
         store: Store = request.state.store
         data_plane: DataPlaneServer | None = request.state.data_plane
         state = "off" if data_plane is None else data_plane.state()
-        status = "ok" if state in ("off", "serving") else "degraded"
-        return _answer(request, Health(status, store.node, __version__, state))
+        peer: PeerServer | None = request.state.peer
+        peer_state = "off" if peer is None else peer.state()
+        ok = state in ("off", "serving") and peer_state in ("off", "serving")
+        port = 0 if peer is None or peer_state != "serving" else peer.port
+        health = Health("ok" if ok else "degraded", store.node, __version__, state, port)
+        return _answer(request, health)
 
     @app.get("/v1/stats", **operation(200, Stats, "Counters since start."))
     async def stats(request: Request) -> Response:

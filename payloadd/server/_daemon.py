@@ -23,8 +23,11 @@ from starlette.concurrency import run_in_threadpool
 
 from payload_client.protocol import DATA_SOCKET_SUFFIX
 from payloadd._version import __version__
+from payloadd.server._auth import load_admin_token
 from payloadd.server._dataplane_server import DataPlaneServer
 from payloadd.server._metrics import Metrics, StoreMetrics
+from payloadd.server._peer_server import PeerServer
+from payloadd.server._sockets import StartError, bind_tcp_socket
 from payloadd.settings._settings import Settings
 from payloadd.store._budget import Descriptors, InFlight
 from payloadd.store._durability import Flusher
@@ -32,9 +35,18 @@ from payloadd.store._fs_kind import RootPolicy, detect
 from payloadd.store._gc import GarbageCollector
 from payloadd.store._store import Store
 
-__all__ = ["Daemon"]
+__all__ = ["Daemon", "descriptor_shares"]
 
 log = logging.getLogger("payloadd")
+
+
+def descriptor_shares(s: Settings) -> Descriptors:
+    """The shares of this process's ``RLIMIT_NOFILE`` for what ``s`` serves."""
+    return Descriptors.of_process(
+        max_connections=s.max_connections,
+        max_data_connections=s.max_data_connections if s.data_plane else 0,
+        max_peer_connections=s.max_peer_connections if s.peer_port is not None else 0,
+    )
 
 
 class Daemon:
@@ -49,6 +61,9 @@ class Daemon:
         `start` when not given.
     fds : Descriptors, optional
         The daemon's shares of ``RLIMIT_NOFILE``; computed at `load` when not given.
+    peer_listener : socket.socket, optional
+        The peer port's listening socket, already bound (``peer_port``); bound at `start`
+        when not given.
 
     Attributes
     ----------
@@ -56,8 +71,8 @@ class Daemon:
         The daemon's metrics, in a registry of their own (the routes count in them too).
     inflight : InFlight
         Bytes of requests held in memory at once, HTTP and data plane together.
-    store, fds, collector, data_plane
-        Set by `load` and `start` (``data_plane`` stays ``None`` when it is off).
+    store, fds, collector, data_plane, peer
+        Set by `load` and `start` (``data_plane`` and ``peer`` stay ``None`` when off).
     """
 
     def __init__(
@@ -65,16 +80,19 @@ class Daemon:
         settings: Settings,
         data_listener: socket.socket | None = None,
         fds: Descriptors | None = None,
+        peer_listener: socket.socket | None = None,
     ) -> None:
         self.settings = settings
         self.metrics = Metrics(settings.node, __version__)
         self.inflight = InFlight(settings.max_inflight_bytes)
         self._data_listener = data_listener
+        self._peer_listener = peer_listener
         self._given_fds = fds
         self.fds: Descriptors
         self.store: Store
         self.collector: GarbageCollector
         self.data_plane: DataPlaneServer | None = None
+        self.peer: PeerServer | None = None
         self._flusher: Flusher | None = None
         self._gauges: StoreMetrics | None = None
         self._sweeper: asyncio.Task[None] | None = None
@@ -83,10 +101,7 @@ class Daemon:
         """Build the descriptor shares, the `Store` and the GC collector; nothing runs yet."""
         s = self.settings
         # the shares of RLIMIT_NOFILE: serve() computes them once its sockets are bound
-        self.fds = self._given_fds or Descriptors.of_process(
-            max_connections=s.max_connections,
-            max_data_connections=s.max_data_connections if s.data_plane else 0,
-        )
+        self.fds = self._given_fds or descriptor_shares(s)
         log.info("file descriptors: %s", self.fds.describe())
         # what the root's file system is, and how other nodes' files are read on it
         policy = self._root_policy()
@@ -147,6 +162,17 @@ class Daemon:
                 reservation_timeout=s.reservation_timeout_s,
             )
             self.data_plane.start(self._data_listener)
+        # reads by other nodes over TCP, in threads of their own
+        if s.peer_port is not None:
+            token = load_admin_token(s, warn=False)
+            if token is None:
+                raise StartError("the peer port (peer_port) needs an admin token")
+            self.peer = PeerServer(
+                self.store, token, self.fds, metrics=self.metrics,
+                max_frame=s.max_control_bytes, max_per_host=s.max_peer_connections_per_host,
+                request_timeout=s.request_timeout_s, idle_timeout=s.keep_alive_s,
+            )  # fmt: skip
+            self.peer.start(self._peer_listener or bind_tcp_socket(s.peer_host, s.peer_port))
         # the store's gauges, read at each scrape
         connections = self.data_plane.connections if self.data_plane else None
         self._gauges = StoreMetrics(self.store, connections, self.fds, self.inflight)
@@ -167,6 +193,7 @@ class Daemon:
                 "collector": self.collector,
                 "fds": self.fds,
                 "data_plane": self.data_plane,
+                "peer": self.peer,
             }
         finally:
             await self.shutdown()
@@ -188,7 +215,10 @@ class Daemon:
         if self._gauges is not None:
             self.metrics.registry.unregister(self._gauges)
             self._gauges = None
-        # the data plane: no new connection, every connection ended
+        # the peer port, then the data plane: no new connection, every connection ended
+        if self.peer is not None:
+            self.peer.stop()
+            self.peer = None
         if self.data_plane is not None:
             self.data_plane.stop()
             self.data_plane = None

@@ -32,7 +32,7 @@ from prometheus_client.registry import Collector
 
 from payload_client import STATUS_BY_ERROR
 from payload_client.protocol import GcReport
-from payloadd.store._counts import DATA_PLANE, HTTP, Series
+from payloadd.store._counts import DATA_PLANE, HTTP, PEER, Series
 
 if TYPE_CHECKING:
     from payloadd.store._budget import Descriptors, InFlight
@@ -48,7 +48,7 @@ LATENCY_BUCKETS = (
 1 ms, a large read seconds."""
 REFUSALS = tuple(
     (transport, reason)
-    for transport in (HTTP, DATA_PLANE)
+    for transport in (HTTP, DATA_PLANE, PEER)
     for reason in ("connections", "descriptors", "inflight", "stalled")
 )
 """The ``(transport, reason)`` label pairs of ``payloadd_refused_total``."""
@@ -87,6 +87,12 @@ class Metrics:
         self.dp_requests = Histogram(
             "payloadd_dataplane_request_duration_seconds",
             "Data-plane requests: seconds the daemon spent on each (its reply included).",
+            ["kind"], buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.peer_requests = Histogram(
+            "payloadd_peer_request_duration_seconds",
+            "Peer-port requests (hello, read): seconds the daemon spent on each (a read's "
+            "bytes sent included).",
             ["kind"], buckets=LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
         self.gc_runs = Counter(
@@ -146,6 +152,10 @@ class Metrics:
         if h is None:
             h = self._dp_children[kind] = self.dp_requests.labels(kind)
         h.observe(seconds)
+
+    def peer_request(self, kind: str, seconds: float) -> None:
+        """Observe one peer-port request of ``kind`` (``hello``, ``read``)."""
+        self.peer_requests.labels(kind).observe(seconds)
 
     def error(self, name: str, transport: str) -> None:
         """Count an error answer of class ``name``."""

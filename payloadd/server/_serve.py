@@ -18,6 +18,7 @@ from payload_client.protocol import DATA_SOCKET_SUFFIX
 from payloadd.server._activation import match_sockets, passed_sockets
 from payloadd.server._app import create_app
 from payloadd.server._auth import load_admin_token
+from payloadd.server._daemon import descriptor_shares
 from payloadd.server._http_protocol import limited_protocol
 from payloadd.server._logs import configure_logging
 from payloadd.server._sockets import (
@@ -29,7 +30,7 @@ from payloadd.server._sockets import (
     resolve_group,
 )
 from payloadd.settings._settings import Settings
-from payloadd.store._budget import Descriptors, raise_nofile_limit, return_large_buffers
+from payloadd.store._budget import raise_nofile_limit, return_large_buffers
 from payloadd.store._counts import HTTP
 from payloadd.store._store import Store
 
@@ -87,11 +88,12 @@ def serve(settings: Settings) -> None:
         settings.root, settings.node
     )  # fail here, with a clear message, not in the lifespan
     token = load_admin_token(settings)
-    if settings.tcp_port is not None and token is None:
-        raise StartError(
-            "the TCP listener (tcp_port) needs an admin token: set admin_token_file or "
-            "PAYLOADD_ADMIN_TOKEN"
-        )
+    for port, what in ((settings.tcp_port, "TCP listener (tcp_port)"),
+                       (settings.peer_port, "peer port (peer_port)")):  # fmt: skip
+        if port is not None and token is None:
+            raise StartError(
+                f"the {what} needs an admin token: set admin_token_file or PAYLOADD_ADMIN_TOKEN"
+            )
     gid = resolve_group(settings.socket_group) if settings.socket_group is not None else None
     longest = len(os.fsencode(settings.socket)) + (
         len(DATA_SOCKET_SUFFIX) if settings.data_plane else 0
@@ -134,11 +136,11 @@ def serve(settings: Settings) -> None:
                 settings.tcp_host,
                 settings.tcp_port,
             )
-        fds = Descriptors.of_process(  # what is open now is the base of the shares
-            max_connections=settings.max_connections,
-            max_data_connections=settings.max_data_connections if settings.data_plane else 0,
-        )
-        app = create_app(settings, data, fds)
+        peer = None
+        if settings.peer_port is not None:
+            peer = cleanup.enter_context(bind_tcp_socket(settings.peer_host, settings.peer_port))
+        fds = descriptor_shares(settings)  # what is open now is the base of the shares
+        app = create_app(settings, data, fds, peer)
         config = uvicorn.Config(
             app,
             log_level=settings.log_level,

@@ -145,6 +145,31 @@ class Settings(BaseSettings):
         description="Also serve the HTTP API (not the data plane) on TCP at this port, every "
         "call needing the admin token. Default: off.",
     )
+    peer_host: str = Field(
+        "127.0.0.1",
+        description="Address the peer port binds (when peer_port is set): the interface other "
+        "nodes reach this one on.",
+    )
+    peer_port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description="Serve reads of this node's files to other nodes on TCP at this port, "
+        "without HTTP (ClusterClient; GET /healthz names it). Needs the admin token, which "
+        "every connection must send first. Default: off.",
+    )
+    max_peer_connections: int = Field(
+        256,
+        gt=0,
+        description="Most peer-port connections at once; one more is closed at once (its "
+        "client reads over HTTP). Capped like max_connections.",
+    )
+    max_peer_connections_per_host: int = Field(
+        16,
+        gt=0,
+        description="Most peer-port connections at once from one address; one more is closed "
+        "at once.",
+    )
     node: str = Field(
         default_factory=default_node,
         pattern=r"^[A-Za-z0-9._-]{1,128}$",

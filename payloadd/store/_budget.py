@@ -10,7 +10,8 @@ splits what is left, less a slack for what is never counted (directory walks, th
 logging)::
 
     limit = base (open at start) + slack + HTTP connections + data-plane connections
-            + files open for appends + cached read descriptors + per-request descriptors
+            + peer-port connections + files open for appends + cached read descriptors
+            + per-request descriptors
 
 Each share is the configured maximum or an eighth of what is left, whichever is smaller
 (the per-request share takes the rest, at least half), so that a low limit gives a small
@@ -146,6 +147,7 @@ class Shares:
     base: int
     http_connections: int
     data_connections: int
+    peer_connections: int
     append_files: int
     read_cache: int
     per_request: int
@@ -162,8 +164,9 @@ class Descriptors:
         The soft ``RLIMIT_NOFILE``.
     base : int
         Descriptors open before the daemon serves (sockets, logs, the interpreter's own).
-    max_connections, max_data_connections : int
-        The configured most HTTP and data-plane connections (0: no data plane).
+    max_connections, max_data_connections, max_peer_connections : int
+        The configured most HTTP, data-plane and peer-port connections (0: none of that
+        plane).
 
     Attributes
     ----------
@@ -172,15 +175,22 @@ class Descriptors:
     """
 
     def __init__(
-        self, limit: int, base: int, *, max_connections: int, max_data_connections: int
+        self,
+        limit: int,
+        base: int,
+        *,
+        max_connections: int,
+        max_data_connections: int,
+        max_peer_connections: int = 0,
     ) -> None:
         free = max(0, limit - base - min(SLACK, max(8, limit // 32)))
         http = max(1, min(max_connections, free // 8))
         data = max(1, min(max_data_connections, free // 8)) if max_data_connections else 0
+        peer = max(1, min(max_peer_connections, free // 8)) if max_peer_connections else 0
         append = max(1, min(APPEND_FILES, free // 8))
         cache = max(1, min(READ_CACHE, free // 8))
-        per_request = max(1, free - http - data - append - cache)
-        self.shares = Shares(limit, base, http, data, append, cache, per_request)
+        per_request = max(1, free - http - data - peer - append - cache)
+        self.shares = Shares(limit, base, http, data, peer, append, cache, per_request)
         self._lock = threading.Lock()
         self._taken = 0
         self.refused = 0
@@ -190,7 +200,9 @@ class Descriptors:
                         limit, base, free, self.describe())  # fmt: skip
 
     @classmethod
-    def of_process(cls, *, max_connections: int, max_data_connections: int) -> Descriptors:
+    def of_process(
+        cls, *, max_connections: int, max_data_connections: int, max_peer_connections: int = 0
+    ) -> Descriptors:
         """Shares of this process's soft limit, with what it has open now as the base."""
         soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
         limit = soft if soft != resource.RLIM_INFINITY else 1 << 20
@@ -199,6 +211,7 @@ class Descriptors:
             open_descriptors(),
             max_connections=max_connections,
             max_data_connections=max_data_connections,
+            max_peer_connections=max_peer_connections,
         )
 
     def describe(self) -> str:
@@ -206,7 +219,8 @@ class Descriptors:
         s = self.shares
         return (
             f"limit {s.limit}, {s.base} open at start; HTTP connections {s.http_connections}, "
-            f"data-plane connections {s.data_connections}, files open for appends "
+            f"data-plane connections {s.data_connections}, peer-port connections "
+            f"{s.peer_connections}, files open for appends "
             f"{s.append_files}, read cache {s.read_cache}, per request {s.per_request}"
         )
 

@@ -23,6 +23,7 @@ from payload_client.protocol import INT64_MAX, AppendItem, Extent, NoteRequest
 __all__ = [
     "DATA_PLANE",
     "HTTP",
+    "PEER",
     "OTHER",
     "TOTALS",
     "Counts",
@@ -33,6 +34,7 @@ __all__ = [
 
 HTTP = "http"
 DATA_PLANE = "data_plane"
+PEER = "peer"
 OTHER = "@other"
 """Label of every field that is not in the fields table (no field name can contain ``@``)."""
 TOTALS = (
@@ -96,8 +98,9 @@ class Counts:
     appended_rows, appended_bytes : Series
         Their rows and row bytes, by field and transport.
     read_extents, read_bytes : Series
-        Byte ranges the daemon read (answers of HTTP reads) and their bytes, by field and
-        transport (`HTTP` only: data-plane clients read the files themselves).
+        Byte ranges the daemon read (answers of reads over HTTP and the peer port) and
+        their bytes, by field and transport (`HTTP`, `PEER`: data-plane clients read the
+        files themselves).
     leases, leased_bytes : Series
         Data-plane leases granted and their bytes, by field.
     fds : Series
@@ -118,8 +121,9 @@ class Counts:
                 self.appended_rows.add((label, transport), 0)
                 self.appended_bytes.add((label, transport), 0)
         for label in (*sorted(self._fields), OTHER):
-            self.read_extents.add((label, HTTP), 0)
-            self.read_bytes.add((label, HTTP), 0)
+            for transport in (HTTP, PEER):
+                self.read_extents.add((label, transport), 0)
+                self.read_bytes.add((label, transport), 0)
 
     def field(self, name: str) -> str:
         """The ``field`` label of field ``name``: itself if in the fields table, else `OTHER`."""
@@ -173,8 +177,9 @@ class Counts:
                 self.appended_rows.add((OTHER, DATA_PLANE), max(0, rows_left))
                 self.appended_bytes.add((OTHER, DATA_PLANE), max(0, bytes_left))
 
-    def read(self, extents: Sequence[Extent]) -> None:
-        """Count one read of ``extents`` answered in full (the daemon read their bytes)."""
+    def read(self, extents: Sequence[Extent], transport: str = HTTP) -> None:
+        """Count one read of ``extents`` answered in full over ``transport`` (`HTTP`,
+        `PEER`: the daemon read their bytes)."""
         by_file: dict[str, list[int]] = {}
         for e in extents:
             n = by_file.setdefault(e.file, [0, 0])
@@ -184,7 +189,7 @@ class Counts:
             self._total("reads", 1)
             self._total("bytes_read", sum(nbytes for _, nbytes in by_file.values()))
             for rel, (count, nbytes) in by_file.items():
-                key = (self.field(field_of_file(rel)), HTTP)
+                key = (self.field(field_of_file(rel)), transport)
                 self.read_extents.add(key, count)
                 self.read_bytes.add(key, nbytes)
 

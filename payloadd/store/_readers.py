@@ -37,6 +37,7 @@ from payload_client import (
 )
 from payload_client.protocol import Extent, check_relative_path
 from payloadd.store._budget import READ_CACHE, out_of_descriptors
+from payloadd.store._counts import HTTP, PEER
 from payloadd.store._fs_kind import LOCAL_POLICY, RootPolicy
 from payloadd.store._ledger import LEDGER_NAME, Ledger
 from payloadd.store._records import os_errors
@@ -76,7 +77,8 @@ class Readers:
         data-plane clients may keep their descriptors (`client_keeps`).
 
     count : callable
-        Called with the extents of each read answered in full (`Counts.read`).
+        Called with the extents of each read answered in full and its transport
+        (`Counts.read`).
     """
 
     def __init__(
@@ -87,7 +89,7 @@ class Readers:
         touch: Callable[[str], None],
         policy: RootPolicy = LOCAL_POLICY,
         cache_size: int = READ_CACHE,
-        count: Callable[[Sequence[Extent]], None] = lambda extents: None,
+        count: Callable[[Sequence[Extent], str], None] = lambda extents, transport: None,
     ) -> None:
         self.root, self.node, self.max_read_bytes = root, node, max_read_bytes
         self.cache_size = cache_size
@@ -463,7 +465,7 @@ class ExtentReader:
             An I/O error (see `os_errors`).
         """
         self._fill(self._pieces(), view, [None])
-        self._readers._count(self._extents)
+        self._readers._count(self._extents, HTTP)
 
     def chunks(self, size: int) -> Iterator[bytearray]:
         """The read's bytes in order, ``size`` bytes a chunk (the last one shorter); each
@@ -477,12 +479,12 @@ class ExtentReader:
         pieces = self._pieces()
         current: list[Any] = [None]  # the piece being read, carried from chunk to chunk
         if self.total == 0:
-            self._readers._count(self._extents)
+            self._readers._count(self._extents, HTTP)
         for start in range(0, self.total, size):
             chunk = bytearray(min(size, self.total - start))
             self._fill(pieces, memoryview(chunk), current)
             if start + size >= self.total:  # counted before the last chunk goes out
-                self._readers._count(self._extents)
+                self._readers._count(self._extents, HTTP)
             yield chunk
 
     def _fill(
@@ -497,7 +499,7 @@ class ExtentReader:
                     current[0] = next(pieces)
                 fd, offset, nbytes, file = current[0]
                 k = min(nbytes, view.nbytes - at)
-                got, pause, waited = 0, 0.001, 0.0
+                got, short = 0, _Short(self._readers, file)
                 while got < k:
                     try:
                         n = os.preadv(fd, [view[at + got : at + k]], offset + got)
@@ -505,24 +507,65 @@ class ExtentReader:
                         if exc.errno != errno.ESTALE:
                             raise
                         n = -1  # another node removed it meanwhile (FUSE, NFS)
-                    if n <= 0:
-                        # checked long enough, read shorter: on a distributed file system
-                        # this node's size of another node's file may still catch up
-                        # (GlusterFS, rarely); such reads never run on the event loop
-                        if n == 0 and waited < self._readers.short_read_wait(file):
-                            os.fstat(fd)
-                            time.sleep(pause)
-                            waited, pause = waited + pause, min(2 * pause, 0.1)
-                            continue
-                        self._readers._raise_if_collected(file)
-                        raise SegmentFileError(f"payload file {file!r} shrank during the read")
-                    got += n
+                    if n > 0:
+                        got += n
+                    elif short.again(fd, n):
+                        continue
                 at += k
                 current[0] = None if k == nbytes else (fd, offset + k, nbytes - k, file)
+
+    def send_to(self, out: int) -> None:
+        """Send the read's bytes in order to the socket ``out`` with ``os.sendfile`` (no
+        copy through this process); a socket that takes nothing for its send timeout
+        (``SO_SNDTIMEO``) raises `BlockingIOError`: the caller drops it.
+
+        Raises
+        ------
+        SegmentFileError, InsufficientStorageError, ServerError
+            As `read_into`; the bytes sent so far are not taken back.
+        BlockingIOError, OSError
+            The socket's, as they come (its peer stopped reading, or went away).
+        """
+        for fd, offset, nbytes, file in self._pieces():
+            got, short = 0, _Short(self._readers, file)
+            while got < nbytes:
+                try:
+                    n = os.sendfile(out, fd, offset + got, nbytes - got)
+                except OSError as exc:
+                    if exc.errno != errno.ESTALE:
+                        raise
+                    n = -1
+                if n > 0:
+                    got += n
+                else:
+                    with os_errors(self._readers.root):
+                        short.again(fd, n)
+        self._readers._count(self._extents, PEER)
 
     def close(self) -> None:
         """Close the read's descriptors (again: nothing)."""
         self._closer()
+
+
+class _Short:
+    """A pread or sendfile of a checked file that found its end before the segment's."""
+
+    def __init__(self, readers: Readers, file: str) -> None:
+        self.readers, self.file = readers, file
+        self.waited, self.pause = 0.0, 0.001
+
+    def again(self, fd: int, n: int) -> bool:
+        """Wait a little and say to try again (another node's file, on a root whose policy
+        waits for them: this node's size may catch up, on GlusterFS rarely; such reads never
+        run on the event loop), else raise `FileGoneError` (its step was collected) or
+        `SegmentFileError` (it shrank)."""
+        if n == 0 and self.waited < self.readers.short_read_wait(self.file):
+            os.fstat(fd)
+            time.sleep(self.pause)
+            self.waited, self.pause = self.waited + self.pause, min(2 * self.pause, 0.1)
+            return True
+        self.readers._raise_if_collected(self.file)
+        raise SegmentFileError(f"payload file {self.file!r} shrank during the read")
 
 
 def _size_of(fd: int) -> int:

@@ -1,6 +1,6 @@
 """Wire evolution: Structs only gain trailing defaulted fields, and both sides cope.
 
-For `PayloadSegment` and every Struct of ``payload_client._wire`` these tests build a "newer"
+For `PayloadSegment` and every Struct of ``payload_client._wire`` (and ``_peer_wire``) these tests build a "newer"
 version (same name, tag and options, one more trailing field with a default) and check, in
 msgpack and JSON, that what the newer version encodes decodes in today's (the extra field is
 ignored) and that what today's version encodes decodes in the newer one (the new field takes
@@ -27,7 +27,9 @@ import pytest
 
 from payload_client import PayloadSegment
 from payload_client import _base as client_base
+from payload_client import _peer_wire as peer_wire
 from payload_client import _wire as wire
+from payload_client._peer_wire import PeerBytes, PeerHello, PeerRead, PeerWelcome
 from payload_client._transports import _call as client_call
 from payload_client._transports import _dataplane as client_drivers
 from payload_client._wire import (
@@ -121,7 +123,11 @@ EXAMPLES: dict[type[msgspec.Struct], msgspec.Struct] = {
         23,
     ),
     Prefetched: Prefetched(2, 4096),
-    Health: Health("ok", "n", "1.0", "serving"),
+    Health: Health("ok", "n", "1.0", "serving", 7071),
+    PeerHello: PeerHello("t" * 32, 2),
+    PeerWelcome: PeerWelcome("node-a", 1 << 20, 1 << 30, 1 << 16),
+    PeerRead: PeerRead([Extent("a/r/0/f", 0, 10, 10)]),
+    PeerBytes: PeerBytes(10),
     ErrorBody: ErrorBody("InvalidRequestError", "bad"),
     GcRequest: GcRequest("r", 3, 60.0, True, "node-b"),
     GcCount: GcCount(2, 10),
@@ -221,7 +227,17 @@ LAYOUT: dict[str, list[str]] = {
         "bytes_prefetched: int = 0",
     ],
     "Prefetched": ["files: int", "bytes: int"],
-    "Health": ["status: str", "node: str", "version: str", "data_plane: str = ''"],
+    "Health": [
+        "status: str",
+        "node: str",
+        "version: str",
+        "data_plane: str = ''",
+        "peer_port: int = 0",
+    ],
+    "PeerHello": ["token: str", "version: int = 1"],
+    "PeerWelcome": ["node: str", "max_frame: int", "max_read_bytes: int", "max_extents: int"],
+    "PeerRead": ["extents: list[Extent]"],
+    "PeerBytes": ["nbytes: int"],
     "ErrorBody": ["error: str", "message: str"],
     "GcRequest": [
         "run: str | None = None",
@@ -340,6 +356,10 @@ OPTIONS: dict[str, tuple[bool, str | None]] = {
     "ErrorReply": (True, "error"),
     "FieldsRequest": (True, "fields"),
     "FieldsReply": (True, "fieldtable"),
+    "PeerHello": (True, "hello"),
+    "PeerWelcome": (True, "welcome"),
+    "PeerRead": (True, "read"),
+    "PeerBytes": (True, "bytes"),
 }
 """``(array_like, tag)`` of the Structs that are arrays on the wire; every other is a map."""
 
@@ -347,7 +367,8 @@ OPTIONS: dict[str, tuple[bool, str | None]] = {
 def _wire_structs() -> list[type[msgspec.Struct]]:
     found = {
         obj
-        for obj in vars(wire).values()
+        for module in (wire, peer_wire)
+        for obj in vars(module).values()
         if isinstance(obj, type) and issubclass(obj, msgspec.Struct) and obj is not msgspec.Struct
     }
     return sorted(found, key=lambda cls: cls.__name__)

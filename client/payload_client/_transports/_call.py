@@ -14,7 +14,7 @@ from typing import Any, Generic, TypeVar
 import msgspec
 
 from .._errors import ProtocolError, error_from_wire
-from .._wire import ErrorBody
+from .._wire import ErrorBody, Extent
 
 __all__ = ["Call", "Target"]
 
@@ -54,6 +54,9 @@ class Call(Generic[T]):
         True when sending the call twice has the effect of sending it once (a read, stats,
         health): it is retried once, on a new connection, when its connection drops. Other
         calls (an append) are never re-sent by the client.
+    peer_extents : callable, optional
+        The same exchange on a daemon's peer port (a read): gives the extents whose bytes
+        the answer is, in order, received into ``targets``; ``None``: not a read.
     """
 
     method: str
@@ -66,6 +69,7 @@ class Call(Generic[T]):
     data_plane_steps: Callable[[Any], Generator[Any, Any, T]] | None = None
     targets: Callable[[], list[Target]] | None = None
     idempotent: bool = False
+    peer_extents: Callable[[], list[Extent]] | None = None
 
     def http_body(self) -> tuple[dict[str, str], list[Any]]:
         """The request headers and body chunks for HTTP (built only when HTTP is used)."""

@@ -1,0 +1,386 @@
+"""The peer port transports (`SyncPeerTransport`, `AsyncPeerTransport`): reads from another
+node's daemon over TCP without HTTP (`payload_client._peer_wire`).
+
+A read call's extents go out as one `PeerRead` frame; the answer's bytes are received with
+``recvmsg_into`` straight into the call's targets (the output rows, or the layout's stage),
+up to `IOV_MAX` buffers a system call. Connections are authenticated once (`PeerHello`),
+kept in a small pool, and closed when idle longer than the client's ``keepalive``.
+
+What happens is told to the client as the other transports tell it: a port that refuses
+connections, or a connection that drops, is `DataPlaneDownError` (the client carries the call
+over HTTP instead, and the next ones for a while); the daemon's error answer is raised as
+the `PayloadError` it names (a wrong token: `UnauthorizedError`); a read that takes longer
+than the read timeout is `TimeoutError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import contextlib
+import socket
+import threading
+import time
+from typing import Any, TypeVar
+
+import msgspec
+
+from .._errors import ProtocolError, TimeoutError, error_from_wire
+from .._layout import IOV_MAX
+from .._peer_wire import HELLO_BYTES, PeerBytes, PeerHello, PeerRead, PeerReply, PeerWelcome
+from .._timeout import Timeout
+from .._wire import FRAME_PREFIX, ErrorReply, Extent
+from ._base import AsyncTransport, DataPlaneDownError, Transport
+from ._call import Call, Target
+
+__all__ = ["AsyncPeerTransport", "SyncPeerTransport"]
+
+T = TypeVar("T")
+
+POOL = 8
+"""Most idle connections a client keeps to one daemon's peer port."""
+
+_encoder = msgspec.msgpack.Encoder()
+_reply = msgspec.msgpack.Decoder(PeerReply)
+
+
+def _frame(request: PeerHello | PeerRead) -> bytes:
+    body = _encoder.encode(request)
+    return FRAME_PREFIX.pack(len(body)) + body
+
+
+def _decode(body: bytes | bytearray) -> PeerWelcome | PeerBytes | ErrorReply:
+    try:
+        return _reply.decode(body)
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(f"malformed peer port reply: {exc}") from exc
+
+
+def _raise_error(reply: Any) -> None:
+    if isinstance(reply, ErrorReply):
+        raise error_from_wire(0, reply.error, reply.message)
+
+
+class _Conn:
+    """One authenticated connection and when it was last used."""
+
+    __slots__ = ("sock", "used")
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.used = time.monotonic()
+
+
+class _Peer:
+    """What both transports share: the address, the token, the pool, the daemon's limits.
+
+    Parameters
+    ----------
+    host : str
+        The daemon's host (that of the client's ``base_url``).
+    port : int
+        Its peer port.
+    token : str
+        The admin token sent in the hello.
+    timeout : Timeout
+        ``connect`` for connecting and the hello, ``read`` for each part of an answer,
+        ``keepalive`` for how long a pooled connection may idle.
+    where : str
+        The daemon's URL, for messages.
+    """
+
+    def __init__(self, host: str, port: int, token: str, timeout: Timeout, where: str) -> None:
+        self.address = (host, port)
+        self.token = token
+        self.timeout = timeout
+        self.where = f"{where} (peer port {port})"
+        self.welcome: PeerWelcome | None = None
+        self._idle: list[_Conn] = []
+        self._lock = threading.Lock()
+
+    def takes(self, call: Call[Any]) -> bool:
+        """Whether ``call`` can go here: a read within the daemon's limits (once known)."""
+        extents = call.peer_extents
+        if extents is None:
+            return False
+        w = self.welcome
+        return w is None or ((call.expected or 0) <= w.max_read_bytes)
+
+    def _pooled(self) -> _Conn | None:
+        now = time.monotonic()
+        with self._lock:
+            while self._idle:
+                conn = self._idle.pop()
+                if now - conn.used <= self.timeout.keepalive:
+                    return conn
+                conn.sock.close()
+        return None
+
+    def _give(self, conn: _Conn) -> None:
+        conn.used = time.monotonic()
+        with self._lock:
+            if len(self._idle) < POOL:
+                self._idle.append(conn)
+                return
+        conn.sock.close()
+
+    def close_idle(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.sock.close()
+
+    def _new_socket(self) -> socket.socket:
+        sock = socket.socket(socket.AF_INET6 if ":" in self.address[0] else socket.AF_INET)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock
+
+    def _welcomed(self, reply: Any) -> None:
+        _raise_error(reply)
+        if not isinstance(reply, PeerWelcome):
+            raise ProtocolError(f"peer port answered the hello with {type(reply).__name__}")
+        self.welcome = reply
+
+    def _check(self, extents: list[Extent], call: Call[Any]) -> bytes:
+        """The read's frame, or `DataPlaneDownError` when it is beyond the daemon's limits
+        (HTTP answers it: its error, or its bytes)."""
+        w = self.welcome
+        frame = _frame(PeerRead(extents))
+        if w is not None and (len(extents) > w.max_extents or len(frame) - 4 > w.max_frame):
+            raise DataPlaneDownError("read beyond the peer port's limits")
+        return frame
+
+    def _targets(self, conn: _Conn, reply: Any, call: Call[Any]) -> list[Target]:
+        """Where the answer's bytes go; the daemon's error raised (its connection kept),
+        or a reply out of turn (its connection closed)."""
+        if isinstance(reply, ErrorReply):
+            self._give(conn)  # an error answer leaves the connection usable
+            _raise_error(reply)
+        if not isinstance(reply, PeerBytes) or reply.nbytes != (call.expected or 0):
+            conn.sock.close()
+            raise ProtocolError(
+                f"{self.where} answered {reply!r} to a read of {call.expected or 0} bytes"
+            )
+        return call.targets() if call.targets is not None else []
+
+    def _done(self, conn: _Conn, targets: list[Target], call: Call[T]) -> T:
+        self._give(conn)
+        for _, done in targets:
+            if done is not None:
+                done()
+        return call.decode(b"")
+
+    def _error(self, exc: BaseException) -> Exception:
+        """What a failed exchange raises: `TimeoutError` when the daemon took too long,
+        else `DataPlaneDownError` (HTTP carries the call)."""
+        if isinstance(exc, builtins.TimeoutError):
+            return TimeoutError(f"timed out talking to {self.where}")
+        return DataPlaneDownError(f"{self.where}: {exc!r}")
+
+
+def _reply_length(head: bytes | bytearray) -> int:
+    (n,) = FRAME_PREFIX.unpack(head)
+    if n > HELLO_BYTES * 16:
+        raise ProtocolError(f"peer port reply frame of {n} bytes")
+    return int(n)
+
+
+class _ShortError(Exception):
+    """The connection ended before the whole answer came."""
+
+
+class SyncPeerTransport(_Peer, Transport):
+    """Carries read calls to a daemon's peer port with blocking sockets; thread-safe
+    (a connection per call at a time, from the pool)."""
+
+    def _connect(self) -> _Conn:
+        sock = self._new_socket()
+        try:
+            sock.settimeout(self.timeout.connect)
+            sock.connect(self.address)
+            sock.sendall(_frame(PeerHello(self.token)))
+            self._welcomed(self._recv_reply(sock))
+        except BaseException:
+            sock.close()
+            raise
+        sock.settimeout(self.timeout.read)
+        return _Conn(sock)
+
+    def _recv_exact(self, sock: socket.socket, n: int) -> bytearray:
+        buf = bytearray(n)
+        self._recv_into(sock, [memoryview(buf)])
+        return buf
+
+    def _recv_reply(self, sock: socket.socket) -> Any:
+        n = _reply_length(self._recv_exact(sock, FRAME_PREFIX.size))
+        return _decode(self._recv_exact(sock, n))
+
+    @staticmethod
+    def _recv_into(sock: socket.socket, views: list[memoryview]) -> None:
+        """Fill ``views`` in order from ``sock`` (``recvmsg_into``, `IOV_MAX` at a time)."""
+        i = 0
+        views = [v for v in views if v.nbytes]
+        while i < len(views):
+            got = sock.recvmsg_into(views[i : i + IOV_MAX])[0]
+            if not got:
+                raise _ShortError
+            while got and i < len(views):
+                k = min(got, views[i].nbytes)
+                got -= k
+                if k == views[i].nbytes:
+                    i += 1
+                else:
+                    views[i] = views[i][k:]
+
+    def handle_call(self, call: Call[T]) -> T:
+        """Send a read call's extents and receive their bytes into its targets.
+
+        Raises
+        ------
+        DataPlaneDownError
+            The port cannot be reached, or the connection dropped (HTTP carries the call).
+        TimeoutError
+            The daemon did not answer within the read timeout.
+        PayloadError
+            The daemon's error answer (`UnauthorizedError` for a wrong token).
+        """
+        assert call.peer_extents is not None
+        frame = self._check(call.peer_extents(), call)
+        conn = self._pooled()
+        for fresh in (conn is None, True):  # a pooled connection the daemon closed: a new one
+            try:
+                if conn is None:
+                    conn = self._connect()
+                conn.sock.sendall(frame)
+                reply = self._recv_reply(conn.sock)
+                break
+            except (_ShortError, OSError) as exc:
+                if conn is not None:
+                    conn.sock.close()
+                    conn = None
+                if fresh or isinstance(exc, builtins.TimeoutError):
+                    raise self._error(exc) from None
+            except BaseException:
+                if conn is not None:
+                    conn.sock.close()
+                raise
+        assert conn is not None
+        targets = self._targets(conn, reply, call)
+        try:
+            self._recv_into(conn.sock, [view for view, _ in targets])
+        except (_ShortError, OSError) as exc:
+            conn.sock.close()
+            raise self._error(exc) from None
+        except BaseException:
+            conn.sock.close()
+            raise
+        return self._done(conn, targets, call)
+
+    def close(self) -> None:
+        """Close the pooled connections."""
+        self.close_idle()
+
+
+class AsyncPeerTransport(_Peer, AsyncTransport):
+    """Carries read calls to a daemon's peer port on the event loop (non-blocking sockets)."""
+
+    async def _connect(self) -> _Conn:
+        sock = self._new_socket()
+        sock.setblocking(False)
+        try:
+            loop = asyncio.get_running_loop()
+            async with asyncio.timeout(self.timeout.connect):
+                await loop.sock_connect(sock, self.address)
+                await loop.sock_sendall(sock, _frame(PeerHello(self.token)))
+                self._welcomed(await self._recv_reply(sock))
+        except BaseException:
+            sock.close()
+            raise
+        return _Conn(sock)
+
+    async def _recv_reply(self, sock: socket.socket) -> Any:
+        head = bytearray(FRAME_PREFIX.size)
+        await self._recv_into(sock, [memoryview(head)])
+        body = bytearray(_reply_length(head))
+        await self._recv_into(sock, [memoryview(body)])
+        return _decode(body)
+
+    @staticmethod
+    async def _recv_into(sock: socket.socket, views: list[memoryview]) -> None:
+        """`SyncPeerTransport._recv_into`, waiting on the loop while nothing is there."""
+        loop = asyncio.get_running_loop()
+        i = 0
+        views = [v for v in views if v.nbytes]
+        while i < len(views):
+            try:
+                got = sock.recvmsg_into(views[i : i + IOV_MAX])[0]
+            except (BlockingIOError, InterruptedError):
+                await _readable(loop, sock)
+                continue
+            if not got:
+                raise _ShortError
+            while got and i < len(views):
+                k = min(got, views[i].nbytes)
+                got -= k
+                if k == views[i].nbytes:
+                    i += 1
+                else:
+                    views[i] = views[i][k:]
+
+    async def handle_async_call(self, call: Call[T]) -> T:
+        """Awaitable `SyncPeerTransport.handle_call`."""
+        assert call.peer_extents is not None
+        frame = self._check(call.peer_extents(), call)
+        loop = asyncio.get_running_loop()
+        conn = self._pooled()
+        for fresh in (conn is None, True):
+            try:
+                if conn is None:
+                    conn = await self._connect()
+                async with asyncio.timeout(self.timeout.read):
+                    await loop.sock_sendall(conn.sock, frame)
+                    reply = await self._recv_reply(conn.sock)
+                break
+            except (_ShortError, OSError) as exc:
+                if conn is not None:
+                    conn.sock.close()
+                    conn = None
+                if fresh or isinstance(exc, builtins.TimeoutError):
+                    raise self._error(exc) from None
+            except BaseException:
+                if conn is not None:
+                    conn.sock.close()
+                raise
+        assert conn is not None
+        targets = self._targets(conn, reply, call)
+        try:
+            async with asyncio.timeout(self.timeout.read):
+                await self._recv_into(conn.sock, [view for view, _ in targets])
+        except (_ShortError, OSError) as exc:
+            conn.sock.close()
+            raise self._error(exc) from None
+        except BaseException:
+            conn.sock.close()
+            raise
+        return self._done(conn, targets, call)
+
+    async def aclose(self) -> None:
+        """Close the pooled connections."""
+        self.close_idle()
+
+
+async def _readable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
+    """Wait until ``sock`` has something to read (or is closed)."""
+    ready: asyncio.Future[None] = loop.create_future()
+    fd = sock.fileno()
+
+    def wake() -> None:
+        if not ready.done():
+            ready.set_result(None)
+
+    loop.add_reader(fd, wake)
+    try:
+        await ready
+    finally:
+        with contextlib.suppress(Exception):
+            loop.remove_reader(fd)

@@ -1,0 +1,238 @@
+"""The peer port: reads of this node's files by other nodes over TCP, without HTTP.
+
+Off by default; the daemon serves it (``peer_port``) only with an admin token. Frames are
+the data plane's (`payload_client._peer_wire` draws the exchange): a connection's first
+frame is a `PeerHello`, at most `HELLO_BYTES`, within ``request_timeout_s`` of connecting;
+its token is compared in constant time before anything of the root is touched, and a wrong
+one is answered `UnauthorizedError` and the connection closed. Then each `PeerRead` is
+checked and its files opened exactly as ``POST /v1/read`` does (`Store.open_extents`: the
+ledger, the root's policy, the per-request descriptors), answered `PeerBytes` and the bytes,
+sent with ``os.sendfile`` from the page cache to the socket (no copy through the daemon), or
+answered with its error, the connection kept.
+
+Bounded like the data plane (`payloadd.server._listener.Listener`): connections (in all,
+``max_peer_connections``, and from one host, ``max_peer_connections_per_host``), frames
+(``max_control_bytes``), extents a read (`MAX_EXTENTS`), bytes a read
+(``max_request_bytes``), time: a frame that stalls, or a peer that takes no byte of an
+answer for ``request_timeout_s``, has its connection dropped; a connection idle longer than
+``keep_alive_s`` is closed.
+"""
+
+from __future__ import annotations
+
+import hmac
+import select
+import socket
+import time
+from typing import Any
+
+import msgspec
+
+from payload_client import InvalidRequestError, PayloadTooLargeError, UnauthorizedError
+from payload_client.protocol import (
+    HELLO_BYTES,
+    PeerBytes,
+    PeerHello,
+    PeerRead,
+    PeerRequest,
+    PeerWelcome,
+)
+from payloadd.server._frames import FrameReader
+from payloadd.server._listener import Listener, error_reply, framed
+from payloadd.server._metrics import Metrics
+from payloadd.store._budget import Descriptors
+from payloadd.store._counts import PEER
+from payloadd.store._store import Store
+
+__all__ = ["MAX_EXTENTS", "PeerServer"]
+
+MAX_EXTENTS = 1 << 20
+"""Most extents one read may list (a packed micro batch of one-row segments needs one each)."""
+
+_request = msgspec.msgpack.Decoder(PeerRequest)
+
+
+class _IdleError(Exception):
+    """The connection idled longer than ``keep_alive_s``."""
+
+
+class PeerServer(Listener):
+    """Serve reads of ``store``'s files to other nodes on a TCP listening socket.
+
+    Parameters
+    ----------
+    store : Store
+        The storage core (checks, opens, counters).
+    token : bytes
+        The admin token every connection must send first.
+    fds : Descriptors
+        The daemon's descriptor shares: connections beyond ``peer_connections`` are closed
+        at once; reads take their files from the per-request share.
+    metrics : Metrics, optional
+        Where requests, errors and refused connections are counted.
+    max_frame : int
+        Largest request frame, in bytes.
+    max_per_host : int
+        Most connections open at once from one address.
+    request_timeout : float
+        Seconds a started frame may take to arrive whole, or a send may wait.
+    idle_timeout : float
+        Seconds a connection may wait between requests; then it is closed.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        token: bytes,
+        fds: Descriptors,
+        *,
+        metrics: Metrics | None = None,
+        max_frame: int = 16 << 20,
+        max_per_host: int = 16,
+        request_timeout: float = 30.0,
+        idle_timeout: float = 5.0,
+    ) -> None:
+        super().__init__("peer port", PEER, metrics, request_timeout)
+        self.store, self.fds = store, fds
+        self.max_frame, self.max_per_host = max_frame, max_per_host
+        self.idle_timeout = idle_timeout
+        self._token = token
+        self.port = 0  # once started
+        self.welcome = PeerWelcome(store.node, max_frame, store.reads.max_read_bytes, MAX_EXTENTS)
+
+    def start(self, listener: socket.socket) -> None:
+        """Accept connections on ``listener`` (a bound TCP socket) in a background thread."""
+        self.listen(listener)
+        host, port = listener.getsockname()[:2]
+        self.port = int(port)
+        self.log.info("peer port on %s:%d (reads by other nodes; the admin token required)",
+                      host, port)  # fmt: skip
+
+    def limit(self) -> int:
+        """The peer port's share of descriptors for connections."""
+        return self.fds.shares.peer_connections
+
+    def admits(self, address: Any, open_now: list[Any]) -> bool:
+        """At most ``max_per_host`` connections from one host."""
+        host = address[0]
+        return sum(1 for a in open_now if a[0] == host) < self.max_per_host
+
+    # -- serving one connection ----------------------------------------------------------
+
+    def serve(self, sock: socket.socket, address: Any) -> None:
+        """The hello, then the connection's reads one after the other until it ends."""
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if not self._hello(sock):
+            return
+        while True:
+            try:
+                body = self._frame(sock, self.max_frame, self._idle)
+            except _IdleError:
+                return
+            except PayloadTooLargeError as exc:
+                sock.sendall(framed(error_reply(exc, self.name, self.log, " (max_control_bytes)")))
+                return
+            if body is None:
+                return
+            if not self._answer(sock, body):
+                return
+
+    def _hello(self, sock: socket.socket) -> bool:
+        """Whether the connection's first frame is a hello with the token (it is answered
+        either way; nothing else is read before it)."""
+        started = time.monotonic()
+
+        def too_slow() -> None:
+            if time.monotonic() - started > self.request_timeout:
+                raise _IdleError
+
+        try:
+            body = self._frame(sock, HELLO_BYTES, too_slow)
+        except (_IdleError, PayloadTooLargeError):
+            body = None
+        hello = _decoded(body) if body is not None else None
+        if not isinstance(hello, PeerHello) or not hmac.compare_digest(
+            hello.token.encode(), self._token
+        ):
+            what = "the token sent is not it" if isinstance(hello, PeerHello) else "no hello"
+            exc = UnauthorizedError(f"the peer port needs the admin token first; {what}")
+            self._count("hello", started, exc)
+            if body is not None:
+                sock.sendall(framed(error_reply(exc, self.name, self.log)))
+            return False
+        sock.sendall(framed(self.welcome))
+        self._count("hello", started)
+        return True
+
+    def _idle(self) -> None:
+        raise _IdleError
+
+    def _frame(self, sock: socket.socket, limit: int, idle: Any) -> bytearray | None:
+        """The next frame's body; ``None`` when the connection ended. Its first byte is
+        waited for ``idle_timeout`` (then ``idle()``), the rest ``request_timeout``."""
+        frame = FrameReader(limit, f"{self.name} frame")
+        poll = select.poll()
+        poll.register(sock, select.POLLIN)
+        if not poll.poll(self.idle_timeout * 1000):
+            idle()
+        deadline = self.recv_part(sock, frame, None, idle)
+        if deadline is None or self.recv_part(sock, frame, deadline) is None:
+            return None
+        return frame.body()
+
+    def _answer(self, sock: socket.socket, body: bytearray) -> bool:
+        """Answer one read; whether the connection can go on (not after an error that came
+        once bytes were on their way)."""
+        start = time.perf_counter()
+        req = _decoded(body)
+        try:
+            if not isinstance(req, PeerRead):
+                raise InvalidRequestError(
+                    f"the peer port takes reads after the hello, got {type(req).__name__}"
+                )
+            extents = req.extents
+            if len(extents) > MAX_EXTENTS:
+                raise PayloadTooLargeError(
+                    f"a read of {len(extents)} extents is above the peer port's {MAX_EXTENTS}"
+                )
+            files = len({e.file for e in extents})
+            self.fds.take(files, f"a read of {files} files")
+        except Exception as exc:
+            return self._refuse(sock, exc, start)
+        try:
+            try:
+                reader = self.store.open_extents(extents)
+            except Exception as exc:
+                return self._refuse(sock, exc, start)
+            try:
+                sock.sendall(framed(PeerBytes(reader.total)))
+                reader.send_to(sock.fileno())
+            except Exception as exc:  # the answer is cut: its client asks again
+                self._count("read", start, None if isinstance(exc, OSError) else exc)
+                return False
+            finally:
+                reader.close()
+        finally:
+            self.fds.give(files)
+        self._count("read", start)
+        return True
+
+    def _refuse(self, sock: socket.socket, exc: Exception, start: float) -> bool:
+        """Answer a read with its error (nothing of it was sent); the connection goes on."""
+        sock.sendall(framed(error_reply(exc, self.name, self.log)))
+        self._count("read", start, exc)
+        return True
+
+    def _count(self, kind: str, start: float, error: Exception | None = None) -> None:
+        if self.metrics is None:
+            return
+        self.metrics.peer_request(kind, time.perf_counter() - start)
+        if error is not None:
+            self.metrics.error(type(error).__name__, PEER)
+
+
+def _decoded(body: bytearray) -> Any:
+    try:
+        return _request.decode(body)
+    except msgspec.DecodeError:
+        return None
