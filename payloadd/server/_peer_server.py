@@ -38,7 +38,7 @@ from payload_client.protocol import (
     PeerWelcome,
 )
 from payloadd.server._frames import FrameReader
-from payloadd.server._listener import Listener, error_reply, framed
+from payloadd.server._listener import Listener, StalledError, error_reply, framed
 from payloadd.server._metrics import Metrics
 from payloadd.store._budget import Descriptors
 from payloadd.store._counts import PEER
@@ -206,9 +206,13 @@ class PeerServer(Listener):
                 return self._refuse(sock, exc, start)
             try:
                 sock.sendall(framed(PeerBytes(reader.total)))
-                reader.send_to(sock.fileno())
+                sock.setblocking(False)  # sendfile ignores SO_SNDTIMEO: waits are polled
+                try:
+                    reader.send_to(sock.fileno(), lambda: self._writable(sock))
+                finally:
+                    sock.setblocking(True)
             except Exception as exc:  # the answer is cut: its client asks again
-                self._count("read", start, None if isinstance(exc, OSError) else exc)
+                self._count("read", start, None if isinstance(exc, OSError | StalledError) else exc)
                 return False
             finally:
                 reader.close()
@@ -216,6 +220,18 @@ class PeerServer(Listener):
             self.fds.give(files)
         self._count("read", start)
         return True
+
+    def _writable(self, sock: socket.socket) -> None:
+        """Wait until ``sock`` takes bytes again; a peer that takes none for
+        ``request_timeout`` is given up on (`StalledError`: the connection is dropped)."""
+        poll = select.poll()
+        poll.register(sock, select.POLLOUT)
+        if not poll.poll(self.request_timeout * 1000):
+            self.log.warning("%s: a peer took no byte of an answer for %.0f s; connection "
+                             "dropped", self.name, self.request_timeout)  # fmt: skip
+            if self.metrics is not None:
+                self.metrics.refused_one(PEER, "stalled")
+            raise StalledError
 
     def _refuse(self, sock: socket.socket, exc: Exception, start: float) -> bool:
         """Answer a read with its error (nothing of it was sent); the connection goes on."""

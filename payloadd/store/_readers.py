@@ -514,23 +514,26 @@ class ExtentReader:
                 at += k
                 current[0] = None if k == nbytes else (fd, offset + k, nbytes - k, file)
 
-    def send_to(self, out: int) -> None:
-        """Send the read's bytes in order to the socket ``out`` with ``os.sendfile`` (no
-        copy through this process); a socket that takes nothing for its send timeout
-        (``SO_SNDTIMEO``) raises `BlockingIOError`: the caller drops it.
+    def send_to(self, out: int, wait: Callable[[], None]) -> None:
+        """Send the read's bytes in order to the non-blocking socket ``out`` with
+        ``os.sendfile`` (no copy through this process), calling ``wait()`` whenever the
+        socket takes no more for now (it raises to give up on a peer that stopped reading).
 
         Raises
         ------
         SegmentFileError, InsufficientStorageError, ServerError
             As `read_into`; the bytes sent so far are not taken back.
-        BlockingIOError, OSError
-            The socket's, as they come (its peer stopped reading, or went away).
+        OSError
+            The socket's (its peer went away), and what ``wait`` raises.
         """
         for fd, offset, nbytes, file in self._pieces():
             got, short = 0, _Short(self._readers, file)
             while got < nbytes:
                 try:
                     n = os.sendfile(out, fd, offset + got, nbytes - got)
+                except BlockingIOError:
+                    wait()
+                    continue
                 except OSError as exc:
                     if exc.errno != errno.ESTALE:
                         raise

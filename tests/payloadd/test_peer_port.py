@@ -1,0 +1,334 @@
+"""The peer port (reads between nodes over TCP, no HTTP) against a real daemon: the token at
+connect, its frames fuzzed, its limits (frame sizes, connections per host, a peer that stops
+reading or sending), the errors a read answers, and the client's fallback to HTTP."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import msgspec
+import numpy as np
+import pytest
+
+from payload_client import (
+    FileGoneError,
+    FileMissingError,
+    PayloadClient,
+    PayloadSegment,
+    SegmentFileError,
+)
+from payload_client.protocol import (
+    FRAME_PREFIX,
+    ErrorReply,
+    Extent,
+    PeerBytes,
+    PeerHello,
+    PeerRead,
+    PeerReply,
+    PeerWelcome,
+)
+from payloadd.bench._daemon_process import start_daemon
+from tests.conftest import free_port
+from tests.payloadd.procfs import status
+from tests.payloadd.test_metrics import Samples, delta, scrape
+
+TOKEN = "peer-port-token-" + "z" * 20
+_reply = msgspec.msgpack.Decoder(PeerReply)
+
+
+@dataclass(frozen=True)
+class Peer:
+    root: Path
+    path: Path  # the daemon's Unix socket
+    http: int
+    port: int
+    pid: int
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.http}"
+
+    def client(self, **kw: object) -> PayloadClient:
+        return PayloadClient(base_url=self.url, token=TOKEN, **kw)  # type: ignore[arg-type]
+
+    def local(self) -> PayloadClient:
+        return PayloadClient(self.path, token=TOKEN)
+
+    def connect(self, hello: bool = True) -> socket.socket:
+        s = socket.create_connection(("127.0.0.1", self.port), timeout=10)
+        if hello:
+            send(s, PeerHello(TOKEN))
+            assert isinstance(recv(s), PeerWelcome)
+        return s
+
+    def metrics(self) -> Samples:
+        with httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {TOKEN}"}) as h:
+            return scrape(h)
+
+
+@contextlib.contextmanager
+def peer_daemon(tmp: Path, *extra: str) -> Iterator[Peer]:
+    http, port = free_port(), free_port()
+    flags = ["--node", "pp", "--tcp-port", str(http), "--peer-port", str(port),
+             "--request-timeout-s", "2", "--keep-alive-s", "1",
+             "--max-peer-connections-per-host", "6", *extra]  # fmt: skip
+    env = dict(os.environ, PAYLOADD_ADMIN_TOKEN=TOKEN)
+    with start_daemon(tmp / "root", tmp / "s.sock", *flags, env=env) as proc:
+        yield Peer(tmp / "root", tmp / "s.sock", http, port, proc.pid)
+
+
+@pytest.fixture(scope="module")
+def peer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Peer]:
+    with peer_daemon(tmp_path_factory.mktemp("peer")) as p:
+        yield p
+
+
+def send(s: socket.socket, msg: msgspec.Struct) -> None:
+    body = msgspec.msgpack.encode(msg)
+    s.sendall(FRAME_PREFIX.pack(len(body)) + body)
+
+
+def recv_exact(s: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = s.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError(f"closed after {len(buf)} of {n} bytes")
+        buf += chunk
+    return bytes(buf)
+
+
+def recv(s: socket.socket) -> object:
+    (n,) = FRAME_PREFIX.unpack(recv_exact(s, 4))
+    return _reply.decode(recv_exact(s, n))
+
+
+def closed(s: socket.socket, within: float = 10.0) -> bool:
+    """Whether the daemon closes ``s`` (EOF or reset) within ``within`` seconds, what it
+    sends before that read and thrown away."""
+    s.settimeout(within)
+    try:
+        while s.recv(1 << 16):
+            pass
+    except TimeoutError:
+        return False
+    except ConnectionError:
+        pass
+    return True
+
+
+def read8(c: PayloadClient, segs: list[PayloadSegment], lo: int, hi: int) -> np.ndarray:
+    """The routing rows ``[lo, hi)`` as stored (``uint8``)."""
+    got = c.read_field(segs, "routed_experts", lo, hi, 0, dtype=np.uint8)
+    assert got is not None
+    return got
+
+
+def written(peer: Peer, n: int = 64, seed: int = 0) -> tuple[list[PayloadSegment], np.ndarray]:
+    rows = np.random.default_rng(seed).integers(0, 255, (n, 48, 8), dtype=np.uint8)
+    with peer.local() as c:
+        return c.append("routed_experts", rows, 0, run="pp", step=seed), rows
+
+
+def test_a_read_over_the_peer_port(peer: Peer) -> None:
+    segs, rows = written(peer)
+    before = peer.metrics()
+    with peer.client() as c:
+        got = read8(c, segs, 3, 60)
+    assert np.array_equal(got, rows[3:60])
+    after = peer.metrics()
+    field = {"field": "routed_experts"}
+    assert delta(before, after, "payloadd_read_bytes_total", transport="peer", **field) == 57 * 384
+    assert delta(before, after, "payloadd_read_bytes_total", transport="http", **field) == 0
+
+
+def test_a_wrong_token_or_no_hello_is_refused_before_anything_else(peer: Peer) -> None:
+    segs, _ = written(peer, seed=1)
+    extent = Extent(segs[0].file, 0, 384, 384 * 64)
+    for first in (PeerHello("wrong-" * 8), PeerRead([extent]), PeerHello("")):
+        with peer.connect(hello=False) as s:
+            send(s, first)
+            reply = recv(s)
+            assert isinstance(reply, ErrorReply) and reply.error == "UnauthorizedError"
+            assert "the peer port needs the admin token first" in reply.message
+            with contextlib.suppress(OSError):
+                send(s, PeerRead([extent]))  # never answered: the connection is closed
+            assert closed(s)
+
+
+def test_a_hello_too_large_or_too_late_is_cut_off(peer: Peer) -> None:
+    with peer.connect(hello=False) as s:
+        s.sendall(FRAME_PREFIX.pack(1 << 30))  # a gigabyte of hello is never waited for
+        assert closed(s, 5)
+    with peer.connect(hello=False) as s:
+        start = time.monotonic()
+        assert closed(s, 10)  # silence after connecting: dropped after request_timeout_s
+        assert 1.5 < time.monotonic() - start < 9
+    with peer.connect(hello=False) as s:
+        s.sendall(FRAME_PREFIX.pack(40) + b"\x93")  # a hello that stops mid-way
+        assert closed(s, 10)
+
+
+def test_errors_of_a_read_keep_the_connection(peer: Peer) -> None:
+    segs, rows = written(peer, seed=2)
+    f = segs[0].file
+    with peer.connect() as s:
+        for extents, error in [
+            ([Extent("pp/pp/2/missing", 0, 8, 8)], "FileMissingError"),
+            ([Extent("../etc/passwd", 0, 8, 8)], "InvalidSegmentError"),
+            ([Extent(f, 0, 384, 384 * 65)], "SegmentFileError"),  # longer than the file
+            ([Extent(f, 0, 10, 5)], "InvalidRequestError"),  # past its segment's end
+        ]:
+            send(s, PeerRead(extents))
+            reply = recv(s)
+            assert isinstance(reply, ErrorReply) and reply.error == error, reply
+        send(s, PeerRead([Extent(f, 384, 768, 384 * 64)]))  # and then a good read
+        reply = recv(s)
+        assert reply == PeerBytes(768)
+        assert recv_exact(s, 768) == rows[1:3].tobytes()
+
+
+def test_read_errors_reach_the_client_as_their_classes(peer: Peer) -> None:
+    segs, _ = written(peer, seed=3)
+    with peer.client() as c:
+        bad = [msgspec.structs.replace(s, file="pp/pp/3/nothere") for s in segs]
+        with pytest.raises(FileMissingError):
+            c.read_field(bad, "routed_experts", 0, 4, 0)
+        long = [msgspec.structs.replace(s, rows=s.rows + 1) for s in segs]
+        with pytest.raises(SegmentFileError):
+            c.read_field(long, "routed_experts", 0, 4, 0)
+        with peer.local() as local:
+            local.gc(run="pp", before_step=3)
+        with pytest.raises(FileGoneError, match="garbage-collected"):
+            c.read_field(segs, "routed_experts", 0, 4, 0)
+
+
+def test_fuzzed_frames_get_an_answer_or_a_closed_connection(peer: Peer) -> None:
+    """Seeded garbage after a good hello: random bytes, random msgpack, requests with bad
+    fields, absurd lengths. Each connection is answered or closed within seconds; the daemon
+    then still serves, with no thread left behind."""
+    segs, rows = written(peer, seed=4)
+    rng = np.random.default_rng(2026)
+    before = status(peer.pid, "Threads")
+    shapes = [
+        lambda: rng.bytes(int(rng.integers(0, 64))),
+        lambda: msgspec.msgpack.encode(["read", [[str(rng.integers(9)), -1, 5, 2]]]),
+        lambda: msgspec.msgpack.encode(["read", "not a list"]),
+        lambda: msgspec.msgpack.encode(["hello", TOKEN]),
+        lambda: msgspec.msgpack.encode(["welcome", "x", 1, 1, 1]),
+        lambda: msgspec.msgpack.encode(["read", [[segs[0].file, 0, 1 << 62, 1 << 62]]]),
+        lambda: msgspec.msgpack.encode({"extents": []}),
+        lambda: msgspec.msgpack.encode(["read", [[segs[0].file, 0, 0, 0]] * 3]),
+    ]
+    for i in range(120):
+        body = shapes[i % len(shapes)]()
+        prefix = FRAME_PREFIX.pack(len(body))
+        if i % 11 == 0:
+            prefix = FRAME_PREFIX.pack(int(rng.integers(1 << 24, 1 << 32)))  # above any limit
+        with peer.connect() as s:
+            s.sendall(prefix + body)
+            s.settimeout(10)
+            try:
+                reply = recv(s)
+            except (ConnectionError, TimeoutError):
+                assert i % 11 == 0 or len(body) == 0, (i, body)
+                continue
+            assert isinstance(reply, ErrorReply | PeerBytes), (i, reply)
+            if isinstance(reply, PeerBytes):
+                recv_exact(s, reply.nbytes)
+    with peer.client() as c:
+        assert np.array_equal(read8(c, segs, 0, 64), rows)
+    deadline = time.monotonic() + 10
+    while status(peer.pid, "Threads") > before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert status(peer.pid, "Threads") <= before
+
+
+def test_a_peer_that_stops_reading_does_not_hold_the_daemon(tmp_path: Path) -> None:
+    with peer_daemon(tmp_path) as peer:
+        rows = np.random.default_rng(5).integers(0, 255, (1 << 17, 48, 8), dtype=np.uint8)
+        with peer.local() as c:  # 48 MiB: far more than the socket buffers hold
+            segs = c.append("routed_experts", rows, 0, run="big", step=0)
+        extents = [Extent(s.file, s.offset, s.rows * 384, s.offset + s.rows * 384) for s in segs]
+        stuck = peer.connect()
+        send(stuck, PeerRead(extents))
+        time.sleep(0.2)
+        with peer.client() as c:  # others are served meanwhile
+            got = read8(c, segs, 100, 200)
+            assert np.array_equal(got, rows[100:200])
+        time.sleep(4)  # request_timeout_s is 2: the daemon gives up on the stuck one
+        total = 0
+        with contextlib.suppress(ConnectionError):
+            stuck.settimeout(10)
+            while chunk := stuck.recv(1 << 20):
+                total += len(chunk)
+        stuck.close()
+        assert total < len(rows) * 384  # cut short, not waited for
+
+
+def test_connections_beyond_the_limit_per_host_are_closed_at_once(peer: Peer) -> None:
+    held = [peer.connect() for _ in range(6)]
+    try:
+        with socket.create_connection(("127.0.0.1", peer.port), timeout=10) as s:
+            with contextlib.suppress(OSError):
+                send(s, PeerHello(TOKEN))
+            assert closed(s, 5)
+        segs, rows = written(peer, seed=6)
+        before = peer.metrics()
+        with peer.client() as c:  # the client reads over HTTP instead
+            assert np.array_equal(read8(c, segs, 0, 8), rows[:8])
+        after = peer.metrics()
+        assert delta(before, after, "payloadd_read_bytes_total", field="routed_experts",
+                     transport="http") == 8 * 384  # fmt: skip
+        assert delta(before, after, "payloadd_refused_total", transport="peer",
+                     reason="connections") >= 1  # fmt: skip
+    finally:
+        for s in held:
+            s.close()
+
+
+def test_idle_connections_are_closed_and_the_client_makes_new_ones(peer: Peer) -> None:
+    segs, rows = written(peer, seed=7)
+    with peer.client(timeout=httpx.Timeout(10.0)) as c:
+        for pause in (0.0, 1.5, 0.0):  # the daemon closes connections idle for 1 s
+            time.sleep(pause)
+            assert np.array_equal(read8(c, segs, 0, 64), rows)
+
+
+def test_ranks_at_once_on_the_peer_port(peer: Peer) -> None:
+    """Threads sharing one client, and threads with their own, released by a barrier onto
+    a new step: every window right."""
+    segs, rows = written(peer, n=4096, seed=8)
+    barrier = threading.Barrier(12)
+    errors: list[BaseException] = []
+    shared = peer.client()
+
+    def rank(r: int) -> None:
+        try:
+            own = r % 2 == 0
+            c = peer.client() if own else shared
+            lo = (r * 300) % 3800
+            barrier.wait(timeout=30)
+            for _ in range(10):
+                got = read8(c, segs, lo, lo + 256)
+                assert np.array_equal(got, rows[lo : lo + 256])
+            if own:
+                c.close()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    shared.close()
+    assert not errors, errors
