@@ -25,7 +25,10 @@ repeated, interleaved with the others, and reported as median (min-max):
   orchestrator's segment operations against msgpack encode (`payloadd.bench._seg_ops`);
   appends that open a new key against appends to open keys, and 16 MiB appends against raw
   ``pwrite`` variants, call by call (`payloadd.bench._appends`); payloadd's HTTP reads against
-  a bare uvicorn app (`payloadd.bench._http_ceiling`).
+  a bare uvicorn app (`payloadd.bench._http_ceiling`);
+- reads across nodes (`payloadd.bench._cluster`): three daemons, cross-node windows over the
+  peer port and HTTP against raw loopback TCP (``sendfile`` -> ``recv_into``), and a packed
+  micro batch spread over the three through `ClusterClient` against the direct reader.
 
 Rows are router-replay ids, ``uint8 [n, 48, 8]`` (384 bytes a row), unless a section says
 otherwise. Results go to a table on stdout, a JSON file and (when matplotlib is installed) a
@@ -53,6 +56,7 @@ import numpy as np
 from payload_client import AsyncPayloadClient, PayloadClient, PayloadSegment
 from payloadd._version import __version__
 from payloadd.bench._appends import bench_new_keys, bench_writes
+from payloadd.bench._cluster import bench_cluster
 from payloadd.bench._daemon_process import start_daemon
 from payloadd.bench._http_ceiling import bench_http_ceiling
 from payloadd.bench._measure import page_aligned, pct, timed
@@ -335,6 +339,11 @@ class Bench:
                            self.quick)  # fmt: skip
 
     # -- the RL batch ------------------------------------------------------------------
+
+    def cluster(self) -> None:
+        """Reads across three daemons' nodes: cross-node windows against raw loopback TCP,
+        the packed micro batch over three nodes (`payloadd.bench._cluster`)."""
+        bench_cluster(self.add, self.root.parent / "c", self.repeat, self.quick)
 
     def rl(self, spec: RLBatch) -> str | None:
         """The seed's batch inline versus by handle (see `payloadd.bench._rl`); a note if no

@@ -77,6 +77,7 @@ def run_bench(args: argparse.Namespace) -> int:
             bench.new_keys()
             bench.writes()
             bench.http_ceiling()
+            bench.cluster()
             spec = RL_QUICK if args.quick else RL_BATCH
             notes = [bench.rl(spec)]
             notes.append("Ray: skipped (--skip-ray)" if args.skip_ray else bench.ray(spec))

@@ -158,6 +158,10 @@ def test_bench_quick_run_writes_parsable_figures(tmp_path: Path) -> None:
         ("writes: append (data plane), warm", "16MiB", "GB/s"),
         ("new-key append, mean (data plane)", "small", "ms"),
         ("segments: merge_pd_segments", "100k", "µs"),
+        ("cross-node read uint8 out= (peer port)", "1MiB", "GB/s"),
+        ("cross-node read uint8 out= (http)", "16MiB", "GB/s"),
+        ("cluster packed read uint8 out=, CP 4 (3 nodes, peer port)", "8x2k", "GB/s"),
+        ("cluster packed read uint8 out=, CP 1 (3 nodes, http)", "8x2k", "GB/s"),
         *(("one-row segments, read out= (data plane)", f"N={n}", "µs")
           for n in ("10", "100", "1k", "10k")),
     ):  # fmt: skip
