@@ -23,6 +23,7 @@ from typing import cast
 import numpy as np
 
 from payload_client import (
+    AsyncClusterClient,
     AsyncPayloadClient,
     PayloadSegment,
     Window,
@@ -191,9 +192,14 @@ class CPResult:
 
 
 async def train_step(
-    client: AsyncPayloadClient, samples: list[Sample], seq_len: int, dp: int, cp: int
+    client: AsyncPayloadClient | AsyncClusterClient,
+    samples: list[Sample],
+    seq_len: int,
+    dp: int,
+    cp: int,
 ) -> CPResult:
-    """Trainer side: every (DP, CP) rank reads its windows; compare with the inline tensors."""
+    """Trainer side: every (DP, CP) rank reads its windows (through one daemon, or through a
+    cluster client over several); compare with the inline tensors."""
     batches = pack(samples, seq_len, cp)
     result = CPResult(cp)
     got: dict[tuple[int, int], list[np.ndarray | None]] = {}  # (micro batch, CP rank) -> reads

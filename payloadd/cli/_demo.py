@@ -6,14 +6,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import os
+import secrets
 import shutil
+import socket
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
 
-from payload_client import AsyncPayloadClient
+from payload_client import AsyncClusterClient, AsyncPayloadClient
 from payloadd.bench._daemon_process import start_daemon
 from payloadd.bench._demo import make_samples, train_step, write_samples
 from payloadd.cli._common import positive_int
@@ -45,15 +50,24 @@ def add_demo_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--seed", type=int, default=0, help="random seed [0]")
     p.add_argument(
-        "--root", type=Path, help="payload root to use [a temporary folder, removed after]"
+        "--root",
+        type=Path,
+        help="payload root to use [a temporary folder, removed after]; "
+        "with --nodes, the folder of each node's root ROOT/NODE",
     )
+    p.add_argument(
+        "--nodes", type=positive_int, default=1,
+        help="daemons, each on a root of its own (no shared file system) with TCP and the "
+        "peer port on 127.0.0.1 behind a generated token; the samples' writers are spread "
+        "over them and the trainer ranks read through AsyncClusterClient [1]",
+    )  # fmt: skip
 
 
 def _mb(n: float) -> str:
     return f"{n / 1e6:,.1f} MB"
 
 
-async def _play(args: argparse.Namespace, socket: Path) -> int:
+async def _play(args: argparse.Namespace, nodes: dict[str, Node], token: str | None) -> int:
     cps: list[int] = args.cp
     t0 = time.perf_counter()
     samples = make_samples(args.samples, args.max_tokens, args.seed)
@@ -61,12 +75,26 @@ async def _play(args: argparse.Namespace, socket: Path) -> int:
     tokens = sum(s.tokens for s in samples)
     row_bytes = sum(s.routed.nbytes for s in samples)
     mask_bytes = sum(s.mask[a:b, :w].nbytes for s in samples for a, b, w in s.mask_runs)
-    async with AsyncPayloadClient(socket) as client:
+    names = list(nodes)
+    writers = {n: AsyncPayloadClient(nodes[n].socket) for n in names}
+    # the trainer on the first node: its daemon by socket, the others over TCP
+    trainer_map = {n: f"unix://{v.socket}" if n == names[0] else v.url for n, v in nodes.items()}
+    trainer = AsyncClusterClient(trainer_map, token=token) if len(nodes) > 1 else writers[names[0]]
+    try:
         t0 = time.perf_counter()
-        await write_samples(client, samples, args.writers, run="demo", step=0)
+        await asyncio.gather(*(  # each node's inference writes its share of the samples
+            write_samples(writers[n], samples[i :: len(names)],
+                          max(1, args.writers // len(names)), run="demo", step=0)
+            for i, n in enumerate(names)
+        ))  # fmt: skip
         write_s = time.perf_counter() - t0
-        results = [await train_step(client, samples, args.seq_len, args.dp, cp) for cp in cps]
-        stats = await client.stats()
+        results = [await train_step(trainer, samples, args.seq_len, args.dp, cp) for cp in cps]
+        all_stats = [await writers[n].stats() for n in names]
+    finally:
+        for c in writers.values():
+            await c.close()
+        if isinstance(trainer, AsyncClusterClient):
+            await trainer.close()
     segments = sum(len(s.segments) for s in samples)
     handle_wire = sum(len(msgspec.msgpack.encode(s.segments)) for s in samples)
     inline_wire = row_bytes + sum(s.mask.nbytes for s in samples)
@@ -80,12 +108,16 @@ async def _play(args: argparse.Namespace, socket: Path) -> int:
         f"  orchestr.  handles {handle_wire / 1e3:,.1f} kB msgpack vs {_mb(inline_wire)} inline"
         f" ({handle_wire / inline_wire:.4f}x)"
     )
-    print(
-        f"  daemon     {stats.appends:,} appends ({stats.leases:,} leases),"
-        f" {stats.data_plane_requests:,} data-plane requests, {stats.reads:,} HTTP reads;"
-        f" root {stats.root}"
-    )
-    print(f"  trainer    {args.dp} DP ranks; windows read bit for bit against inline:")
+    for stats in all_stats:
+        where = "daemon    " if len(all_stats) == 1 else f"{stats.node:<10}"
+        reads = "HTTP reads" if len(all_stats) == 1 else "reads answered (HTTP, peer port)"
+        print(
+            f"  {where} {stats.appends:,} appends ({stats.leases:,} leases),"
+            f" {stats.data_plane_requests:,} data-plane requests, {stats.reads:,} {reads};"
+            f" root {stats.root}"
+        )
+    across = f" through ClusterClient from node {names[0]}" if len(names) > 1 else ""
+    print(f"  trainer    {args.dp} DP ranks{across}; windows read bit for bit against inline:")
     failed = False
     for r in results:
         verdict = "parity OK" if r.mismatches == 0 and r.windows else "MISMATCH"
@@ -98,13 +130,42 @@ async def _play(args: argparse.Namespace, socket: Path) -> int:
     return 1 if failed else 0
 
 
+@dataclass(frozen=True)
+class Node:
+    """A daemon of the demo: its socket, and its TCP URL when it has one."""
+
+    socket: Path
+    url: str = ""
+
+
 def run_demo(args: argparse.Namespace) -> int:
     """Run the demo; return 0 when every window matched the inline path."""
     tmp = Path(tempfile.mkdtemp(prefix="payloadd-demo-"))
-    root = args.root or tmp / "root"
-    socket = tmp / "payloadd.sock"
     try:
-        with start_daemon(root, socket):
-            return asyncio.run(_play(args, socket))
+        if args.nodes == 1:
+            socket = tmp / "payloadd.sock"
+            with start_daemon(args.root or tmp / "root", socket):
+                return asyncio.run(_play(args, {"demo": Node(socket)}, None))
+        token = secrets.token_hex(32)
+        env = dict(os.environ, PAYLOADD_ADMIN_TOKEN=token)
+        with contextlib.ExitStack() as stack:
+            nodes = {}
+            for i in range(args.nodes):
+                name = f"node-{chr(ord('a') + i)}" if i < 26 else f"node-{i}"
+                http, peer = free_tcp_port(), free_tcp_port()
+                sock = tmp / f"{name}.sock"
+                stack.enter_context(start_daemon(
+                    (args.root or tmp) / name, sock, "--node", name, "--tcp-port", str(http),
+                    "--peer-port", str(peer), env=env,
+                ))  # fmt: skip
+                nodes[name] = Node(sock, f"http://127.0.0.1:{http}")
+            return asyncio.run(_play(args, nodes, token))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def free_tcp_port() -> int:
+    """A TCP port of 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

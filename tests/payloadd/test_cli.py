@@ -21,14 +21,22 @@ from payloadd.settings._settings import Settings
 PAYLOADD = [sys.executable, "-m", "payloadd"]
 
 
-def test_demo_small_run_checks_parity_for_every_cp_degree() -> None:
-    args = ["demo", "--samples", "6", "--max-tokens", "700", "--seq-len", "512", "--writers", "3"]
+@pytest.mark.parametrize("nodes", [1, 3])
+def test_demo_small_run_checks_parity_for_every_cp_degree(nodes: int) -> None:
+    args = ["demo", "--samples", "6", "--max-tokens", "700", "--seq-len", "512", "--writers", "3",
+            "--nodes", str(nodes)]  # fmt: skip
     out = subprocess.run([*PAYLOADD, *args], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     for cp in (1, 2, 4):
         line = next(ln for ln in out.stdout.splitlines() if ln.strip().startswith(f"CP {cp}:"))
         assert "0 mismatches" in line and "parity OK" in line
     assert "demo: OK" in out.stdout
+    if nodes == 3:  # each node wrote its share, and the other nodes' reads reached theirs
+        lines = [ln for ln in out.stdout.splitlines() if ln.strip().startswith("node-")]
+        assert [ln.split()[0] for ln in lines] == ["node-a", "node-b", "node-c"]
+        answered = [int(ln.split(" data-plane requests, ")[1].split()[0]) for ln in lines]
+        assert answered[0] == 0 and answered[1] > 0 and answered[2] > 0
+        assert "through ClusterClient from node node-a" in out.stdout
 
 
 def test_demo_parity_check_can_fail() -> None:
