@@ -89,6 +89,8 @@ PeerT = TypeVar("PeerT")
 
 PEER_ASK_S = 60.0
 """A daemon whose ``/healthz`` named no peer port is asked again after this many seconds."""
+PEER_RETRY_S = 30.0
+"""After its peer port failed, a daemon's reads go over HTTP for this many seconds."""
 HTTP_CHUNK = 256 << 10
 """Row bytes go to the HTTP stack in memoryview slices of at most this many bytes."""
 
@@ -265,9 +267,11 @@ class BaseClient(Generic[HTTPT, DataPlaneT, PeerT]):
                 result: T = yield (fast, call)
                 return result
             except DataPlaneDownError:  # raised only before any row reached a file
-                self._data_plane_failed()
                 if fast is self._peer:  # asked anew next time: the daemon may have moved it
                     self._forget_peer()
+                    self._data_plane_failed(PEER_RETRY_S)
+                else:
+                    self._data_plane_failed()
         for attempt in (1, 2):
             try:
                 result = yield (self._http, call)

@@ -4,6 +4,7 @@ reading or sending), the errors a read answers, and the client's fallback to HTT
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import socket
@@ -25,6 +26,14 @@ from payload_client import (
     PayloadSegment,
     SegmentFileError,
 )
+from payload_client._timeout import Timeout
+from payload_client._transports import (
+    AsyncPeerTransport,
+    Call,
+    DataPlaneDownError,
+    SyncPeerTransport,
+)
+from payload_client._transports._peer import CONNECT_S
 from payload_client.protocol import (
     FRAME_PREFIX,
     ErrorReply,
@@ -332,3 +341,22 @@ def test_ranks_at_once_on_the_peer_port(peer: Peer) -> None:
         t.join(60)
     shared.close()
     assert not errors, errors
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_port_that_never_answers_the_hello_is_given_up_in_seconds(mode: str) -> None:
+    """A peer port behind a firewall that drops, or a process that accepts and hangs: the
+    client gives it up after `CONNECT_S` (HTTP carries the read), not after its 60 s."""
+    with socket.create_server(("127.0.0.1", 0)) as hole:  # listens, never accepts
+        port = hole.getsockname()[1]
+        call = Call("POST", "/v1/read", decode=lambda _: None, expected=0,
+                    peer_extents=lambda: [])  # fmt: skip
+        timeout = Timeout(connect=60.0)
+        start = time.monotonic()
+        with pytest.raises(DataPlaneDownError, match="cannot reach"):
+            if mode == "sync":
+                SyncPeerTransport("127.0.0.1", port, TOKEN, timeout, "x").handle_call(call)
+            else:
+                t = AsyncPeerTransport("127.0.0.1", port, TOKEN, timeout, "x")
+                asyncio.run(t.handle_async_call(call))
+        assert CONNECT_S - 0.5 < time.monotonic() - start < CONNECT_S + 5

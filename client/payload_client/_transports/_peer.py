@@ -39,6 +39,8 @@ T = TypeVar("T")
 
 POOL = 8
 """Most idle connections a client keeps to one daemon's peer port."""
+CONNECT_S = 3.0
+"""Most seconds a connection to a peer port and its hello may take."""
 
 _encoder = msgspec.msgpack.Encoder()
 _reply = msgspec.msgpack.Decoder(PeerReply)
@@ -170,6 +172,15 @@ class _Peer:
                 done()
         return call.decode(b"")
 
+    def _connect_s(self) -> float:
+        """Seconds a connection and its hello may take: the client's ``connect`` limit, at
+        most `CONNECT_S` (a port a firewall drops must not hold a read that HTTP can do)."""
+        return min(self.timeout.connect or CONNECT_S, CONNECT_S)
+
+    def _unreachable(self, exc: BaseException) -> DataPlaneDownError:
+        """A connection or hello that failed: HTTP carries the call."""
+        return DataPlaneDownError(f"cannot reach {self.where}: {exc!r}")
+
     def _error(self, exc: BaseException) -> Exception:
         """What a failed exchange raises: `TimeoutError` when the daemon took too long,
         else `DataPlaneDownError` (HTTP carries the call)."""
@@ -196,10 +207,13 @@ class SyncPeerTransport(_Peer, Transport):
     def _connect(self) -> _Conn:
         sock = self._new_socket()
         try:
-            sock.settimeout(self.timeout.connect)
+            sock.settimeout(self._connect_s())
             sock.connect(self.address)
             sock.sendall(_frame(PeerHello(self.token)))
             self._welcomed(self._recv_reply(sock))
+        except (_ShortError, OSError) as exc:
+            sock.close()
+            raise self._unreachable(exc) from None
         except BaseException:
             sock.close()
             raise
@@ -289,10 +303,13 @@ class AsyncPeerTransport(_Peer, AsyncTransport):
         sock.setblocking(False)
         try:
             loop = asyncio.get_running_loop()
-            async with asyncio.timeout(self.timeout.connect):
+            async with asyncio.timeout(self._connect_s()):
                 await loop.sock_connect(sock, self.address)
                 await loop.sock_sendall(sock, _frame(PeerHello(self.token)))
                 self._welcomed(await self._recv_reply(sock))
+        except (_ShortError, OSError) as exc:
+            sock.close()
+            raise self._unreachable(exc) from None
         except BaseException:
             sock.close()
             raise
