@@ -112,7 +112,8 @@ def open_client(args: argparse.Namespace, *, data_plane: bool) -> PayloadClient:
     token = os.environ.get("PAYLOADD_ADMIN_TOKEN") or None
     if args.token_file is not None:
         try:
-            token = args.token_file.read_text().strip()
+            lines = args.token_file.read_text().split()
+            token = lines[0] if lines else ""  # the first: while rotating, the new one
         except (OSError, UnicodeDecodeError) as exc:
             raise FlagError(f"cannot read --token-file {args.token_file}: {exc}") from None
     return PayloadClient(args.socket, base_url=args.base_url, token=token, data_plane=data_plane)

@@ -13,6 +13,7 @@ import hmac
 import logging
 import os
 import re
+from collections.abc import Sequence
 
 import msgspec
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -21,7 +22,14 @@ from payload_client.protocol import STATUS_BY_ERROR, ErrorBody, UnauthorizedErro
 from payloadd.server._sockets import StartError
 from payloadd.settings._settings import Settings
 
-__all__ = ["ADMIN_PREFIX", "MIN_TOKEN_CHARS", "TokenGuard", "load_admin_token"]
+__all__ = [
+    "ADMIN_PREFIX",
+    "MAX_TOKENS",
+    "MIN_TOKEN_CHARS",
+    "TokenGuard",
+    "Tokens",
+    "load_admin_token",
+]
 
 log = logging.getLogger("payloadd")
 
@@ -29,45 +37,84 @@ ADMIN_PREFIX = "/v1/admin"
 """Every path starting with this is an admin call."""
 MIN_TOKEN_CHARS = 16
 """Shortest admin token accepted (e.g. ``openssl rand -hex 32`` gives 64)."""
+MAX_TOKENS = 8
+"""Most tokens a token file may hold (one a line: the new and the old one, while rotating)."""
 _TOKEN = re.compile(rb"[\x21-\x7e]+")  # what an HTTP header can carry after "Bearer "
 
 
-def load_admin_token(settings: Settings, *, warn: bool = True) -> bytes | None:
-    """Return the configured admin token, or ``None`` when there is none; with ``warn``, log
-    a warning when the token file is readable by every user.
+class Tokens:
+    """The admin tokens a daemon accepts: one, or while one is rotated, several (the lines of
+    the token file). `accepts` compares a sent token with each in constant time.
+
+    Parameters
+    ----------
+    tokens : sequence of bytes
+        The tokens, the one clients of the file send first.
+    """
+
+    def __init__(self, tokens: Sequence[bytes]) -> None:
+        self._tokens = tuple(tokens)
+
+    def accepts(self, sent: bytes) -> bool:
+        """Whether ``sent`` is one of the tokens (every one is compared, whatever matched)."""
+        ok = False
+        for token in self._tokens:
+            ok |= hmac.compare_digest(sent, token)
+        return ok
+
+    def __len__(self) -> int:
+        return len(self._tokens)
+
+    def __repr__(self) -> str:  # never the values
+        return f"Tokens({len(self._tokens)})"
+
+
+def load_admin_token(settings: Settings, *, warn: bool = True) -> Tokens | None:
+    """Return the configured admin tokens, or ``None`` when there are none; with ``warn``,
+    log a warning when the token file is readable by every user.
+
+    ``PAYLOADD_ADMIN_TOKEN`` holds one token; ``admin_token_file`` one a line (empty lines
+    ignored), at most `MAX_TOKENS`: every one is accepted, so that a token is rotated without
+    a refused call (docs/deployment.md, "Many nodes").
 
     Raises
     ------
     StartError
-        Both ``admin_token`` and ``admin_token_file`` are set; the file cannot be read; the
-        token is shorter than `MIN_TOKEN_CHARS` or holds characters other than visible
-        ASCII. Messages never include the token.
+        Both ``admin_token`` and ``admin_token_file`` are set; the file cannot be read or
+        holds no token, or too many; a token is shorter than `MIN_TOKEN_CHARS` or holds
+        characters other than visible ASCII. Messages never include a token.
     """
     if settings.admin_token is not None and settings.admin_token_file is not None:
         raise StartError("give admin_token (PAYLOADD_ADMIN_TOKEN) or admin_token_file, not both")
     if settings.admin_token is not None:
         where = "PAYLOADD_ADMIN_TOKEN"
-        token = settings.admin_token.get_secret_value().strip().encode()
+        tokens = [settings.admin_token.get_secret_value().strip().encode()]
     elif settings.admin_token_file is not None:
         path = settings.admin_token_file
         where = f"admin_token_file {path}"
         try:
             with open(path, "rb") as f:
-                token = f.read(64 << 10).strip()
+                tokens = [line.strip() for line in f.read(64 << 10).splitlines() if line.strip()]
             mode = os.stat(path).st_mode
         except OSError as exc:
             raise StartError(f"cannot read {where}: {exc.strerror}") from None
         if warn and mode & 0o004:
             log.warning("%s is readable by every user; make it 0600 or 0640", where)
+        if len(tokens) > MAX_TOKENS:
+            raise StartError(f"{where} holds {len(tokens)} tokens; at most {MAX_TOKENS}")
+        tokens = tokens or [b""]
     else:
         return None
-    if len(token) < MIN_TOKEN_CHARS:
-        raise StartError(f"the admin token in {where} is shorter than {MIN_TOKEN_CHARS} characters")
-    if not _TOKEN.fullmatch(token):
-        raise StartError(
-            f"the admin token in {where} must be visible ASCII characters only (no spaces)"
-        )
-    return token
+    for token in tokens:
+        if len(token) < MIN_TOKEN_CHARS:
+            raise StartError(
+                f"the admin token in {where} is shorter than {MIN_TOKEN_CHARS} characters"
+            )
+        if not _TOKEN.fullmatch(token):
+            raise StartError(
+                f"the admin token in {where} must be visible ASCII characters only (no spaces)"
+            )
+    return Tokens(tokens)
 
 
 def _over_network(scope: Scope) -> bool:
@@ -83,12 +130,12 @@ class TokenGuard:
     ----------
     app : ASGI app
         The app it guards.
-    token : bytes or None
-        The admin token; ``None``: admin calls over the Unix socket are open, and calls over
-        TCP (which the daemon never serves without a token) are refused.
+    token : Tokens or None
+        The admin tokens; ``None``: admin calls over the Unix socket are open, and calls
+        over TCP (which the daemon never serves without a token) are refused.
     """
 
-    def __init__(self, app: ASGIApp, token: bytes | None) -> None:
+    def __init__(self, app: ASGIApp, token: Tokens | None) -> None:
         self.app = app
         self.token = token
 
@@ -101,7 +148,7 @@ class TokenGuard:
             await self.app(scope, receive, send)
             return
         sent = self._bearer(scope)
-        if sent is not None and self.token is not None and hmac.compare_digest(sent, self.token):
+        if sent is not None and self.token is not None and self.token.accepts(sent):
             await self.app(scope, receive, send)
             return
         what = "calls over TCP" if network else "admin calls"

@@ -20,7 +20,6 @@ answer for ``request_timeout_s``, has its connection dropped; a connection idle 
 
 from __future__ import annotations
 
-import hmac
 import select
 import socket
 import time
@@ -37,6 +36,7 @@ from payload_client.protocol import (
     PeerRequest,
     PeerWelcome,
 )
+from payloadd.server._auth import Tokens
 from payloadd.server._frames import FrameReader
 from payloadd.server._listener import Listener, StalledError, error_reply, framed
 from payloadd.server._metrics import Metrics
@@ -63,8 +63,8 @@ class PeerServer(Listener):
     ----------
     store : Store
         The storage core (checks, opens, counters).
-    token : bytes
-        The admin token every connection must send first.
+    token : Tokens
+        The admin tokens (one of them: every connection must send it first).
     fds : Descriptors
         The daemon's descriptor shares: connections beyond ``peer_connections`` are closed
         at once; reads take their files from the per-request share.
@@ -83,7 +83,7 @@ class PeerServer(Listener):
     def __init__(
         self,
         store: Store,
-        token: bytes,
+        token: Tokens,
         fds: Descriptors,
         *,
         metrics: Metrics | None = None,
@@ -151,9 +151,7 @@ class PeerServer(Listener):
         except (_IdleError, PayloadTooLargeError):
             body = None
         hello = _decoded(body) if body is not None else None
-        if not isinstance(hello, PeerHello) or not hmac.compare_digest(
-            hello.token.encode(), self._token
-        ):
+        if not isinstance(hello, PeerHello) or not self._token.accepts(hello.token.encode()):
             what = "the token sent is not it" if isinstance(hello, PeerHello) else "no hello"
             exc = UnauthorizedError(f"the peer port needs the admin token first; {what}")
             self._count("hello", started, exc)

@@ -256,3 +256,52 @@ async def test_the_async_client_over_tcp(guarded: Guarded) -> None:
     async with AsyncPayloadClient(base_url=guarded.url) as c:
         with pytest.raises(UnauthorizedError, match="calls over TCP"):
             await c.read_field(segs, "f", 0, 3, 0)
+
+
+def test_a_token_file_of_two_lines_accepts_both_while_a_token_is_rotated(tmp_path: Path) -> None:
+    """Rotation without a refused call: the file holds the new token and the old one; both
+    are taken over TCP and on the peer port, any other is not; the CLI sends the first."""
+    new, old = "new-" + "n" * 28, "old-" + "o" * 28
+    (tmp_path / "token").write_text(f"{new}\n\n{old}\n")
+    (tmp_path / "token").chmod(0o600)
+    http, peer = free_port(), free_port()
+    flags = ("--admin-token-file", str(tmp_path / "token"), "--tcp-port", str(http),
+             "--peer-port", str(peer))  # fmt: skip
+    with start_daemon(tmp_path / "root", tmp_path / "s.sock", *flags):
+        with PayloadClient(tmp_path / "s.sock", token=new) as local:
+            segs = local.append("f", np.arange(8, dtype=np.uint8).reshape(4, 2), 0, run="r", step=0)
+        for token in (new, old):
+            with PayloadClient(base_url=f"http://127.0.0.1:{http}", token=token) as c:
+                assert c.stats().node  # HTTP over TCP
+                got = c.read_field(segs, "f", 0, 4, 0)  # the peer port
+                assert got is not None and got.tolist() == [[0, 1], [2, 3], [4, 5], [6, 7]]
+                assert c._peer is not None  # it went over the peer port, not HTTP
+        with (
+            PayloadClient(base_url=f"http://127.0.0.1:{http}", token="x" * 32) as c,
+            pytest.raises(UnauthorizedError),
+        ):
+            c.stats()
+        out = subprocess.run(
+            [sys.executable, "-m", "payloadd", "gc", "--socket", str(tmp_path / "s.sock"),
+             "--token-file", str(tmp_path / "token"), "--run", "r", "--before-step", "0"],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr
+
+
+def test_a_token_file_of_too_many_tokens_or_a_short_one_is_refused_at_start(
+    tmp_path: Path,
+) -> None:
+    for text, message in [
+        ("\n".join(f"token-{i:02d}-" + "x" * 20 for i in range(9)), "holds 9 tokens; at most 8"),
+        ("good-" + "g" * 20 + "\nshort\n", "shorter than 16"),
+        ("\n\n", "shorter than 16"),
+    ]:
+        (tmp_path / "token").write_text(text)
+        out = subprocess.run(
+            [sys.executable, "-m", "payloadd", "serve", "--root", str(tmp_path / "root"),
+             "--socket", str(tmp_path / "s.sock"), "--admin-token-file", str(tmp_path / "token")],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert out.returncode != 0 and message in out.stderr, out.stderr
+        assert "g" * 20 not in out.stderr and "x" * 20 not in out.stderr  # never the tokens
