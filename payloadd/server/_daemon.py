@@ -175,7 +175,8 @@ class Daemon:
             self.peer.start(self._peer_listener or bind_tcp_socket(s.peer_host, s.peer_port))
         # the store's gauges, read at each scrape
         connections = self.data_plane.connections if self.data_plane else None
-        self._gauges = StoreMetrics(self.store, connections, self.fds, self.inflight)
+        peers = self.peer.connections if self.peer else None
+        self._gauges = StoreMetrics(self.store, connections, self.fds, self.inflight, peers)
         self.metrics.registry.register(self._gauges)
         # the background GC, every gc_interval_s (the first at once)
         self._sweeper = asyncio.create_task(self._sweep_every(s.gc_interval_s))

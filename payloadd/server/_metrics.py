@@ -202,6 +202,8 @@ class StoreMetrics(Collector):
         The daemon's descriptor shares (`payloadd.store._budget`).
     inflight : InFlight, optional
         The bytes of requests in flight.
+    peer_connections : callable, optional
+        Returns the peer port's open connections (absent without a peer port).
     """
 
     def __init__(
@@ -210,9 +212,11 @@ class StoreMetrics(Collector):
         connections: Callable[[], int] | None = None,
         fds: Descriptors | None = None,
         inflight: InFlight | None = None,
+        peer_connections: Callable[[], int] | None = None,
     ) -> None:
         self.store = store
         self.connections = connections
+        self.peer_connections = peer_connections
         self.fds = fds
         self.inflight = inflight
 
@@ -272,6 +276,12 @@ class StoreMetrics(Collector):
                 "payloadd_dataplane_connections",
                 "Open data-plane connections.",
                 self.connections(),
+            )
+        if self.peer_connections is not None:
+            yield gauge(
+                "payloadd_peer_connections",
+                "Open peer-port connections.",
+                self.peer_connections(),
             )
         if self.fds is not None:
             shares = GaugeMetricFamily(
