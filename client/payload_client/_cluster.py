@@ -26,6 +26,7 @@ import numpy as np
 from ._base import BaseClient, Planned
 from ._clients import AsyncPayloadClient, PayloadClient
 from ._errors import InvalidRequestError, TransportError
+from ._plan import list_columns
 from ._segment import PayloadSegment, check_name
 from ._timeout import DEFAULT_TIMEOUT_S, Timeout
 from ._windows import CoveredRead, ReadResult, Window, WindowLike
@@ -160,7 +161,11 @@ class _Cluster(Generic[C]):
             if id(segments) in seen:
                 continue
             seen.add(id(segments))
-            nodes = {s.file.partition("/")[0] for s in segments}
+            # a long list's distinct files are in its columns, kept since it was planned
+            files = (
+                list_columns(segments).files if len(segments) > 8 else (s.file for s in segments)
+            )
+            nodes = {f.partition("/")[0] for f in files}
             missing = nodes.difference(self.nodes)
             if missing:
                 node = sorted(missing)[0]
@@ -254,14 +259,16 @@ class ClusterClient(_Cluster[PayloadClient]):
         """Read several windows, one request a node: `PayloadClient.read_many` over segments
         of any nodes."""
         planned, parts = self._split(windows)
-        items = list(parts.items())
+        # the nodes over TCP in the pool, this node's (a socket: no network) meanwhile here
+        items = sorted(parts.items(), key=lambda it: self.clients[it[0]].socket_path is None)
+        items.reverse()
         if len(items) > 1:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(min(len(self.nodes), 32), "payload-cluster")
-            futures: list[Future[Any]] = [self._pool.submit(self._one, *it) for it in items[1:]]
+            futures: list[Future[Any]] = [self._pool.submit(self._one, *it) for it in items[:-1]]
             errors: list[BaseException] = []
             try:
-                self._one(*items[0])
+                self._one(*items[-1])
             except Exception as exc:
                 errors.append(exc)
             for f in futures:  # every node's read ends before this call does
