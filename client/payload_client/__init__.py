@@ -8,6 +8,7 @@ Import what you need from here; the ``_*`` modules are private.
 from ._base import DEFAULT_SOCKET
 from ._clients import AsyncPayloadClient, PayloadClient
 from ._cluster import NODES_ENV, AsyncClusterClient, ClusterClient, load_nodes
+from ._codec import decode_segments, encode_segments
 from ._errors import (
     STATUS_BY_ERROR,
     AppendInDoubtError,
@@ -115,6 +116,8 @@ __all__ = [
     "clip_segments",
     "load_nodes",
     "coverage",
+    "decode_segments",
+    "encode_segments",
     "merge_pd_responses",
     "merge_pd_segments",
     "plan_window",
