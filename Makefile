@@ -1,5 +1,6 @@
 # Two commands do all set-up: `make demo` and `make test`. Each creates .venv from this checkout.
 # `make soak` (not part of `make test`): the 30-minute soak, into docs/benchmarks/soak.{json,png}.
+# `make soak-cluster` (not part of `make test`): 10 minutes of cluster reads over three daemons.
 # `make check-glusterfs` (not part of `make test`, as root): a shared root on a real GlusterFS
 # volume mounted twice; installs glusterfs-server/-client if missing; figures into
 # docs/benchmarks/glusterfs.json.
@@ -8,7 +9,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck pytest soak check-glusterfs clean
+.PHONY: demo test lint typecheck pytest soak soak-cluster check-glusterfs clean
 
 $(STAMP): pyproject.toml client/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +36,10 @@ SOAK_ARGS ?=
 soak: $(STAMP)
 	$(BIN)/payloadd soak --duration 1800 --kill-every 600 \
 	    --json docs/benchmarks/soak.json --plot docs/benchmarks/soak.png $(SOAK_ARGS)
+
+SOAK_CLUSTER_SECONDS ?= 600
+soak-cluster: $(STAMP)
+	$(BIN)/python -m tests.payloadd.soak_cluster --seconds $(SOAK_CLUSTER_SECONDS)
 
 check-glusterfs: $(STAMP)
 	@test "$$(id -u)" = 0 || { echo "check-glusterfs runs glusterd and FUSE mounts: run it as root"; exit 1; }
