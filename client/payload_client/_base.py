@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import threading
 import time
 from collections.abc import Generator, Sequence
 from typing import Any, Generic, TypeVar
@@ -87,8 +88,6 @@ DataPlaneT = TypeVar("DataPlaneT")
 PeerT = TypeVar("PeerT")
 """The client's peer port transport (`SyncPeerTransport` or `AsyncPeerTransport`)."""
 
-PEER_ASK_S = 60.0
-"""A daemon whose ``/healthz`` named no peer port is asked again after this many seconds."""
 PEER_RETRY_S = 30.0
 """After its peer port failed, a daemon's reads go over HTTP for this many seconds."""
 HTTP_CHUNK = 256 << 10
@@ -196,9 +195,10 @@ class BaseClient(Generic[HTTPT, DataPlaneT, PeerT]):
             self._open_data_plane(self.data_socket) if self.data_socket else None
         )
         self._http: HTTPT = self._open_http()
-        # over TCP with a token, reads take the daemon's peer port once /healthz names it
+        # over TCP with a token, reads take the daemon's peer port once an answer names it
         self._token = token if data_plane and base_url is not None and token else None
         self._peer: PeerT | None = None
+        self._peer_lock = threading.Lock()
 
     def _open_peer(self, host: str, port: int, token: str) -> PeerT:
         """The peer port transport of ``host:port`` (no I/O yet)."""
@@ -230,10 +230,11 @@ class BaseClient(Generic[HTTPT, DataPlaneT, PeerT]):
         Yields ``(transport, call)``; receives the call's result through the transport, or
         has the attempt's exception thrown in. A call answered locally yields nothing. One
         with data plane steps goes to the data plane when this client has one and it is
-        due; a read of a client over TCP with a token goes to the daemon's peer port when
-        its ``/healthz`` names one (asked once, before the first read). If that way is down
+        due; a read of a client over TCP with a token goes to the daemon's peer port once an
+        HTTP answer of the daemon named it (`PEER_PORT_HEADER`). If that way is down
         (`DataPlaneDownError`: nothing reached a file), HTTP carries the call, and the next
-        ones for `DATA_PLANE_RETRY_S`. Over HTTP, an idempotent call whose connection drops
+        ones for `DATA_PLANE_RETRY_S` (the peer port: `PEER_RETRY_S`); a read the peer
+        port only declined (beyond its limits, an answer cut short) goes over HTTP alone. Over HTTP, an idempotent call whose connection drops
         is made once more (a new connection: httpx never reuses one that failed); any other
         failure (`AttemptError`) is raised as the `TransportError` it stands for. Every
         other error is the call's, raised as it is.
@@ -243,35 +244,18 @@ class BaseClient(Generic[HTTPT, DataPlaneT, PeerT]):
         fast: Any = None
         if call.data_plane_steps is not None:
             fast = self._data_plane_first()
-        if (
-            fast is None
-            and call.peer_extents is not None
-            and self._token
-            and self._data_plane_due()
-        ):
-            if self._peer is None:
-                try:  # which port, if any: once, then after each failure
-                    health: Health = yield (self._http, self._health_call())
-                except (PayloadError, AttemptError):
-                    health = Health("", "", "")
-                if health.peer_port:
-                    host = httpx.URL(self.base_url).host
-                    self._peer = self._open_peer(host, health.peer_port, self._token)
-                else:  # none (asked again in a minute), or no answer (in a few seconds)
-                    self._data_plane_failed(PEER_ASK_S if health.node else None)
-            peer: Any = self._peer
-            if peer is not None and peer.takes(call):
-                fast = peer
+        if fast is None and call.peer_extents is not None and self._token:
+            fast = self._peer_for(call)
         if fast is not None:
             try:
                 result: T = yield (fast, call)
                 return result
-            except DataPlaneDownError:  # raised only before any row reached a file
-                if fast is self._peer:  # asked anew next time: the daemon may have moved it
+            except DataPlaneDownError as exc:  # raised only before any row reached a file
+                if fast is not self._peer:
+                    self._data_plane_failed()
+                elif exc.down:  # the port refused, dropped or hung: HTTP for a while
                     self._forget_peer()
                     self._data_plane_failed(PEER_RETRY_S)
-                else:
-                    self._data_plane_failed()
         for attempt in (1, 2):
             try:
                 result = yield (self._http, call)
@@ -281,6 +265,22 @@ class BaseClient(Generic[HTTPT, DataPlaneT, PeerT]):
                     continue
                 raise exc.error(retried=attempt > 1) from exc.cause
         raise AssertionError("unreachable")
+
+    def _peer_for(self, call: Call[Any]) -> Any:
+        """The peer port transport for a read, once an HTTP answer of the daemon named its
+        port, while it is due and takes the call; else ``None`` (HTTP)."""
+        if not self._data_plane_due():
+            return None
+        if self._peer is None:
+            port: int = getattr(self._http, "peer_port", 0)
+            if not port:
+                return None
+            with self._peer_lock:  # threads sharing this client make one
+                if self._peer is None:
+                    host = httpx.URL(self.base_url).host
+                    self._peer = self._open_peer(host, port, self._token or "")
+        peer: Any = self._peer
+        return peer if peer is not None and peer.takes(call) else None
 
     def _forget_peer(self) -> None:
         """Drop the peer port transport (its idle connections are closed)."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import threading
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from types import TracebackType
@@ -25,11 +26,17 @@ import numpy as np
 
 from ._base import BaseClient, Planned
 from ._clients import AsyncPayloadClient, PayloadClient
-from ._errors import InvalidRequestError, TransportError
+from ._errors import (
+    BusyError,
+    InvalidRequestError,
+    PayloadError,
+    TransportError,
+    UnauthorizedError,
+)
 from ._plan import list_columns
 from ._segment import PayloadSegment, check_name
 from ._timeout import DEFAULT_TIMEOUT_S, Timeout
-from ._windows import CoveredRead, ReadResult, Window, WindowLike
+from ._windows import CoveredRead, ReadResult, Window, WindowLike, node_of
 
 __all__ = ["NODES_ENV", "AsyncClusterClient", "ClusterClient", "load_nodes"]
 
@@ -146,7 +153,7 @@ class _Cluster(Generic[C]):
         for plan in plans:
             if plan is not None:
                 for f in plan.ends:
-                    involved.setdefault(f.partition("/")[0])
+                    involved.setdefault(node_of(f))
         parts: dict[str, Planned] = {}
         for node in involved:
             sub = [None if p is None else p.of_node(node) for p in plans]
@@ -165,18 +172,18 @@ class _Cluster(Generic[C]):
             files = (
                 list_columns(segments).files if len(segments) > 8 else (s.file for s in segments)
             )
-            nodes = {f.partition("/")[0] for f in files}
+            nodes = {node_of(f) for f in files}
             missing = nodes.difference(self.nodes)
             if missing:
                 node = sorted(missing)[0]
-                at = next(j for j, s in enumerate(segments) if s.file.startswith(node + "/"))
+                at = next(j for j, s in enumerate(segments) if node_of(s.file) == node)
                 where = f"window {i}: " if len(windows) > 1 else ""
                 raise InvalidRequestError(
                     f"{where}segment {at} is on node {node!r}, which is not in the node map "
                     f"({', '.join(sorted(self.nodes))})"
                 )
 
-    def _named(self, node: str, exc: TransportError) -> TransportError:
+    def _named(self, node: str, exc: PayloadError) -> PayloadError:
         """``exc``, its message naming the node and its address."""
         return type(exc)(f"node {node!r} at {self.nodes[node]}: {exc}")
 
@@ -222,6 +229,7 @@ class ClusterClient(_Cluster[PayloadClient]):
 
     _client_type = PayloadClient
     _pool: ThreadPoolExecutor | None = None
+    _pool_lock = threading.Lock()
 
     @overload
     def read_field(self, segments: Sequence[PayloadSegment], field: str, lo: int,
@@ -263,8 +271,9 @@ class ClusterClient(_Cluster[PayloadClient]):
         items = sorted(parts.items(), key=lambda it: self.clients[it[0]].socket_path is None)
         items.reverse()
         if len(items) > 1:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(min(len(self.nodes), 32), "payload-cluster")
+            with self._pool_lock:  # threads sharing this client make one pool
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(min(len(self.nodes), 32), "payload-cluster")
             futures: list[Future[Any]] = [self._pool.submit(self._one, *it) for it in items[:-1]]
             errors: list[BaseException] = []
             try:
@@ -283,7 +292,7 @@ class ClusterClient(_Cluster[PayloadClient]):
     def _one(self, node: str, part: Planned) -> None:
         try:
             self.clients[node]._read_planned(part)
-        except TransportError as exc:
+        except (TransportError, UnauthorizedError, BusyError) as exc:
             raise self._named(node, exc) from exc
 
     def close(self) -> None:
@@ -357,7 +366,7 @@ class AsyncClusterClient(_Cluster[AsyncPayloadClient]):
     async def _one(self, node: str, part: Planned) -> None:
         try:
             await self.clients[node]._read_planned(part)
-        except TransportError as exc:
+        except (TransportError, UnauthorizedError, BusyError) as exc:
             raise self._named(node, exc) from exc
 
     async def close(self) -> None:

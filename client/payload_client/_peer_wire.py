@@ -1,9 +1,9 @@
 """Wire types of the peer port: row bytes between nodes without HTTP.
 
 A daemon with ``peer_port`` set serves reads of its files to other nodes on a TCP port of its
-own (DESIGN §5 (b)); `payload_client.ClusterClient` and any `PayloadClient` with a
-``base_url`` use it when the daemon's ``GET /healthz`` names it (`Health.peer_port`), and
-HTTP otherwise. Frames are the data plane's: ``u32 little-endian N | N bytes of msgpack``.
+own (DESIGN §5 (b)), and names it in a `PEER_PORT_HEADER` on every HTTP answer (and in
+`Health.peer_port`); `payload_client.ClusterClient` and any `PayloadClient` with a
+``base_url`` and a token read over it once an answer named it, and over HTTP otherwise. Frames are the data plane's: ``u32 little-endian N | N bytes of msgpack``.
 Nothing of descriptor passing crosses it::
 
     client                                  daemon
@@ -28,6 +28,7 @@ from ._wire import ErrorReply, Extent
 
 __all__ = [
     "HELLO_BYTES",
+    "PEER_PORT_HEADER",
     "PEER_VERSION",
     "PeerBytes",
     "PeerHello",
@@ -41,6 +42,8 @@ PEER_VERSION = 1
 """Version of the peer protocol a `PeerHello` speaks."""
 HELLO_BYTES = 4096
 """Largest frame a daemon takes before the token is checked (the hello)."""
+PEER_PORT_HEADER = b"payloadd-peer-port"
+"""HTTP answer header naming the daemon's peer port (absent: none)."""
 
 
 class PeerHello(msgspec.Struct, tag="hello", array_like=True):

@@ -43,6 +43,7 @@ __all__ = [
     "assemble",
     "coverage",
     "direct_view",
+    "node_of",
     "page_matched",
     "place",
     "plan_window",
@@ -214,20 +215,19 @@ class WindowPlan:
         return self._table
 
     def of_node(self, node: str) -> WindowPlan:
-        """The part of this plan in files of ``node`` (``<node>/...``): its pieces, its
-        ends; the same window and output, so that reads of each node's part, into one
-        output, make the whole read (the pieces are disjoint in output rows)."""
-        prefix = node + "/"
-        ends = {f: e for f, e in self.ends.items() if f.startswith(prefix)}
+        """The part of this plan in files of ``node`` (`node_of`): its pieces, its ends;
+        the same window and output, so that reads of each node's part, into one output,
+        make the whole read (the pieces are disjoint in output rows)."""
+        ends = {f: e for f, e in self.ends.items() if node_of(f) == node}
         if len(ends) == len(self.ends):
             return self
         parts = self.parts
         if isinstance(parts, PieceTable):
-            codes = [i for i, f in enumerate(parts.files) if f.startswith(prefix)]
+            codes = [i for i, f in enumerate(parts.files) if node_of(f) == node]
             keep = np.isin(parts.file, codes)
             parts = parts._replace(**{c: getattr(parts, c)[keep] for c in _COLUMNS})
         else:
-            parts = tuple(p for p in parts if p.file.startswith(prefix))
+            parts = tuple(p for p in parts if node_of(p.file) == node)
         return WindowPlan(self.lo, self.hi, self.row_shape, self.dtype, self.fill, parts, ends)
 
     def covered(self) -> np.ndarray:
@@ -277,6 +277,12 @@ class WindowPlan:
         if at % self.dtype.itemsize:  # numpy needs each element aligned to its size
             at = 0
         return page_matched(raw, at, nbytes).view(self.dtype).reshape(shape)
+
+
+def node_of(file: str) -> str:
+    """The node of a segment's ``file``: its first component (DESIGN §9), the whole path
+    when it has one component only."""
+    return file.partition("/")[0]
 
 
 def page_matched(buf: np.ndarray, offset: int, nbytes: int) -> np.ndarray:

@@ -29,6 +29,7 @@ from ._errors import STATUS_BY_ERROR, UnauthorizedError, status_of
 from ._fields import DEFAULT_FIELDS, check_field, check_item
 from ._peer_wire import (
     HELLO_BYTES,
+    PEER_PORT_HEADER,
     PEER_VERSION,
     PeerBytes,
     PeerHello,
@@ -89,6 +90,7 @@ __all__ = [
     "DEFAULT_SOCKET",
     "FRAME_PREFIX",
     "HELLO_BYTES",
+    "PEER_PORT_HEADER",
     "PEER_VERSION",
     "INT64_MAX",
     "LEASES",

@@ -28,6 +28,7 @@ from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from payload_client import STATUS_BY_ERROR, PayloadError
+from payload_client.protocol import PEER_PORT_HEADER
 from payloadd.server._logs import REQUEST_ID
 from payloadd.server._metrics import Metrics
 from payloadd.store._counts import HTTP
@@ -92,7 +93,10 @@ class AccessMiddleware:
         start = time.perf_counter()
         rid = _request_id(scope["headers"], self._rng)
         REQUEST_ID.set(rid)  # this request's task only (each request runs in a task of its own)
-        header = (REQUEST_ID_HEADER, rid.encode())
+        headers = [(REQUEST_ID_HEADER, rid.encode())]
+        peer = (scope.get("state") or {}).get("peer")
+        if peer is not None and peer.port:  # where other nodes read this one's files
+            headers.append((PEER_PORT_HEADER, str(peer.port).encode()))
         status = 0
         sent = 0
 
@@ -100,7 +104,7 @@ class AccessMiddleware:
             nonlocal status, sent
             if message["type"] == "http.response.start":
                 status = message["status"]
-                message["headers"] = [*message.get("headers", ()), header]
+                message["headers"] = [*message.get("headers", ()), *headers]
             elif message["type"] == "http.response.body":
                 sent += len(message.get("body", b""))
             await send(message)

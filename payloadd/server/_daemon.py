@@ -171,6 +171,7 @@ class Daemon:
                 self.store, token, self.fds, metrics=self.metrics,
                 max_frame=s.max_control_bytes, max_per_host=s.max_peer_connections_per_host,
                 request_timeout=s.request_timeout_s, idle_timeout=s.keep_alive_s,
+                inflight=self.inflight,
             )  # fmt: skip
             self.peer.start(self._peer_listener or bind_tcp_socket(s.peer_host, s.peer_port))
         # the store's gauges, read at each scrape

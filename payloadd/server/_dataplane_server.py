@@ -40,7 +40,7 @@ from payload_client import BusyError, PayloadTooLargeError
 from payload_client.protocol import CommitReply, DataReply
 from payloadd.server._dataplane_requests import Connection, DataPlaneRequests
 from payloadd.server._frames import FrameReader
-from payloadd.server._listener import Listener, error_reply, framed
+from payloadd.server._listener import SMALL_FRAME, Listener, error_reply, framed
 from payloadd.server._metrics import Metrics
 from payloadd.server._sockets import bind_unix_socket
 from payloadd.store._budget import Descriptors, InFlight
@@ -48,9 +48,6 @@ from payloadd.store._counts import DATA_PLANE
 from payloadd.store._store import Store
 
 __all__ = ["DataPlaneServer"]
-
-SMALL_FRAME = 64 << 10
-"""Frames up to this size are read without asking `InFlight` (every lease, note, commit)."""
 
 
 class DataPlaneServer(Listener):

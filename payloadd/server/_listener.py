@@ -38,12 +38,24 @@ from payloadd.server._frames import FrameReader
 from payloadd.server._metrics import Metrics
 from payloadd.store._budget import out_of_descriptors
 
-__all__ = ["EXHAUSTED", "RETRY_ACCEPT_S", "Listener", "StalledError", "error_reply", "framed"]
+__all__ = [
+    "EXHAUSTED",
+    "RETRY_ACCEPT_S",
+    "SMALL_FRAME",
+    "Listener",
+    "StalledError",
+    "error_reply",
+    "framed",
+    "set_timeouts",
+]
 
 EXHAUSTED = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 """``accept()`` errors that mean "out of a resource for now", not "broken"."""
 RETRY_ACCEPT_S = 0.1
 """Seconds the accept loop waits after running out of descriptors (it never stops)."""
+SMALL_FRAME = 64 << 10
+"""Frames up to this size are read without asking `InFlight` (leases, notes, commits,
+most reads)."""
 
 _encoder = msgspec.msgpack.Encoder()
 
@@ -241,9 +253,7 @@ class Listener:
 
     def _run(self, sock: socket.socket, address: Any) -> None:
         try:
-            timeout = _timeval(self.request_timeout)  # every wait is bounded, in the kernel
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeout)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeout)
+            set_timeouts(sock, self.request_timeout)  # every wait is bounded, in the kernel
             self.serve(sock, address)
         except StalledError:
             self.log.warning("%s: a frame stalled for %.0f s mid-way; connection dropped",
@@ -310,6 +320,14 @@ def error_reply(exc: Exception, where: str, logger: logging.Logger, suffix: str 
     """The ``ErrorReply`` of ``exc`` (`wire_error`), its message followed by ``suffix``."""
     wire = wire_error(exc, where, logger)
     return ErrorReply(wire.error, wire.message + suffix)
+
+
+def set_timeouts(sock: socket.socket, seconds: float) -> None:
+    """Bound every receive and send of ``sock`` to ``seconds`` in the kernel
+    (``SO_RCVTIMEO``, ``SO_SNDTIMEO``; a blocking call then raises `BlockingIOError`)."""
+    timeout = _timeval(seconds)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeout)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeout)
 
 
 def _timeval(seconds: float) -> bytes:

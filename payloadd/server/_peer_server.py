@@ -27,7 +27,12 @@ from typing import Any
 
 import msgspec
 
-from payload_client import InvalidRequestError, PayloadTooLargeError, UnauthorizedError
+from payload_client import (
+    BusyError,
+    InvalidRequestError,
+    PayloadTooLargeError,
+    UnauthorizedError,
+)
 from payload_client.protocol import (
     HELLO_BYTES,
     PeerBytes,
@@ -38,14 +43,25 @@ from payload_client.protocol import (
 )
 from payloadd.server._auth import Tokens
 from payloadd.server._frames import FrameReader
-from payloadd.server._listener import Listener, StalledError, error_reply, framed
+from payloadd.server._listener import (
+    SMALL_FRAME,
+    Listener,
+    StalledError,
+    error_reply,
+    framed,
+    set_timeouts,
+)
 from payloadd.server._metrics import Metrics
-from payloadd.store._budget import Descriptors
+from payloadd.store._budget import Descriptors, InFlight
 from payloadd.store._counts import PEER
 from payloadd.store._store import Store
 
 __all__ = ["MAX_EXTENTS", "PeerServer"]
 
+HELLO_S = 5.0
+"""Seconds a new connection has to send its whole hello."""
+MIN_RATE = 1 << 20
+"""Bytes a second a peer must take an answer at, at least (over the whole answer)."""
 MAX_EXTENTS = 1 << 20
 """Most extents one read may list (a packed micro batch of one-row segments needs one each)."""
 
@@ -78,6 +94,9 @@ class PeerServer(Listener):
         Seconds a started frame may take to arrive whole, or a send may wait.
     idle_timeout : float
         Seconds a connection may wait between requests; then it is closed.
+    inflight : InFlight, optional
+        Bytes of request frames being received at once, shared with HTTP and the data
+        plane (default: a cap of 256 MiB of its own).
     """
 
     def __init__(
@@ -91,11 +110,13 @@ class PeerServer(Listener):
         max_per_host: int = 16,
         request_timeout: float = 30.0,
         idle_timeout: float = 5.0,
+        inflight: InFlight | None = None,
     ) -> None:
         super().__init__("peer port", PEER, metrics, request_timeout)
         self.store, self.fds = store, fds
         self.max_frame, self.max_per_host = max_frame, max_per_host
         self.idle_timeout = idle_timeout
+        self.inflight = inflight or InFlight(256 << 20)
         self._token = token
         self.port = 0  # once started
         self.welcome = PeerWelcome(store.node, max_frame, store.reads.max_read_bytes, MAX_EXTENTS)
@@ -126,38 +147,42 @@ class PeerServer(Listener):
             return
         while True:
             try:
-                body = self._frame(sock, self.max_frame, self._idle)
+                got = self._frame(sock, self.max_frame, self.idle_timeout)
             except _IdleError:
                 return
-            except PayloadTooLargeError as exc:
-                sock.sendall(framed(error_reply(exc, self.name, self.log, " (max_control_bytes)")))
+            except (PayloadTooLargeError, BusyError) as exc:
+                if isinstance(exc, BusyError) and self.metrics is not None:
+                    self.metrics.refused_one(PEER, "inflight")
+                sock.sendall(framed(error_reply(exc, self.name, self.log)))
                 return
-            if body is None:
+            if got is None:
                 return
-            if not self._answer(sock, body):
-                return
+            body, held = got
+            try:
+                if not self._answer(sock, body):
+                    return
+            finally:
+                if held:
+                    self.inflight.release(held)
 
     def _hello(self, sock: socket.socket) -> bool:
-        """Whether the connection's first frame is a hello with the token (it is answered
-        either way; nothing else is read before it)."""
+        """Whether the connection's first frame, whole within `HELLO_S` of connecting, is a
+        hello with a token the daemon accepts (it is answered either way, if it came)."""
         started = time.monotonic()
-
-        def too_slow() -> None:
-            if time.monotonic() - started > self.request_timeout:
-                raise _IdleError
-
+        set_timeouts(sock, min(HELLO_S, self.request_timeout))
         try:
-            body = self._frame(sock, HELLO_BYTES, too_slow)
-        except (_IdleError, PayloadTooLargeError):
-            body = None
-        hello = _decoded(body) if body is not None else None
+            got = self._frame(sock, HELLO_BYTES, min(HELLO_S, self.request_timeout))
+        except (_IdleError, PayloadTooLargeError, StalledError):
+            got = None
+        hello = _decoded(got[0]) if got is not None else None
         if not isinstance(hello, PeerHello) or not self._token.accepts(hello.token.encode()):
             what = "the token sent is not it" if isinstance(hello, PeerHello) else "no hello"
             exc = UnauthorizedError(f"the peer port needs the admin token first; {what}")
             self._count("hello", started, exc)
-            if body is not None:
+            if got is not None:
                 sock.sendall(framed(error_reply(exc, self.name, self.log)))
             return False
+        set_timeouts(sock, self.request_timeout)
         sock.sendall(framed(self.welcome))
         self._count("hello", started)
         return True
@@ -165,18 +190,35 @@ class PeerServer(Listener):
     def _idle(self) -> None:
         raise _IdleError
 
-    def _frame(self, sock: socket.socket, limit: int, idle: Any) -> bytearray | None:
-        """The next frame's body; ``None`` when the connection ended. Its first byte is
-        waited for ``idle_timeout`` (then ``idle()``), the rest ``request_timeout``."""
-        frame = FrameReader(limit, f"{self.name} frame")
+    def _frame(
+        self, sock: socket.socket, limit: int, first_wait: float
+    ) -> tuple[bytearray, int] | None:
+        """The next frame's body and the bytes of it counted in flight (to give back);
+        ``None`` when the connection ended. Its first byte must come within
+        ``first_wait`` seconds (else `_IdleError`), the rest within the socket's receive
+        timeout of each other; a body above `SMALL_FRAME` waits for room under
+        ``max_inflight_bytes`` (`BusyError`)."""
         poll = select.poll()
         poll.register(sock, select.POLLIN)
-        if not poll.poll(self.idle_timeout * 1000):
-            idle()
-        deadline = self.recv_part(sock, frame, None, idle)
-        if deadline is None or self.recv_part(sock, frame, deadline) is None:
+        if not poll.poll(first_wait * 1000):
+            raise _IdleError
+        frame = FrameReader(limit, f"{self.name} frame")
+        deadline = self.recv_part(sock, frame, None, self._idle)  # the prefix
+        if deadline is None:
             return None
-        return frame.body()
+        held = frame.missing() if frame.missing() > SMALL_FRAME else 0
+        if held:
+            self.inflight.acquire(held, max(0.0, deadline - time.monotonic()))
+        try:
+            if self.recv_part(sock, frame, deadline) is None:
+                if held:
+                    self.inflight.release(held)
+                return None
+        except BaseException:
+            if held:
+                self.inflight.release(held)
+            raise
+        return frame.body(), held
 
     def _answer(self, sock: socket.socket, body: bytearray) -> bool:
         """Answer one read; whether the connection can go on (not after an error that came
@@ -204,9 +246,13 @@ class PeerServer(Listener):
                 return self._refuse(sock, exc, start)
             try:
                 sock.sendall(framed(PeerBytes(reader.total)))
+                # a peer must take the answer at MIN_RATE at least, and each byte within
+                # request_timeout_s of the last: a slow or stopped one does not hold this
+                # thread and its descriptors
+                until = time.monotonic() + self.request_timeout + reader.total / MIN_RATE
                 sock.setblocking(False)  # sendfile ignores SO_SNDTIMEO: waits are polled
                 try:
-                    reader.send_to(sock.fileno(), lambda: self._writable(sock))
+                    reader.send_to(sock.fileno(), lambda: self._writable(sock, until))
                 finally:
                     sock.setblocking(True)
             except Exception as exc:  # the answer is cut: its client asks again
@@ -219,12 +265,14 @@ class PeerServer(Listener):
         self._count("read", start)
         return True
 
-    def _writable(self, sock: socket.socket) -> None:
+    def _writable(self, sock: socket.socket, until: float) -> None:
         """Wait until ``sock`` takes bytes again; a peer that takes none for
-        ``request_timeout`` is given up on (`StalledError`: the connection is dropped)."""
+        ``request_timeout``, or is not done by ``until``, is given up on (`StalledError`:
+        the connection is dropped)."""
         poll = select.poll()
         poll.register(sock, select.POLLOUT)
-        if not poll.poll(self.request_timeout * 1000):
+        wait = min(self.request_timeout, until - time.monotonic())
+        if wait <= 0 or not poll.poll(wait * 1000):
             self.log.warning("%s: a peer took no byte of an answer for %.0f s; connection "
                              "dropped", self.name, self.request_timeout)  # fmt: skip
             if self.metrics is not None:

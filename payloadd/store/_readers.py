@@ -41,6 +41,7 @@ from payloadd.store._counts import HTTP, PEER
 from payloadd.store._fs_kind import LOCAL_POLICY, RootPolicy
 from payloadd.store._ledger import LEDGER_NAME, Ledger
 from payloadd.store._records import os_errors
+from payloadd.store._short_reads import NO_SENDFILE, ShortRead, copy_out
 
 __all__ = ["ExtentReader", "Readers"]
 
@@ -499,7 +500,7 @@ class ExtentReader:
                     current[0] = next(pieces)
                 fd, offset, nbytes, file = current[0]
                 k = min(nbytes, view.nbytes - at)
-                got, short = 0, _Short(self._readers, file)
+                got, short = 0, ShortRead(self._readers, file)
                 while got < k:
                     try:
                         n = os.preadv(fd, [view[at + got : at + k]], offset + got)
@@ -526,15 +527,22 @@ class ExtentReader:
         OSError
             The socket's (its peer went away), and what ``wait`` raises.
         """
+        copy: memoryview | None = None  # where sendfile does not serve this file system
         for fd, offset, nbytes, file in self._pieces():
-            got, short = 0, _Short(self._readers, file)
+            got, short = 0, ShortRead(self._readers, file)
             while got < nbytes:
                 try:
-                    n = os.sendfile(out, fd, offset + got, nbytes - got)
+                    if copy is None:
+                        n = os.sendfile(out, fd, offset + got, nbytes - got)
+                    else:
+                        n = copy_out(out, fd, offset + got, nbytes - got, copy, wait)
                 except BlockingIOError:
                     wait()
                     continue
                 except OSError as exc:
+                    if copy is None and got == 0 and exc.errno in NO_SENDFILE:
+                        copy = memoryview(bytearray(1 << 20))  # pread + send instead
+                        continue
                     if exc.errno != errno.ESTALE:
                         raise
                     n = -1
@@ -548,27 +556,6 @@ class ExtentReader:
     def close(self) -> None:
         """Close the read's descriptors (again: nothing)."""
         self._closer()
-
-
-class _Short:
-    """A pread or sendfile of a checked file that found its end before the segment's."""
-
-    def __init__(self, readers: Readers, file: str) -> None:
-        self.readers, self.file = readers, file
-        self.waited, self.pause = 0.0, 0.001
-
-    def again(self, fd: int, n: int) -> bool:
-        """Wait a little and say to try again (another node's file, on a root whose policy
-        waits for them: this node's size may catch up, on GlusterFS rarely; such reads never
-        run on the event loop), else raise `FileGoneError` (its step was collected) or
-        `SegmentFileError` (it shrank)."""
-        if n == 0 and self.waited < self.readers.short_read_wait(self.file):
-            os.fstat(fd)
-            time.sleep(self.pause)
-            self.waited, self.pause = self.waited + self.pause, min(2 * self.pause, 0.1)
-            return True
-        self.readers._raise_if_collected(self.file)
-        raise SegmentFileError(f"payload file {self.file!r} shrank during the read")
 
 
 def _size_of(fd: int) -> int:

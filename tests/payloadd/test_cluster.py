@@ -224,15 +224,23 @@ def test_later_segments_win_across_nodes(cluster: Cluster) -> None:
 
 
 def test_reads_go_over_the_peer_port_and_this_node_over_the_data_plane(cluster: Cluster) -> None:
-    before = {n: node.metrics() for n, node in cluster.nodes.items()}
+    """A node's first read goes over HTTP, whose answer names the peer port; the next ones
+    over the peer port (one request a node either way)."""
     windows = cp_windows(cluster.segs, cluster.length, 2)
     with ClusterClient(cluster.map("na"), token=TOKEN) as cc:
+        before = {n: node.metrics() for n, node in cluster.nodes.items()}
+        check(cc.read_many(windows), windows, cluster.files())  # over HTTP: ports named
+        after = {n: node.metrics() for n, node in cluster.nodes.items()}
+        for name in ("nb", "nc"):
+            assert delta(before[name], after[name], "payloadd_http_request_duration_seconds_count",
+                         route="/v1/read", status_class="2xx") == 1  # fmt: skip
+        before = after
         check(cc.read_many(windows), windows, cluster.files())
     for name, node in cluster.nodes.items():
-        after = node.metrics()
-        peer = sum(delta(before[name], after, "payloadd_read_bytes_total", field=f, transport="peer")
+        now = node.metrics()
+        peer = sum(delta(before[name], now, "payloadd_read_bytes_total", field=f, transport="peer")
                    for f in FIELDS)  # fmt: skip
-        http = sum(delta(before[name], after, "payloadd_read_bytes_total", field=f, transport="http")
+        http = sum(delta(before[name], now, "payloadd_read_bytes_total", field=f, transport="http")
                    for f in FIELDS)  # fmt: skip
         assert http == 0, name
         if name == "na":  # its own daemon: descriptors, the daemon reads nothing

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import os
 import socket
 import threading
@@ -36,6 +37,7 @@ from payload_client._transports import (
 from payload_client._transports._peer import CONNECT_S
 from payload_client.protocol import (
     FRAME_PREFIX,
+    AppendItem,
     ErrorReply,
     Extent,
     PeerBytes,
@@ -149,8 +151,9 @@ def written(peer: Peer, n: int = 64, seed: int = 0) -> tuple[list[PayloadSegment
 
 def test_a_read_over_the_peer_port(peer: Peer) -> None:
     segs, rows = written(peer)
-    before = peer.metrics()
     with peer.client() as c:
+        assert c.health().peer_port == peer.port  # /healthz names it, and so does the
+        before = peer.metrics()  # header of that answer: the read goes over the peer port
         got = read8(c, segs, 3, 60)
     assert np.array_equal(got, rows[3:60])
     after = peer.metrics()
@@ -291,10 +294,11 @@ def test_connections_beyond_the_limit_per_host_are_closed_at_once(peer: Peer) ->
                 send(s, PeerHello(TOKEN))
             assert closed(s, 5)
         segs, rows = written(peer, seed=6)
-        before = peer.metrics()
-        with peer.client() as c:  # the client reads over HTTP instead
-            assert np.array_equal(read8(c, segs, 0, 8), rows[:8])
-        after = peer.metrics()
+        with peer.client() as c:
+            c.stats()  # an answer names the peer port: the read tries it first
+            before = peer.metrics()
+            assert np.array_equal(read8(c, segs, 0, 8), rows[:8])  # then reads over HTTP
+            after = peer.metrics()
         assert delta(before, after, "payloadd_read_bytes_total", field="routed_experts",
                      transport="http") == 8 * 384  # fmt: skip
         assert delta(before, after, "payloadd_refused_total", transport="peer",
@@ -360,3 +364,45 @@ def test_a_port_that_never_answers_the_hello_is_given_up_in_seconds(mode: str) -
                 t = AsyncPeerTransport("127.0.0.1", port, TOKEN, timeout, "x")
                 asyncio.run(t.handle_async_call(call))
         assert CONNECT_S - 0.5 < time.monotonic() - start < CONNECT_S + 5
+
+
+def test_where_sendfile_is_not_served_the_bytes_are_sent_by_hand(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Some FUSE file systems answer ``sendfile`` with EINVAL: the answer is then pread and
+    written by hand, the same bytes, through a socket that fills up."""
+    from payloadd.store._store import Store
+
+    store = Store(tmp_path / "root", "n")
+    rows = np.random.default_rng(9).integers(0, 255, (1 << 14, 48, 8), dtype=np.uint8)
+    pending = store.begin_append([AppendItem("f", "uint8", [48, 8], len(rows), 0, "r", 0)])
+    try:
+        pending.write(rows.tobytes())
+        seg = pending.commit()[0][0]
+    finally:
+        pending.close()
+    calls = []
+
+    def refuse(*args: object) -> int:
+        calls.append(args)
+        raise OSError(errno.EINVAL, "sendfile: not here")
+
+    monkeypatch.setattr(os, "sendfile", refuse)
+    a, b = socket.socketpair()
+    with a, b:
+        a.setblocking(False)
+        got = bytearray()
+
+        def wait() -> None:  # the reader drains what the writer could not send
+            got.extend(b.recv(1 << 20))
+
+        reader = store.open_extents([Extent(seg.file, seg.offset, rows.nbytes, rows.nbytes)])
+        try:
+            reader.send_to(a.fileno(), wait)
+        finally:
+            reader.close()
+        b.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            while chunk := b.recv(1 << 20):
+                got.extend(chunk)
+    assert len(calls) == 1 and bytes(got) == rows.tobytes()

@@ -35,13 +35,26 @@ E = TypeVar("E")
 
 
 class DataPlaneDownError(Exception):
-    """The data plane cannot be used right now; the caller falls back to HTTP.
+    """The data plane (or the peer port) cannot be used for this call; the caller falls back
+    to HTTP.
 
     It leaves the steps only while nothing of the call reached a file: once an append's rows
     are written, a failing exchange ends in the segments (a lease append: the note is only
     counters) or in `AppendInDoubtError` (a reservation whose commit was lost), never in the
     rows being sent again over HTTP.
+
+    Parameters
+    ----------
+    message : str
+        What happened.
+    down : bool, default True
+        Whether the way itself failed (the next calls take HTTP for a while too), or only
+        declined this call (a read beyond the peer port's limits, an answer cut short).
     """
+
+    def __init__(self, message: str = "", *, down: bool = True) -> None:
+        super().__init__(message)
+        self.down = down
 
 
 class AttemptError(Exception):

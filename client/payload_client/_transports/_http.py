@@ -161,6 +161,12 @@ class HTTPAttemptError(AttemptError):
         )
 
 
+def _peer_port(r: httpx.Response) -> int:
+    """The peer port an answer names (`PEER_PORT_HEADER`), 0 when none."""
+    value = r.headers.get("payloadd-peer-port", "")
+    return int(value) if value.isdigit() and 0 < int(value) < 65536 else 0
+
+
 def _httpx_settings(
     timeout: Timeout, headers: dict[str, str], base_url: str
 ) -> tuple[httpx.Limits, dict[str, Any]]:
@@ -203,6 +209,7 @@ class HTTPTransport(Transport):
         transport = httpx.HTTPTransport(uds=socket_path, limits=limits) if socket_path else None
         self.client = httpx.Client(transport=transport, **settings)
         self.where = where
+        self.peer_port = 0  # as the last answer named it
 
     def handle_call(self, call: Call[T]) -> T:
         """Send ``call`` once and decode its answer.
@@ -220,6 +227,7 @@ class HTTPTransport(Transport):
             with self.client.stream(
                 call.method, call.path, headers=headers, content=body.sync()
             ) as r:
+                self.peer_port = _peer_port(r)
                 if r.status_code >= 400:
                     call.raise_for_answer(r.status_code, r.read())
                 sink = call.new_sink()
@@ -264,6 +272,7 @@ class AsyncHTTPTransport(AsyncTransport):
         )
         self.client = httpx.AsyncClient(transport=transport, **settings)
         self.where = where
+        self.peer_port = 0  # as the last answer named it
 
     async def handle_async_call(self, call: Call[T]) -> T:
         """Awaitable `HTTPTransport.handle_call`."""
@@ -273,6 +282,7 @@ class AsyncHTTPTransport(AsyncTransport):
             async with self.client.stream(
                 call.method, call.path, headers=headers, content=body.async_()
             ) as r:
+                self.peer_port = _peer_port(r)
                 if r.status_code >= 400:
                     call.raise_for_answer(r.status_code, await r.aread())
                 sink = call.new_sink()

@@ -99,6 +99,7 @@ class _Peer:
         self.welcome: PeerWelcome | None = None
         self._idle: list[_Conn] = []
         self._lock = threading.Lock()
+        self._closed = False
 
     def takes(self, call: Call[Any]) -> bool:
         """Whether ``call`` can go here: a read within the daemon's limits (once known)."""
@@ -121,14 +122,15 @@ class _Peer:
     def _give(self, conn: _Conn) -> None:
         conn.used = time.monotonic()
         with self._lock:
-            if len(self._idle) < POOL:
+            if len(self._idle) < POOL and not self._closed:
                 self._idle.append(conn)
                 return
         conn.sock.close()
 
     def close_idle(self) -> None:
+        """Close the pooled connections; those in use are closed when their call ends."""
         with self._lock:
-            idle, self._idle = self._idle, []
+            idle, self._idle, self._closed = self._idle, [], True
         for conn in idle:
             conn.sock.close()
 
@@ -138,6 +140,8 @@ class _Peer:
         return sock
 
     def _welcomed(self, reply: Any) -> None:
+        if isinstance(reply, ErrorReply) and reply.error == "BusyError":  # out of descriptors
+            raise DataPlaneDownError(f"{self.where} is busy: {reply.message}")
         _raise_error(reply)
         if not isinstance(reply, PeerWelcome):
             raise ProtocolError(f"peer port answered the hello with {type(reply).__name__}")
@@ -149,7 +153,7 @@ class _Peer:
         w = self.welcome
         frame = _frame(PeerRead(extents))
         if w is not None and (len(extents) > w.max_extents or len(frame) - 4 > w.max_frame):
-            raise DataPlaneDownError("read beyond the peer port's limits")
+            raise DataPlaneDownError("read beyond the peer port's limits", down=False)
         return frame
 
     def _targets(self, conn: _Conn, reply: Any, call: Call[Any]) -> list[Target]:
@@ -181,12 +185,13 @@ class _Peer:
         """A connection or hello that failed: HTTP carries the call."""
         return DataPlaneDownError(f"cannot reach {self.where}: {exc!r}")
 
-    def _error(self, exc: BaseException) -> Exception:
+    def _error(self, exc: BaseException, *, answered: bool = False) -> Exception:
         """What a failed exchange raises: `TimeoutError` when the daemon took too long,
-        else `DataPlaneDownError` (HTTP carries the call)."""
+        else `DataPlaneDownError` (HTTP carries the call; the port counts as down unless
+        it had ``answered``: an answer cut short, e.g. a file collected under it)."""
         if isinstance(exc, builtins.TimeoutError):
             return TimeoutError(f"timed out talking to {self.where}")
-        return DataPlaneDownError(f"{self.where}: {exc!r}")
+        return DataPlaneDownError(f"{self.where}: {exc!r}", down=not answered)
 
 
 def _reply_length(head: bytes | bytearray) -> int:
@@ -284,7 +289,7 @@ class SyncPeerTransport(_Peer, Transport):
             self._recv_into(conn.sock, [view for view, _ in targets])
         except (_ShortError, OSError) as exc:
             conn.sock.close()
-            raise self._error(exc) from None
+            raise self._error(exc, answered=True) from None
         except BaseException:
             conn.sock.close()
             raise
@@ -315,16 +320,19 @@ class AsyncPeerTransport(_Peer, AsyncTransport):
             raise
         return _Conn(sock)
 
-    async def _recv_reply(self, sock: socket.socket) -> Any:
+    async def _recv_reply(self, sock: socket.socket, wait: float | None = None) -> Any:
         head = bytearray(FRAME_PREFIX.size)
-        await self._recv_into(sock, [memoryview(head)])
+        await self._recv_into(sock, [memoryview(head)], wait)
         body = bytearray(_reply_length(head))
-        await self._recv_into(sock, [memoryview(body)])
+        await self._recv_into(sock, [memoryview(body)], wait)
         return _decode(body)
 
     @staticmethod
-    async def _recv_into(sock: socket.socket, views: list[memoryview]) -> None:
-        """`SyncPeerTransport._recv_into`, waiting on the loop while nothing is there."""
+    async def _recv_into(
+        sock: socket.socket, views: list[memoryview], wait: float | None = None
+    ) -> None:
+        """`SyncPeerTransport._recv_into`, waiting on the loop while nothing is there, each
+        wait at most ``wait`` seconds (as the sync socket's timeout bounds each receive)."""
         loop = asyncio.get_running_loop()
         i = 0
         views = [v for v in views if v.nbytes]
@@ -332,7 +340,8 @@ class AsyncPeerTransport(_Peer, AsyncTransport):
             try:
                 got = sock.recvmsg_into(views[i : i + IOV_MAX])[0]
             except (BlockingIOError, InterruptedError):
-                await _readable(loop, sock)
+                async with asyncio.timeout(wait):
+                    await _readable(loop, sock)
                 continue
             if not got:
                 raise _ShortError
@@ -356,7 +365,7 @@ class AsyncPeerTransport(_Peer, AsyncTransport):
                     conn = await self._connect()
                 async with asyncio.timeout(self.timeout.read):
                     await loop.sock_sendall(conn.sock, frame)
-                    reply = await self._recv_reply(conn.sock)
+                reply = await self._recv_reply(conn.sock, self.timeout.read)
                 break
             except (_ShortError, OSError) as exc:
                 if conn is not None:
@@ -371,11 +380,10 @@ class AsyncPeerTransport(_Peer, AsyncTransport):
         assert conn is not None
         targets = self._targets(conn, reply, call)
         try:
-            async with asyncio.timeout(self.timeout.read):
-                await self._recv_into(conn.sock, [view for view, _ in targets])
+            await self._recv_into(conn.sock, [view for view, _ in targets], self.timeout.read)
         except (_ShortError, OSError) as exc:
             conn.sock.close()
-            raise self._error(exc) from None
+            raise self._error(exc, answered=True) from None
         except BaseException:
             conn.sock.close()
             raise
