@@ -20,6 +20,7 @@ import msgspec
 import numpy as np
 
 from ._errors import InvalidRequestError, PayloadError, ProtocolError
+from ._fields import DEFAULT_FIELDS
 from ._layout import ReadLayout
 from ._segment import (
     INT64_MAX,
@@ -120,7 +121,7 @@ def _name(value: Any, what: str) -> str:
     return str(value)
 
 
-def _rows_for_wire(rows: Any) -> tuple[np.ndarray, str]:
+def _rows_for_wire(rows: Any, field: str = "") -> tuple[np.ndarray, str]:
     """``rows``, little-endian and C-contiguous, and their dtype's name; a copy only when
     they are not already so."""
     if type(rows) is np.ndarray:  # the common case, checked once, fast
@@ -129,13 +130,13 @@ def _rows_for_wire(rows: Any) -> tuple[np.ndarray, str]:
             if wire[0] is rows.dtype and rows.flags.c_contiguous:
                 return rows, wire[1]
             return np.ascontiguousarray(rows, dtype=wire[0]), wire[1]
-    arr = _rows_checked(rows)
+    arr = _rows_checked(rows, field)
     name = _DTYPE_NAMES[arr.dtype]
     _WIRE.setdefault(rows.dtype, (arr.dtype, name))
     return arr, name
 
 
-def _rows_checked(rows: Any) -> np.ndarray:
+def _rows_checked(rows: Any, field: str = "") -> np.ndarray:
     if not isinstance(rows, np.ndarray):
         raise InvalidRequestError(f"rows must be a numpy.ndarray, got {type(rows).__name__}")
     if isinstance(rows, np.ma.MaskedArray):  # its mask would be dropped, its masked values kept
@@ -146,8 +147,16 @@ def _rows_checked(rows: Any) -> np.ndarray:
         )
     little = rows.dtype.newbyteorder("<")
     if little not in _DTYPE_NAMES:
+        spec = DEFAULT_FIELDS.get(field)
+        takes = (
+            f"field {field!r} takes dtype {' or '.join(spec.dtypes)}"
+            if spec is not None
+            else f"rows dtype must be one of {sorted(SUPPORTED_DTYPES)}"
+        )
         raise InvalidRequestError(
-            f"rows dtype must be one of {sorted(SUPPORTED_DTYPES)}, got {rows.dtype}"
+            f"{takes}, got {rows.dtype}: rows are never cast; cast them yourself once their "
+            "values fit (e.g. rows.astype(np.uint8) for expert ids below 256, np.uint16 "
+            "above; np.int32 for token ids)"
         )
     if any(d == 0 for d in rows.shape[1:]):
         raise InvalidRequestError(f"rows row shape entries must be > 0, got {rows.shape[1:]}")
@@ -182,6 +191,12 @@ class BaseClient(Generic[HTTPT, DataPlaneT, PeerT]):
         if base_url is None:
             socket_path = socket_path or os.environ.get("PAYLOADD_SOCKET") or DEFAULT_SOCKET
         self.socket_path = os.fspath(socket_path) if socket_path is not None else None
+        if self.socket_path is not None and self.socket_path.endswith(DATA_SOCKET_SUFFIX):
+            raise InvalidRequestError(
+                f"{self.socket_path} is the data-plane socket; give the daemon's socket "
+                f"{self.socket_path[: -len(DATA_SOCKET_SUFFIX)]} (the client finds the data "
+                "plane beside it)"
+            )
         self.base_url = base_url or "http://payloadd"
         self.timeout = Timeout.of(timeout)
         self.data_socket = (
@@ -199,6 +214,7 @@ class BaseClient(Generic[HTTPT, DataPlaneT, PeerT]):
         self._token = token if data_plane and base_url is not None and token else None
         self._peer: PeerT | None = None
         self._peer_lock = threading.Lock()
+        self._closed = False  # set by close(): every call after it is refused
 
     def _open_peer(self, host: str, port: int, token: str) -> PeerT:
         """The peer port transport of ``host:port`` (no I/O yet)."""
@@ -239,6 +255,10 @@ class BaseClient(Generic[HTTPT, DataPlaneT, PeerT]):
         failure (`AttemptError`) is raised as the `TransportError` it stands for. Every
         other error is the call's, raised as it is.
         """
+        if self._closed:
+            raise InvalidRequestError(
+                f"this client of {self.where} is closed: make a new one (closing it is for good)"
+            )
         if call.local:
             return call.decode(b"")
         fast: Any = None
@@ -293,7 +313,7 @@ class BaseClient(Generic[HTTPT, DataPlaneT, PeerT]):
 
     def _data_plane_first(self) -> DataPlaneT | None:
         """The data plane, when a call that can take it goes there first now (`_route`)."""
-        if self._data_plane is not None and self._data_plane_due():
+        if self._data_plane is not None and self._data_plane_due() and not self._closed:
             return self._data_plane
         return None
 
@@ -322,7 +342,7 @@ class BaseClient(Generic[HTTPT, DataPlaneT, PeerT]):
             except (TypeError, ValueError):
                 raise InvalidRequestError(f"item {i} must be (field, rows, pos)") from None
             fld = _name(fld, f"item {i} field")
-            arr, name = _rows_for_wire(rows)
+            arr, name = _rows_for_wire(rows, fld)
             pos = check_int(pos, f"item {i} pos")
             n = len(arr)
             if pos + n > INT64_MAX:
@@ -377,7 +397,8 @@ class BaseClient(Generic[HTTPT, DataPlaneT, PeerT]):
             return Window(segments, fld, lo, hi, fill, *rest)
         except (TypeError, ValueError):
             raise InvalidRequestError(
-                f"window {i} must be (segments, field, lo, hi, fill[, out, dtype, coverage])"
+                f"window {i} must be (segments, field, lo, hi, fill[, out, dtype, coverage,"
+                " required])"
             ) from None
 
     def _prefetch_call(self, windows: Sequence[WindowLike]) -> Call[Prefetched]:
@@ -420,6 +441,11 @@ class BaseClient(Generic[HTTPT, DataPlaneT, PeerT]):
             try:
                 dtype = w.out.dtype if w.dtype is None and w.out is not None else w.dtype
                 plan = plan_window(w.segments, w.field, w.lo, w.hi, w.fill, dtype)
+                if plan is None and w.required:
+                    have = sorted({s.field for s in w.segments})
+                    raise InvalidRequestError(
+                        f"no segment of field {w.field!r} in the list (its fields: {have})"
+                    )
                 plans.append(plan)
                 arr = None if plan is None else prepare_output(plan, w.out)  # before I/O
                 outs.append(arr)
@@ -539,8 +565,12 @@ class BaseClient(Generic[HTTPT, DataPlaneT, PeerT]):
     def _fields_call(self) -> Call[FieldsTable]:
         return self._json_call("/v1/fields", FieldsTable)
 
-    def _usage_call(self, max_steps: int | None, ledger: int | None) -> Call[Usage]:
+    def _usage_call(
+        self, max_steps: int | None, ledger: int | None, run: str | None = None
+    ) -> Call[Usage]:
         query = []
+        if run is not None:
+            query.append(f"run={check_name(run, 'run')}")
         if max_steps is not None:
             query.append(f"max_steps={check_int(max_steps, 'max_steps')}")
         if ledger is not None:

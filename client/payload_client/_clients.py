@@ -173,17 +173,17 @@ class PayloadClient(BaseClient[HTTPTransport, SyncDataPlane, SyncPeerTransport])
     @overload
     def read_field(self, segments: Sequence[PayloadSegment], field: str, lo: int,
                    hi: int, fill: int | float, *, out: np.ndarray | None = None,
-                   dtype: Any = None, coverage: Literal[False] = False) -> np.ndarray | None: ...  # fmt: skip
+                   dtype: Any = None, required: bool = False, coverage: Literal[False] = False) -> np.ndarray | None: ...  # fmt: skip
 
     @overload
     def read_field(self, segments: Sequence[PayloadSegment], field: str, lo: int,
                    hi: int, fill: int | float, *, out: np.ndarray | None = None,
-                   dtype: Any = None, coverage: Literal[True]) -> CoveredRead: ...  # fmt: skip
+                   dtype: Any = None, required: bool = False, coverage: Literal[True]) -> CoveredRead: ...  # fmt: skip
 
     @overload
     def read_field(self, segments: Sequence[PayloadSegment], field: str, lo: int,
                    hi: int, fill: int | float, *, out: np.ndarray | None = None,
-                   dtype: Any = None, coverage: bool) -> ReadResult: ...  # fmt: skip
+                   dtype: Any = None, required: bool = False, coverage: bool) -> ReadResult: ...  # fmt: skip
 
     def read_field(
         self,
@@ -195,6 +195,7 @@ class PayloadClient(BaseClient[HTTPTransport, SyncDataPlane, SyncPeerTransport])
         *,
         out: np.ndarray | None = None,
         dtype: Any = None,
+        required: bool = False,
         coverage: bool = False,
     ) -> ReadResult:
         """Read ``field`` over token positions ``[lo, hi)`` (DESIGN §4).
@@ -218,6 +219,9 @@ class PayloadClient(BaseClient[HTTPTransport, SyncDataPlane, SyncPeerTransport])
             holds every stored dtype of the field without loss, e.g. the stored ``uint8``
             (compact transfer to the GPU) or ``int64`` (indexing). Default: ``out.dtype``
             when ``out`` is given.
+        required : bool, default False
+            Raise `InvalidRequestError` when no segment of the list has ``field``, instead
+            of returning ``None`` (a typo in a field name, a writer that never wrote it).
         coverage : bool, default False
             Also return which positions hold real rows rather than fill (e.g. to keep
             padding, replayed as expert 0, out of a router's load).
@@ -238,7 +242,7 @@ class PayloadClient(BaseClient[HTTPTransport, SyncDataPlane, SyncPeerTransport])
         ------
         InvalidRequestError
             ``lo > hi``, ``lo < 0``; a ``fill``, ``dtype`` or ``out`` that does not fit;
-            a ``coverage`` that is not a bool.
+            a ``coverage`` that is not a bool; with ``required``, no segment of ``field``.
         InvalidSegmentError
             Any invalid segment in the list.
         FileMissingError, FileGoneError, SegmentFileError
@@ -251,7 +255,7 @@ class PayloadClient(BaseClient[HTTPTransport, SyncDataPlane, SyncPeerTransport])
         TransportError
             The daemon cannot be reached or answered badly.
         """
-        window = Window(segments, field, lo, hi, fill, out, dtype, coverage)
+        window = Window(segments, field, lo, hi, fill, out, dtype, coverage, required)
         return self._read([window])[0]
 
     def read_many(self, windows: Sequence[WindowLike]) -> list[ReadResult]:
@@ -374,11 +378,13 @@ class PayloadClient(BaseClient[HTTPTransport, SyncDataPlane, SyncPeerTransport])
 
     def stats(self) -> Stats:
         """Return the daemon's counters (`Stats`), this client's appends included."""
-        if self._data_plane is not None:
+        if self._data_plane is not None and not self._closed:
             self._data_plane.tell_counters(ack=True)
         return self._send(self._stats_call())
 
-    def usage(self, *, max_steps: int | None = None, ledger: int | None = None) -> Usage:
+    def usage(
+        self, *, max_steps: int | None = None, ledger: int | None = None, run: str | None = None
+    ) -> Usage:
         """What the daemon's node holds on disk, per run and step: an admin call.
 
         The daemon walks its node's directory (one ``lstat`` per file) in a worker thread.
@@ -390,6 +396,8 @@ class PayloadClient(BaseClient[HTTPTransport, SyncDataPlane, SyncPeerTransport])
             1000). Totals always cover every step.
         ledger : int, optional
             Most GC ledger entries returned, the last ones (0 to 100000; default 20).
+        run : str, optional
+            List this run only (the others still count in the totals and ``more_runs``).
 
         Returns
         -------
@@ -405,14 +413,18 @@ class PayloadClient(BaseClient[HTTPTransport, SyncDataPlane, SyncPeerTransport])
         UnauthorizedError
             As `gc`.
         """
-        return self._send(self._usage_call(max_steps, ledger))
+        return self._send(self._usage_call(max_steps, ledger, run))
 
     def health(self) -> Health:
         """Return the daemon's health answer; raises `TransportError` when it is down."""
         return self._send(self._health_call())
 
     def close(self) -> None:
-        """Close the connection pool, the data plane and its cached descriptors."""
+        """Close the connection pool, the data plane and its cached descriptors; the client
+        takes no call after it (`InvalidRequestError`). Closing it again does nothing."""
+        if self._closed:
+            return
+        self._closed = True
         if self._data_plane is not None:
             self._data_plane.tell_counters()
             self._data_plane.close()
@@ -485,17 +497,17 @@ class AsyncPayloadClient(BaseClient[AsyncHTTPTransport, AsyncDataPlane, AsyncPee
     @overload
     async def read_field(self, segments: Sequence[PayloadSegment], field: str, lo: int,
                          hi: int, fill: int | float, *, out: np.ndarray | None = None,
-                         dtype: Any = None, coverage: Literal[False] = False) -> np.ndarray | None: ...  # fmt: skip
+                         dtype: Any = None, required: bool = False, coverage: Literal[False] = False) -> np.ndarray | None: ...  # fmt: skip
 
     @overload
     async def read_field(self, segments: Sequence[PayloadSegment], field: str, lo: int,
                          hi: int, fill: int | float, *, out: np.ndarray | None = None,
-                         dtype: Any = None, coverage: Literal[True]) -> CoveredRead: ...  # fmt: skip
+                         dtype: Any = None, required: bool = False, coverage: Literal[True]) -> CoveredRead: ...  # fmt: skip
 
     @overload
     async def read_field(self, segments: Sequence[PayloadSegment], field: str, lo: int,
                          hi: int, fill: int | float, *, out: np.ndarray | None = None,
-                         dtype: Any = None, coverage: bool) -> ReadResult: ...  # fmt: skip
+                         dtype: Any = None, required: bool = False, coverage: bool) -> ReadResult: ...  # fmt: skip
 
     async def read_field(
         self,
@@ -507,10 +519,11 @@ class AsyncPayloadClient(BaseClient[AsyncHTTPTransport, AsyncDataPlane, AsyncPee
         *,
         out: np.ndarray | None = None,
         dtype: Any = None,
+        required: bool = False,
         coverage: bool = False,
     ) -> ReadResult:
         """Awaitable `PayloadClient.read_field`."""
-        window = Window(segments, field, lo, hi, fill, out, dtype, coverage)
+        window = Window(segments, field, lo, hi, fill, out, dtype, coverage, required)
         return (await self._read([window]))[0]
 
     async def read_many(self, windows: Sequence[WindowLike]) -> list[ReadResult]:
@@ -545,20 +558,26 @@ class AsyncPayloadClient(BaseClient[AsyncHTTPTransport, AsyncDataPlane, AsyncPee
 
     async def stats(self) -> Stats:
         """Awaitable `PayloadClient.stats`."""
-        if self._data_plane is not None:
+        if self._data_plane is not None and not self._closed:
             await self._data_plane.tell_counters(ack=True)
         return await self._send(self._stats_call())
 
-    async def usage(self, *, max_steps: int | None = None, ledger: int | None = None) -> Usage:
+    async def usage(
+        self, *, max_steps: int | None = None, ledger: int | None = None, run: str | None = None
+    ) -> Usage:
         """Awaitable `PayloadClient.usage`."""
-        return await self._send(self._usage_call(max_steps, ledger))
+        return await self._send(self._usage_call(max_steps, ledger, run))
 
     async def health(self) -> Health:
         """Awaitable `PayloadClient.health`."""
         return await self._send(self._health_call())
 
     async def close(self) -> None:
-        """Close the connection pool, the data plane and its cached descriptors."""
+        """Close the connection pool, the data plane and its cached descriptors (as
+        `PayloadClient.close`)."""
+        if self._closed:
+            return
+        self._closed = True
         if self._data_plane is not None:
             await self._data_plane.tell_counters()
             await self._data_plane.aclose()

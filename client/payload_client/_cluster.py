@@ -234,17 +234,17 @@ class ClusterClient(_Cluster[PayloadClient]):
     @overload
     def read_field(self, segments: Sequence[PayloadSegment], field: str, lo: int,
                    hi: int, fill: int | float, *, out: np.ndarray | None = None,
-                   dtype: Any = None, coverage: Literal[False] = False) -> np.ndarray | None: ...  # fmt: skip
+                   dtype: Any = None, required: bool = False, coverage: Literal[False] = False) -> np.ndarray | None: ...  # fmt: skip
 
     @overload
     def read_field(self, segments: Sequence[PayloadSegment], field: str, lo: int,
                    hi: int, fill: int | float, *, out: np.ndarray | None = None,
-                   dtype: Any = None, coverage: Literal[True]) -> CoveredRead: ...  # fmt: skip
+                   dtype: Any = None, required: bool = False, coverage: Literal[True]) -> CoveredRead: ...  # fmt: skip
 
     @overload
     def read_field(self, segments: Sequence[PayloadSegment], field: str, lo: int,
                    hi: int, fill: int | float, *, out: np.ndarray | None = None,
-                   dtype: Any = None, coverage: bool) -> ReadResult: ...  # fmt: skip
+                   dtype: Any = None, required: bool = False, coverage: bool) -> ReadResult: ...  # fmt: skip
 
     def read_field(
         self,
@@ -256,12 +256,15 @@ class ClusterClient(_Cluster[PayloadClient]):
         *,
         out: np.ndarray | None = None,
         dtype: Any = None,
+        required: bool = False,
         coverage: bool = False,
     ) -> ReadResult:
         """Read ``field`` over ``[lo, hi)`` from segments of any nodes: `PayloadClient.read_field`'s
         parameters, result and errors, and `InvalidRequestError` for a segment whose node is
         not in the map (before any I/O)."""
-        return self.read_many([Window(segments, field, lo, hi, fill, out, dtype, coverage)])[0]
+        return self.read_many(
+            [Window(segments, field, lo, hi, fill, out, dtype, coverage, required)]
+        )[0]
 
     def read_many(self, windows: Sequence[WindowLike]) -> list[ReadResult]:
         """Read several windows, one request a node: `PayloadClient.read_many` over segments
@@ -324,17 +327,17 @@ class AsyncClusterClient(_Cluster[AsyncPayloadClient]):
     @overload
     async def read_field(self, segments: Sequence[PayloadSegment], field: str, lo: int,
                          hi: int, fill: int | float, *, out: np.ndarray | None = None,
-                         dtype: Any = None, coverage: Literal[False] = False) -> np.ndarray | None: ...  # fmt: skip
+                         dtype: Any = None, required: bool = False, coverage: Literal[False] = False) -> np.ndarray | None: ...  # fmt: skip
 
     @overload
     async def read_field(self, segments: Sequence[PayloadSegment], field: str, lo: int,
                          hi: int, fill: int | float, *, out: np.ndarray | None = None,
-                         dtype: Any = None, coverage: Literal[True]) -> CoveredRead: ...  # fmt: skip
+                         dtype: Any = None, required: bool = False, coverage: Literal[True]) -> CoveredRead: ...  # fmt: skip
 
     @overload
     async def read_field(self, segments: Sequence[PayloadSegment], field: str, lo: int,
                          hi: int, fill: int | float, *, out: np.ndarray | None = None,
-                         dtype: Any = None, coverage: bool) -> ReadResult: ...  # fmt: skip
+                         dtype: Any = None, required: bool = False, coverage: bool) -> ReadResult: ...  # fmt: skip
 
     async def read_field(
         self,
@@ -346,10 +349,11 @@ class AsyncClusterClient(_Cluster[AsyncPayloadClient]):
         *,
         out: np.ndarray | None = None,
         dtype: Any = None,
+        required: bool = False,
         coverage: bool = False,
     ) -> ReadResult:
         """Awaitable `ClusterClient.read_field`."""
-        window = Window(segments, field, lo, hi, fill, out, dtype, coverage)
+        window = Window(segments, field, lo, hi, fill, out, dtype, coverage, required)
         return (await self.read_many([window]))[0]
 
     async def read_many(self, windows: Sequence[WindowLike]) -> list[ReadResult]:

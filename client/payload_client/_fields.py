@@ -10,7 +10,15 @@ from __future__ import annotations
 from ._errors import InvalidRequestError
 from ._wire import AppendItem, FieldSpec, FieldsTable
 
-__all__ = ["DEFAULT_FIELDS", "FieldSpec", "FieldsTable", "check_field", "check_item"]
+__all__ = [
+    "DEFAULT_FIELDS",
+    "TYPO_EDITS",
+    "FieldSpec",
+    "FieldsTable",
+    "check_field",
+    "check_item",
+    "near_miss",
+]
 
 
 DEFAULT_FIELDS: dict[str, FieldSpec] = {
@@ -35,7 +43,58 @@ def check_field(table: FieldsTable, field: str, where: str = "") -> FieldSpec | 
             f"{where}unknown field {field!r}: this daemon takes only {sorted(table.fields)} "
             "(unknown_fields=refuse)"
         )
+    if spec is None and (meant := near_miss(table, field)) is not None:
+        raise InvalidRequestError(
+            f"{where}unknown field {field!r}: did you mean {meant!r}? A name this close to a "
+            "field of the table is refused as a typo (its rows would be read by nobody); "
+            "add it to the fields table to use it"
+        )
     return spec
+
+
+_NEAR: dict[tuple[tuple[str, ...], str], str | None] = {}
+"""Verdicts of `near_miss` (bounded): an unknown field appended to again is not compared
+again."""
+
+
+def near_miss(table: FieldsTable, field: str) -> str | None:
+    """The field of ``table`` that ``field`` is most likely a typo of: within
+    `TYPO_EDITS` edits (insertions, deletions, substitutions, swaps of neighbours) and not
+    itself in the table; ``None`` when there is none."""
+    key = (tuple(table.fields), field)
+    if key in _NEAR:
+        return _NEAR[key]
+    found = None
+    for name in table.fields:
+        if (
+            name != field
+            and abs(len(name) - len(field)) <= TYPO_EDITS
+            and (_edits(name, field) <= TYPO_EDITS)
+        ):
+            found = name
+            break
+    if len(_NEAR) >= 1024:
+        _NEAR.clear()
+    _NEAR[key] = found
+    return found
+
+
+TYPO_EDITS = 2
+"""Edits within which an unknown field counts as a typo of a field of the table."""
+
+
+def _edits(a: str, b: str) -> int:
+    """Optimal string alignment distance of ``a`` and ``b`` (a swap of neighbours is one)."""
+    prev2: list[int] = []
+    prev = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        cur = [i] + [0] * len(b)
+        for j, cb in enumerate(b, 1):
+            cur[j] = min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (ca != cb))
+            if i > 1 and j > 1 and ca == b[j - 2] and a[i - 2] == cb:
+                cur[j] = min(cur[j], prev2[j - 2] + 1)
+        prev2, prev = prev, cur
+    return prev[-1]
 
 
 def check_item(table: FieldsTable, item: AppendItem, index: int = 0) -> None:

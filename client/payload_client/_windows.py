@@ -90,6 +90,8 @@ class Window(NamedTuple):
     coverage : bool, default False
         Also say which rows are real: the window's result is then a `CoveredRead`
         ``(array, covered)`` instead of the bare array.
+    required : bool, default False
+        Raise `InvalidRequestError` when no segment has ``field`` (instead of ``None``).
     """
 
     segments: Sequence[PayloadSegment]
@@ -100,6 +102,7 @@ class Window(NamedTuple):
     out: np.ndarray | None = None
     dtype: Any = None
     coverage: bool = False
+    required: bool = False
 
 
 WindowLike = Window | tuple[Sequence[PayloadSegment], str, int, int, int | float]

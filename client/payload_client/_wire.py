@@ -254,17 +254,16 @@ class GcReport(msgspec.Struct):
     ----------
     dry_run : bool
         Nothing was removed: the counts say what would have been.
-    files, bytes : int
-        Files removed and the sum of their sizes (bytes).
-    dirs : int
-        Directories removed (emptied steps and runs).
+    files, bytes, dirs : int
+        Files removed, the sum of their sizes (bytes), directories removed (steps, runs).
     by_reason : dict of str to GcCount
         ``watermark``, ``run``, ``ttl``, ``orphan``: what each rule removed.
     in_use : int
-        Files a rule matched but that were still being appended to (kept; a later GC gets
-        them).
+        Files a rule matched but still being appended to (kept; a later GC gets them).
     steps : list of [run, step]
         The steps collected, in order (their reads now answer 410 Gone).
+    note : str
+        A run asked for that is not on the node, and the closest name there; or empty.
     """
 
     dry_run: bool
@@ -274,6 +273,7 @@ class GcReport(msgspec.Struct):
     by_reason: dict[str, GcCount] = msgspec.field(default_factory=dict)
     in_use: int = 0
     steps: list[tuple[str, int]] = msgspec.field(default_factory=list)
+    note: str = ""
 
 
 class FieldSpec(msgspec.Struct, forbid_unknown_fields=False):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -54,33 +55,63 @@ def add_bench_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--out",
         type=Path,
-        default=Path("docs/benchmarks"),
-        help="folder for bench.json and bench.png [docs/benchmarks]",
+        default=None,
+        help="folder for bench.json and bench.png [a new folder payloadd-bench-* in the "
+        "temporary folder; give --out docs/benchmarks in a checkout to update its published "
+        "figures]",
     )
 
 
+STEPS = (
+    ("throughput", "append and read throughput against raw I/O"),
+    ("latency", "one-row round trips"),
+    ("writers", "concurrent writers"),
+    ("fsync_cost", "each fsync policy"),
+    ("packed", "a packed micro batch against the direct reader"),
+    ("one_rows", "windows of N one-row segments"),
+    ("segment_ops", "segment operations at 100,000"),
+    ("new_keys", "appends that open a new key"),
+    ("writes", "16 MiB appends against raw pwrite variants"),
+    ("http_ceiling", "HTTP reads against a bare uvicorn app"),
+    ("cluster", "reads across three daemons"),
+)
+"""The measurements before the RL batch's, in order: a `Bench` method and what it measures."""
+
+
+def _progress(i: int, total: int, what: str, t0: float) -> None:
+    print(f"[{time.perf_counter() - t0:6.1f} s] {i}/{total} {what}", file=sys.stderr, flush=True)
+
+
+def _environment() -> str:
+    """The machine as a readable block."""
+    m = machine()
+    width = max(map(len, m))
+    return "\n".join(f"  {k:<{width}}  {v}" for k, v in m.items())
+
+
 def run_bench(args: argparse.Namespace) -> int:
-    """Run the benchmark; print the table; write JSON and the plot. Returns 0."""
+    """Run the benchmark, saying on stderr what it measures as it goes; print the table;
+    write JSON and the plot. Returns 0."""
     sizes = dict(list(SIZES.items())[:2]) if args.quick else SIZES
+    out = args.out or Path(tempfile.mkdtemp(prefix="payloadd-bench-"))
+    total = len(STEPS) + 3  # and the RL batch, Ray, TransferQueue
     with tempfile.TemporaryDirectory(prefix="payloadd-bench-", dir=args.root) as tmp:
         root, socket = Path(tmp) / "root", Path(tmp) / "payloadd.sock"
         with start_daemon(root, socket):
             bench = Bench(root, socket, args.repeat, args.quick)
             t0 = time.perf_counter()
-            bench.throughput(sizes)
-            bench.latency()
-            bench.writers()
-            bench.fsync_cost()
-            bench.packed()
-            bench.one_rows()
-            bench.segment_ops()
-            bench.new_keys()
-            bench.writes()
-            bench.http_ceiling()
-            bench.cluster()
+            for i, (step, what) in enumerate(STEPS, 1):
+                _progress(i, total, what, t0)
+                if step == "throughput":
+                    bench.throughput(sizes)
+                else:
+                    getattr(bench, step)()
             spec = RL_QUICK if args.quick else RL_BATCH
+            _progress(total - 2, total, "the RL batch, inline and by handle", t0)
             notes = [bench.rl(spec)]
+            _progress(total - 1, total, "the RL job on Ray's object store", t0)
             notes.append("Ray: skipped (--skip-ray)" if args.skip_ray else bench.ray(spec))
+            _progress(total, total, "the RL job on TransferQueue", t0)
             if args.skip_ray or args.skip_transferqueue:
                 flag = "--skip-ray: it runs on Ray" if args.skip_ray else "--skip-transferqueue"
                 notes.append(f"TransferQueue: skipped ({flag})")
@@ -89,21 +120,24 @@ def run_bench(args: argparse.Namespace) -> int:
             notes = [n for n in notes if n is not None]
             seconds = time.perf_counter() - t0
     rows = report(list(bench.results.values()))
-    print(f"payloadd bench: {args.repeat} repetitions, {seconds:.0f} s, {machine()}")
+    minutes, secs = divmod(round(seconds), 60)
+    print(f"payloadd bench: {args.repeat} repetitions, {minutes} min {secs:02d} s in all")
+    print(_environment())
     print(format_table(rows))
     for note in notes:
         print(f"not measured: {note}")
-    args.out.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
     doc = {
         "machine": machine(),
         "repeat": args.repeat,
         "quick": args.quick,
+        "seconds": round(seconds, 1),
         "rl_batch": dataclasses.asdict(spec),
         "notes": notes,
         "results": rows,
     }
-    (args.out / "bench.json").write_text(json.dumps(doc, indent=1) + "\n")
-    drawn = plot(rows, args.out / "bench.png")
-    print(f"wrote {args.out / 'bench.json'}" + (f" and {args.out / 'bench.png'}" if drawn else
+    (out / "bench.json").write_text(json.dumps(doc, indent=1) + "\n")
+    drawn = plot(rows, out / "bench.png")
+    print(f"wrote {out / 'bench.json'}" + (f" and {out / 'bench.png'}" if drawn else
           " (no plot: install matplotlib, e.g. the 'bench' extra)"))  # fmt: skip
     return 0

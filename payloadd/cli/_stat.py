@@ -72,6 +72,9 @@ def add_stat_flags(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help=f"GC ledger entries shown, the last ones, 0 to {MAX_USAGE_ENTRIES} [default: 10]",
     )
+    parser.add_argument(
+        "--run", metavar="RUN", help="list this run only (the totals still count every run)"
+    )
     parser.add_argument("--json", action="store_true", help="print the data as JSON")
 
 
@@ -179,9 +182,13 @@ def render(stats: Stats, usage: Usage, r: dict[str, float] | None, where: str) -
             rows.append(["", str(s.step), str(s.files), human_bytes(s.bytes),
                          human_bytes(s.disk_bytes), age])  # fmt: skip
         if run.more_steps:
-            rows.append(["", f"+{run.more_steps} more", "", "", "", ""])
+            what = "step" if run.more_steps == 1 else "steps"
+            rows.append(["", f"{run.more_steps} more {what} not listed (--max-steps N, or "
+                         f"--run {run.run})", "", "", "", ""])  # fmt: skip
     if usage.more_runs:
-        rows.append([f"+{usage.more_runs} more runs", "", "", "", "", ""])
+        what = "run" if usage.more_runs == 1 else "runs"
+        rows.append([f"{usage.more_runs} more {what} not listed (--max-steps N, or --run RUN)",
+                     "", "", "", "", ""])  # fmt: skip
     if rows:
         header = ["RUN", "STEP", "FILES", "BYTES", "ON DISK", "AGE"]
         lines.append(table(header, rows, [False, True, True, True, True, True]))
@@ -218,13 +225,13 @@ def _check_flags(args: argparse.Namespace) -> None:
 
 def _sample_and_print(args: argparse.Namespace) -> int:
     with open_client(args, data_plane=False) as c:
-        s1, u1 = c.stats(), c.usage(max_steps=args.max_steps, ledger=args.ledger)
+        s1, u1 = c.stats(), c.usage(max_steps=args.max_steps, ledger=args.ledger, run=args.run)
         s2, u2 = s1, u1
         sampled, elapsed = time.monotonic(), 0.0
         if args.interval > 0:
             time.sleep(args.interval)
             elapsed = time.monotonic() - sampled  # the daemon's uptime grows as much
-            s2, u2 = c.stats(), c.usage(max_steps=args.max_steps, ledger=args.ledger)
+            s2, u2 = c.stats(), c.usage(max_steps=args.max_steps, ledger=args.ledger, run=args.run)
         where = c.where
     r = rates(s1, s2, u1, u2, elapsed) if args.interval > 0 else None
     if args.json:

@@ -353,9 +353,12 @@ def create_app(
         request: Request,
         max_steps: Annotated[int, Query(ge=0, le=LIMIT)] = DEFAULT_MAX_STEPS,
         ledger: Annotated[int, Query(ge=0, le=LIMIT)] = DEFAULT_LEDGER,
+        run: Annotated[str | None, Query(pattern=r"^[A-Za-z0-9._-]{1,128}$")] = None,
     ) -> Response:
         store: Store = request.state.store
-        answer = await run_in_threadpool(node_usage, store, max_steps=max_steps, ledger=ledger)
+        answer = await run_in_threadpool(
+            node_usage, store, max_steps=max_steps, ledger=ledger, run=run
+        )
         return _answer(request, answer)
 
     @app.delete(

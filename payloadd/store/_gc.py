@@ -9,6 +9,7 @@ never removed, and collections of another node's prefix: docs/operations.md, sec
 
 from __future__ import annotations
 
+import difflib
 import logging
 import os
 import threading
@@ -73,8 +74,10 @@ class GarbageCollector:
         with self._lock:
             if req.run is not None and req.before_step is not None:
                 run = check_name(req.run, "run")
-                steps = [s for s in self.store.runs(node).get(run, []) if s <= req.before_step]
+                runs = self.store.runs(node)
+                steps = [s for s in runs.get(run, []) if s <= req.before_step]
                 self._remove(report, "watermark", [(run, steps)], node=node)
+                report.note = _no_run(run, runs, node or self.store.node)
             default = self.ttl_s if node is None else 0.0  # another node: only when asked
             ttl = req.ttl_s if req.ttl_s is not None else default
             if ttl > 0:
@@ -123,8 +126,10 @@ class GarbageCollector:
         other = self._other(node)
         report = GcReport(dry_run=dry_run)
         with self._lock:
-            steps = self.store.runs(other).get(run, [])
+            runs = self.store.runs(other)
+            steps = runs.get(run, [])
             self._remove(report, "run", [(run, steps)], node=other)
+            report.note = _no_run(run, runs, other or self.store.node)
             if not dry_run:
                 report.dirs += self.store.remove_run_dir(run, other)
             self.store.ledger().keep_reserve()
@@ -221,6 +226,17 @@ class GarbageCollector:
         report.bytes += nbytes
         report.dirs += removal.dirs
         report.in_use += removal.in_use
+
+
+def _no_run(run: str, runs: dict[str, list[int]], node: str) -> str:
+    """What a collection of a run that is not on disk says ("" when it is): its node's runs,
+    and the one the name is closest to."""
+    if run in runs:
+        return ""
+    close = difflib.get_close_matches(run, runs, n=1)
+    meant = f"; did you mean {close[0]!r}?" if close else ""
+    listed = ", ".join(list(runs)[:10]) + (", ..." if len(runs) > 10 else "")
+    return f"no run {run!r} on node {node!r}{meant} (its runs: {listed or 'none'})"
 
 
 def _newest_mtime(path: os.PathLike[str]) -> float | None:

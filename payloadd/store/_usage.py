@@ -73,7 +73,11 @@ def _entry(c: Collected) -> GcEntry:
 
 
 def node_usage(
-    store: Store, *, max_steps: int = DEFAULT_MAX_STEPS, ledger: int = DEFAULT_LEDGER
+    store: Store,
+    *,
+    max_steps: int = DEFAULT_MAX_STEPS,
+    ledger: int = DEFAULT_LEDGER,
+    run: str | None = None,
 ) -> Usage:
     """Walk the store's node directory and report its usage.
 
@@ -86,6 +90,8 @@ def node_usage(
         Most steps listed, and most runs listed (>= 0). Totals count every step.
     ledger : int, default `DEFAULT_LEDGER`
         Most GC ledger entries returned, the last ones (>= 0).
+    run : str, optional
+        List this run only (the others still count in the totals and in ``more_runs``).
 
     Returns
     -------
@@ -106,11 +112,11 @@ def node_usage(
     listed = more_runs = more_steps = 0
     total = StepUsage(0, 0, 0, 0, 0.0)
     n_steps = 0
-    for run, steps in store.runs().items():
-        show = len(runs) < max_steps
-        usage = RunUsage(run, 0, 0, 0, 0.0, [])
+    for name, steps in store.runs().items():
+        show = len(runs) < max_steps and run in (None, name)
+        usage = RunUsage(name, 0, 0, 0, 0.0, [])
         for step in steps:
-            s = step_usage(base / run / str(step), step)
+            s = step_usage(base / name / str(step), step)
             usage.files += s.files
             usage.bytes += s.bytes
             usage.disk_bytes += s.disk_bytes

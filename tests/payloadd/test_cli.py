@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import signal
 import socket
 import stat
@@ -115,13 +117,24 @@ def test_socket_mode_stale_socket_live_socket_and_clean_exit(tmp_path: Path) -> 
 
 
 def test_bench_quick_run_writes_parsable_figures(tmp_path: Path) -> None:
+    """Without --out it writes into a new temporary folder, never into the folder it runs
+    in (a checkout's published figures); it says what it measures as it goes, on stderr."""
     out = subprocess.run(
-        [*PAYLOADD, "bench", "--quick", "--repeat", "1", "--skip-ray", "--root", str(tmp_path),
-         "--out", str(tmp_path / "o")],
-        capture_output=True, text=True, timeout=600,
+        [*PAYLOADD, "bench", "--quick", "--repeat", "1", "--skip-ray", "--root", str(tmp_path)],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path,
     )  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
-    doc = json.loads((tmp_path / "o" / "bench.json").read_text())
+    assert not (tmp_path / "docs").exists()
+    wrote = Path(out.stdout.split("wrote ")[1].split()[0])
+    assert wrote.name == "bench.json" and wrote.parent.name.startswith("payloadd-bench-")
+    progress = [ln for ln in out.stderr.splitlines() if ln.startswith("[")]
+    assert "1/14 append and read throughput" in progress[0] and "14/14" in progress[-1]
+    assert re.search(r"payloadd bench: 1 repetitions, \d+ min \d\d s in all", out.stdout)
+    assert re.search(r"(?m)^  python +3\.", out.stdout)  # the environment, a line each
+    doc = json.loads(wrote.read_text())
+    png = (wrote.parent / "bench.png").stat().st_size
+    shutil.rmtree(wrote.parent)
+    assert doc["seconds"] > 0
     rows = {(r["name"], r["size"]): r for r in doc["results"]}
     for size in ("64KiB", "1MiB"):
         for name in ("raw pwrite", "append (data plane)", "read int32 out= (http)"):
@@ -185,7 +198,7 @@ def test_bench_quick_run_writes_parsable_figures(tmp_path: Path) -> None:
     share = rows["RL resident payload share (by handle)", "4x4k"]
     assert share["unit"] == "x" and -1 < share["median"] < 1
     assert rows["RL orchestrator resident (no payload)", "4x4k"]["median"] > 0
-    assert (tmp_path / "o" / "bench.png").stat().st_size > 10_000
+    assert png > 10_000
     assert "ideal int32 reader" in out.stdout
     assert not list(tmp_path.glob("payloadd-bench-*"))  # its temporary root is gone
 

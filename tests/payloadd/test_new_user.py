@@ -1,0 +1,140 @@
+"""What a new user trips on (issue 17), against a real daemon on both transports: a field name
+one typo away from the table's, a field absent from every segment, a closed client, the
+data-plane socket given as the daemon's, rows of a dtype payloadd does not store."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from payload_client import (
+    AsyncPayloadClient,
+    InvalidRequestError,
+    PayloadClient,
+    PayloadError,
+    Window,
+)
+from tests.conftest import Daemon
+
+ROWS = np.zeros((4, 48, 8), np.uint8)
+
+
+@pytest.mark.parametrize(
+    "typo", ["routed_expert", "rotued_experts", "routed_experts_", "sampling_masks"]
+)
+def test_a_field_one_typo_away_is_refused_naming_the_field_meant(
+    client: PayloadClient, typo: str
+) -> None:
+    meant = "sampling_mask" if typo.startswith("sampling") else "routed_experts"
+    rows = np.zeros((4, 3), np.int32) if meant == "sampling_mask" else ROWS
+    with pytest.raises(
+        InvalidRequestError, match=f"unknown field '{typo}': did you mean '{meant}'"
+    ):
+        client.append(typo, rows, 0, run="typo", step=0)
+    # nothing was written, and names far from the table's stay allowed
+    segs = client.append("logprobs_custom", np.zeros((4, 1), np.float32), 0, run="typo", step=0)
+    assert segs[0].field == "logprobs_custom"
+
+
+def test_required_raises_for_a_field_no_segment_has(client: PayloadClient) -> None:
+    segs = client.append("routed_experts", ROWS, 0, run="req", step=0)
+    assert client.read_field(segs, "sampling_mask", 0, 4, -1) is None  # as DESIGN §4 says
+    with pytest.raises(InvalidRequestError, match=r"no segment of field 'sampling_mask' in the"
+                       r" list \(its fields: \['routed_experts'\]\)"):  # fmt: skip
+        client.read_field(segs, "sampling_mask", 0, 4, -1, required=True)
+    with pytest.raises(InvalidRequestError, match="window 1: no segment of field 'x'"):
+        client.read_many([Window(segs, "routed_experts", 0, 4, 0),
+                          Window(segs, "x", 0, 4, 0, required=True)])  # fmt: skip
+    got = client.read_field(segs, "routed_experts", 0, 4, 0, required=True)
+    assert got is not None and got.shape == (4, 48, 8)
+
+
+def test_a_closed_client_raises_a_payload_error(daemon: Daemon) -> None:
+    c = PayloadClient(daemon.socket)
+    segs = c.append("routed_experts", ROWS, 0, run="closed", step=0)
+    c.close()
+    c.close()  # again: nothing
+    for call in (
+        lambda: c.read_field(segs, "routed_experts", 0, 4, 0),
+        lambda: c.append("routed_experts", ROWS, 0, run="closed", step=0),
+        c.stats,
+        c.health,
+    ):
+        with pytest.raises(InvalidRequestError, match="is closed: make a new one"):
+            call()
+
+    async def main() -> None:
+        ac = AsyncPayloadClient(daemon.socket)
+        await ac.close()
+        with pytest.raises(PayloadError, match="is closed"):
+            await ac.read_field(segs, "routed_experts", 0, 4, 0)
+
+    asyncio.run(main())
+
+
+def test_the_data_plane_socket_given_as_the_daemons_is_named(daemon: Daemon) -> None:
+    with pytest.raises(InvalidRequestError, match=rf"is the data-plane socket; give the daemon's "
+                       rf"socket {daemon.socket}"):  # fmt: skip
+        PayloadClient(f"{daemon.socket}.data")
+
+
+@pytest.mark.parametrize(
+    ("field", "dtype", "message"),
+    [
+        (
+            "routed_experts",
+            np.int64,
+            "field 'routed_experts' takes dtype uint8 or uint16, got int64",
+        ),
+        ("sampling_mask", np.int64, "field 'sampling_mask' takes dtype int32, got int64"),
+        ("my_field", np.float64, r"rows dtype must be one of \[.*\], got float64"),
+    ],
+)
+def test_rows_of_a_dtype_not_stored_get_a_hint_for_their_field(
+    client: PayloadClient, field: str, dtype: type, message: str
+) -> None:
+    rows: np.ndarray = np.zeros((4, 48, 8) if field == "routed_experts" else (4, 3), dtype)
+    with pytest.raises(InvalidRequestError, match=message) as err:
+        client.append(field, rows, 0, run="dtype", step=0)
+    assert "cast them yourself" in str(err.value)
+
+
+def test_collecting_a_run_that_is_not_there_says_so_and_names_the_close_one(
+    daemon: Daemon,
+) -> None:
+    with PayloadClient(daemon.socket) as c:
+        c.append("routed_experts", ROWS, 0, run="grpo-run-7", step=0)
+        report = c.gc(run="grpo-run7", before_step=0, dry_run=True)
+        assert report.files == 0
+        assert report.note.startswith("no run 'grpo-run7' on node 'test'; did you mean "
+                                      "'grpo-run-7'?")  # fmt: skip
+        assert "its runs: " in report.note
+        gone = c.delete_run("nothing-like-it", dry_run=True)
+        assert gone.note.startswith("no run 'nothing-like-it' on node 'test' (its runs:")
+        assert c.gc(run="grpo-run-7", before_step=0, dry_run=True).note == ""  # it is there
+
+
+def test_usage_of_one_run_and_more_said_plainly(daemon: Daemon) -> None:
+    with PayloadClient(daemon.socket) as c:
+        for step in range(3):
+            c.append("routed_experts", ROWS, 0, run="usage-a", step=step)
+        c.append("routed_experts", ROWS, 0, run="usage-b", step=0)
+        every = c.usage()
+        one = c.usage(run="usage-b", max_steps=1)
+        assert [r.run for r in one.runs] == ["usage-b"] and len(one.runs[0].steps) == 1
+        assert one.more_runs == len(every.runs) - 1  # the others, counted not listed
+        assert one.files == every.files  # totals of every run
+        with pytest.raises(InvalidRequestError, match="run"):
+            c.usage(run="../x")
+    out = subprocess.run(
+        [sys.executable, "-m", "payloadd", "stat", "--socket", str(daemon.socket),
+         "--max-steps", "1", "--interval", "0"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert re.search(r"\d+ more runs? not listed \(--max-steps N, or --run RUN\)", out.stdout)
