@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import errno
 import os
+import resource
 import socket
 import threading
 import time
@@ -21,6 +22,7 @@ import numpy as np
 import pytest
 
 from payload_client import (
+    BusyError,
     FileGoneError,
     FileMissingError,
     PayloadClient,
@@ -48,7 +50,7 @@ from payload_client.protocol import (
 )
 from payloadd.bench._daemon_process import start_daemon
 from tests.conftest import free_port
-from tests.payloadd.procfs import status
+from tests.payloadd.procfs import fds, status
 from tests.payloadd.test_metrics import Samples, delta, scrape
 
 TOKEN = "peer-port-token-" + "z" * 20
@@ -406,3 +408,50 @@ def test_where_sendfile_is_not_served_the_bytes_are_sent_by_hand(
             while chunk := b.recv(1 << 20):
                 got.extend(chunk)
     assert len(calls) == 1 and bytes(got) == rows.tobytes()
+
+
+def test_under_a_low_descriptor_limit_the_peer_port_sheds_and_keeps_serving(
+    tmp_path: Path,
+) -> None:
+    """RLIMIT_NOFILE 96: 60 connections that never send a hello, then a read of 20 new
+    files at once (its per-request share is 30): the daemon stays under its limit, answers (rows, or a clear refusal),
+    drops the silent ones after the hello's time, and serves over the peer port again."""
+
+    def low() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (96, 96))
+
+    http, port = free_port(), free_port()
+    flags = ("--node", "pp", "--tcp-port", str(http), "--peer-port", str(port),
+             "--request-timeout-s", "2", "--max-peer-connections-per-host", "200")  # fmt: skip
+    env = dict(os.environ, PAYLOADD_ADMIN_TOKEN=TOKEN)
+    with start_daemon(tmp_path / "root", tmp_path / "s.sock", *flags, env=env,
+                      preexec_fn=low) as proc:  # fmt: skip
+        peer = Peer(tmp_path / "root", tmp_path / "s.sock", http, port, proc.pid)
+        rows = np.arange(20 * 384, dtype=np.uint32).astype(np.uint8).reshape(20, 48, 8)
+        with peer.local() as c:
+            segs = [s for i in range(20)
+                    for s in c.append("routed_experts", rows[i : i + 1], i, run="low", step=i)]  # fmt: skip
+        silent = []
+        for _ in range(60):
+            with contextlib.suppress(OSError):
+                silent.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+        try:
+            assert len(fds(proc.pid)) <= 96
+            with peer.client(timeout=10) as c:
+                c.stats()  # the port is named: the read tries it first
+                try:
+                    assert np.array_equal(read8(c, segs, 0, 20), rows)
+                except BusyError as exc:
+                    assert "try again" in str(exc)
+            assert len(fds(proc.pid)) <= 96
+        finally:
+            for s in silent:
+                s.close()
+        time.sleep(3)  # the silent ones are gone by now
+        with peer.client() as c:
+            c.stats()
+            before = peer.metrics()
+            assert np.array_equal(read8(c, segs, 0, 20), rows)
+            after = peer.metrics()
+        assert delta(before, after, "payloadd_read_bytes_total", field="routed_experts",
+                     transport="peer") == 20 * 384  # fmt: skip
