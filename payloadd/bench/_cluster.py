@@ -34,11 +34,18 @@ from typing import Any
 
 import numpy as np
 
-from payload_client import ClusterClient, PayloadClient, PayloadSegment, shift_segments
+from payload_client import ClusterClient, PayloadClient, PayloadSegment
 from payloadd.bench._daemon_process import start_daemon
 from payloadd.bench._measure import Add, page_aligned, rotated, timed
-from payloadd.bench._packed import DirectReader, PackedBatch, _stored_bytes
-from payloadd.bench._rl_batch import LAYERS, MASK, ROUTED, ROUTED_FILL, TOP_K
+from payloadd.bench._packed import (
+    DirectReader,
+    PackedBatch,
+    client_reads,
+    direct_reads,
+    stored_bytes,
+    write_packed,
+)
+from payloadd.bench._rl_batch import LAYERS, ROUTED, ROUTED_FILL, TOP_K
 
 __all__ = ["NODES", "bench_cluster", "main", "start_nodes"]
 
@@ -228,7 +235,8 @@ def _packed(
 ) -> None:
     spec = PackedBatch()
     size = f"{spec.samples}x{spec.tokens // 1024}k"
-    batches = [_write_spread(spec, writers, c) for c in range(3 if quick else 8)]
+    clients = [writers[n] for n in NODES]  # sample i written on node i % 3
+    batches = [write_packed(spec, clients, RUN, c * spec.samples) for c in range(3 if quick else 8)]
     view = tmp / "all-roots"  # one folder showing every node's prefix, for the direct reader
     view.mkdir(exist_ok=True)
     for node, root in roots.items():
@@ -242,21 +250,12 @@ def _packed(
             wins = spec.windows(cp)
             n = wins[0][1] - wins[0][0]
             out = page_aligned(n * LAYERS * TOP_K).reshape(n, LAYERS, TOP_K)
-            nbytes = sum(_stored_bytes(batches[0], ROUTED, lo, hi) for lo, hi in wins)
+            nbytes = sum(stored_bytes(batches[0], ROUTED, lo, hi) for lo, hi in wins)
             base = f"cluster packed: direct reader uint8, CP {cp}"
+            direct = direct_reads(reader, turn, wins, out, None)
 
-            def direct(wins: list[tuple[int, int]] = wins, out: np.ndarray = out) -> None:
-                for lo, hi in wins:
-                    reader.read_rows(next(turn), ROUTED, lo, hi, out, ROUTED_FILL)
-
-            def cluster(
-                cc: ClusterClient, wins: list[tuple[int, int]] = wins, out: np.ndarray = out
-            ) -> Callable[[], None]:
-                def read() -> None:
-                    for lo, hi in wins:
-                        cc.read_field(next(turn), ROUTED, lo, hi, 0, dtype=np.uint8, out=out)
-
-                return read
+            def cluster(cc: ClusterClient, wins: Any = wins, out: np.ndarray = out) -> Any:
+                return client_reads(cc, turn, ROUTED, wins, out, ROUTED_FILL)
 
             ops += [
                 (base, direct, nbytes, None),
@@ -272,22 +271,6 @@ def _packed(
                 add(name, size, "GB/s", nbytes / timed(op, k) / 1e9, base)
     finally:
         reader.close()
-
-
-def _write_spread(
-    spec: PackedBatch, writers: dict[str, PayloadClient], copy: int
-) -> list[PayloadSegment]:
-    """`payloadd.bench._packed.write_packed`, sample ``i`` written on node ``i % 3``."""
-    packed: list[PayloadSegment] = []
-    for i in range(spec.samples):
-        c = writers[NODES[i % len(NODES)]]
-        sample: list[PayloadSegment] = []
-        for pos, routed, mask in spec.turns_of(i):
-            step = copy * spec.samples + i
-            sample += c.append(ROUTED, routed, pos, run=RUN, step=step)
-            sample += c.append(MASK, mask, pos, run=RUN, step=step)
-        packed += shift_segments(sample, i * spec.tokens)
-    return packed
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from payload_client import PayloadClient, PayloadSegment, shift_segments
+from payload_client import ClusterClient, PayloadClient, PayloadSegment, shift_segments
 from payloadd.bench._measure import Add, page_aligned, rotated, timed
 from payloadd.bench._rl_batch import (
     EXPERTS,
@@ -55,7 +55,16 @@ from payloadd.bench._rl_batch import (
     VOCAB,
 )
 
-__all__ = ["MAX_WIDTH", "DirectReader", "PackedBatch", "bench_packed", "write_packed"]
+__all__ = [
+    "MAX_WIDTH",
+    "DirectReader",
+    "PackedBatch",
+    "bench_packed",
+    "client_reads",
+    "direct_reads",
+    "stored_bytes",
+    "write_packed",
+]
 
 MAX_WIDTH = 64
 """Widest sampling-mask row: the mask outputs are ``int32 [window, 64]``."""
@@ -112,7 +121,10 @@ class PackedBatch:
 
 
 def write_packed(
-    spec: PackedBatch, client: PayloadClient, run: str, first_step: int
+    spec: PackedBatch,
+    client: PayloadClient | Sequence[PayloadClient],
+    run: str,
+    first_step: int,
 ) -> list[PayloadSegment]:
     """Inference writes every sample turn by turn (sample ``i`` in step ``first_step + i``);
     the orchestrator packs them back to back with ``shift_segments``.
@@ -121,8 +133,9 @@ def write_packed(
     ----------
     spec : PackedBatch
         The batch.
-    client : PayloadClient
-        Client of the daemon the rows go to.
+    client : PayloadClient or sequence of PayloadClient
+        Client of the daemon the rows go to; several: sample ``i`` goes through client
+        ``i % len(client)`` (inference on several nodes).
     run : str
         Run of the appends.
     first_step : int
@@ -133,12 +146,14 @@ def write_packed(
     list of PayloadSegment
         The micro batch's segments, both fields, in writing order.
     """
+    clients = [client] if isinstance(client, PayloadClient) else list(client)
     packed: list[PayloadSegment] = []
     for i in range(spec.samples):
+        c = clients[i % len(clients)]
         sample: list[PayloadSegment] = []
         for pos, routed, mask in spec.turns_of(i):
-            sample += client.append(ROUTED, routed, pos, run=run, step=first_step + i)
-            sample += client.append(MASK, mask, pos, run=run, step=first_step + i)
+            sample += c.append(ROUTED, routed, pos, run=run, step=first_step + i)
+            sample += c.append(MASK, mask, pos, run=run, step=first_step + i)
         packed += shift_segments(sample, i * spec.tokens)
     return packed
 
@@ -260,7 +275,7 @@ class DirectReader:
             out[done:] = fill
 
 
-def _stored_bytes(segments: Sequence[PayloadSegment], field: str, lo: int, hi: int) -> int:
+def stored_bytes(segments: Sequence[PayloadSegment], field: str, lo: int, hi: int) -> int:
     total = 0
     for s in segments:
         if s.field == field:
@@ -325,29 +340,29 @@ def _ops(
         n = wins[0][1] - wins[0][0]
         out8 = page_aligned(n * LAYERS * TOP_K).reshape(n, LAYERS, TOP_K)
         out32 = page_aligned(out8.size * 4).view(np.int32).reshape(out8.shape)
-        nbytes = sum(_stored_bytes(batches[0], ROUTED, lo, hi) for lo, hi in wins)
+        nbytes = sum(stored_bytes(batches[0], ROUTED, lo, hi) for lo, hi in wins)
         direct8, direct32 = (
             f"packed direct reader uint8, CP {cp}",
             f"packed direct + int32, CP {cp}",
         )
 
-        ops += [(direct8, _direct(reader, turn, wins, out8, None), nbytes, None),
-                (direct32, _direct(reader, turn, wins, out8, out32), nbytes, None)]  # fmt: skip
+        ops += [(direct8, direct_reads(reader, turn, wins, out8, None), nbytes, None),
+                (direct32, direct_reads(reader, turn, wins, out8, out32), nbytes, None)]  # fmt: skip
         for label, c in (("data plane", fast), ("http", http)):
             for dtype, out, base in (("uint8", out8, direct8), ("int32", out32, direct32)):
                 ops.append((f"packed read {dtype} out=, CP {cp} ({label})",
-                            _reader(c, turn, ROUTED, wins, out, ROUTED_FILL), nbytes, base))  # fmt: skip
+                            client_reads(c, turn, ROUTED, wins, out, ROUTED_FILL), nbytes, base))  # fmt: skip
                 # a rank's second window of the same micro batch (its mask after its
                 # routing): the client has the list's columns already
                 if label == "data plane":
                     again = itertools.repeat(batches[0])
                     ops.append((f"packed read {dtype} out=, CP {cp}, list read before ({label})",
-                                _reader(c, again, ROUTED, wins, out, ROUTED_FILL), nbytes, base))  # fmt: skip
+                                client_reads(c, again, ROUTED, wins, out, ROUTED_FILL), nbytes, base))  # fmt: skip
     labels = [(lo + 1, hi + 1) for lo, hi in spec.windows(spec.cp)]
     n = labels[0][1] - labels[0][0]
     outm = page_aligned(n * MAX_WIDTH * 4).view(np.int32).reshape(n, MAX_WIDTH)
     scratch = page_aligned(outm.nbytes)
-    nbytes = sum(_stored_bytes(batches[0], MASK, lo, hi) for lo, hi in labels)
+    nbytes = sum(stored_bytes(batches[0], MASK, lo, hi) for lo, hi in labels)
     base = f"packed mask direct reader, CP {spec.cp}"
 
     def direct_mask() -> None:
@@ -357,11 +372,11 @@ def _ops(
     ops.append((base, direct_mask, nbytes, None))
     for label, c in (("data plane", fast), ("http", http)):
         ops.append((f"packed mask read out=, CP {spec.cp} ({label})",
-                    _reader(c, turn, MASK, labels, outm, MASK_FILL), nbytes, base))  # fmt: skip
+                    client_reads(c, turn, MASK, labels, outm, MASK_FILL), nbytes, base))  # fmt: skip
     return ops
 
 
-def _direct(
+def direct_reads(
     reader: DirectReader,
     turn: Iterator[list[PayloadSegment]],
     wins: list[tuple[int, int]],
@@ -377,8 +392,8 @@ def _direct(
     return read
 
 
-def _reader(
-    c: PayloadClient,
+def client_reads(
+    c: PayloadClient | ClusterClient,
     turn: Iterator[list[PayloadSegment]],
     field: str,
     wins: list[tuple[int, int]],
