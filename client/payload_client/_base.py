@@ -19,6 +19,7 @@ import httpx
 import msgspec
 import numpy as np
 
+from ._dataplane_wire import DATA_SOCKET_SUFFIX
 from ._errors import InvalidRequestError, PayloadError, ProtocolError
 from ._fields import DEFAULT_FIELDS
 from ._layout import ReadLayout
@@ -51,7 +52,6 @@ from ._windows import (
 )
 from ._wire import (
     APPEND_CONTENT_TYPE,
-    DATA_SOCKET_SUFFIX,
     FRAME_PREFIX,
     MSGPACK_CONTENT_TYPE,
     AppendItem,

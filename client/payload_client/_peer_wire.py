@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import msgspec
 
-from ._wire import ErrorReply, Extent
+from ._dataplane_wire import ErrorReply
+from ._wire import Extent
 
 __all__ = [
     "HELLO_BYTES",

@@ -38,9 +38,9 @@ from payload_client import (
     TimeoutError,
     TransportError,
 )
+from payload_client._dataplane_wire import CommitRequest, NoteRequest
 from payload_client._transports._descriptors import NOTE_EVERY
 from payload_client._transports._http import translate
-from payload_client._wire import CommitRequest, NoteRequest
 from payloadd.bench._daemon_process import start_daemon
 from tests.conftest import Daemon
 

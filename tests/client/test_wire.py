@@ -1,6 +1,6 @@
 """Wire evolution: Structs only gain trailing defaulted fields, and both sides cope.
 
-For `PayloadSegment` and every Struct of ``payload_client._wire`` (and ``_peer_wire``) these tests build a "newer"
+For `PayloadSegment` and every Struct of ``payload_client._wire`` (and ``_dataplane_wire``, ``_peer_wire``) these tests build a "newer"
 version (same name, tag and options, one more trailing field with a default) and check, in
 msgpack and JSON, that what the newer version encodes decodes in today's (the extra field is
 ignored) and that what today's version encodes decodes in the newer one (the new field takes
@@ -27,45 +27,48 @@ import pytest
 
 from payload_client import PayloadSegment
 from payload_client import _base as client_base
+from payload_client import _dataplane_wire as dataplane_wire
 from payload_client import _peer_wire as peer_wire
 from payload_client import _wire as wire
-from payload_client._peer_wire import PeerBytes, PeerHello, PeerRead, PeerWelcome
-from payload_client._transports import _call as client_call
-from payload_client._transports import _dataplane as client_drivers
-from payload_client._wire import (
-    APPEND_CONTENT_TYPE,
+from payload_client._dataplane_wire import (
     DATA_SOCKET_SUFFIX,
-    FRAME_PREFIX,
-    MSGPACK_CONTENT_TYPE,
     AbortRequest,
-    AppendItem,
-    AppendRequest,
-    AppendResponse,
     CommitReply,
     CommitRequest,
-    ErrorBody,
     ErrorReply,
-    Extent,
-    FieldSpec,
     FieldsReply,
     FieldsRequest,
-    FieldsTable,
-    GcCount,
-    GcEntry,
-    GcReport,
-    GcRequest,
-    Health,
     LeaseGrant,
     LeaseReply,
     LeaseRequest,
     NoteRequest,
     OpenReply,
     OpenRequest,
-    Prefetched,
-    ReadRequest,
     ReservedExtent,
     ReserveReply,
     ReserveRequest,
+)
+from payload_client._peer_wire import PeerBytes, PeerHello, PeerRead, PeerWelcome
+from payload_client._transports import _call as client_call
+from payload_client._transports import _dataplane as client_drivers
+from payload_client._wire import (
+    APPEND_CONTENT_TYPE,
+    FRAME_PREFIX,
+    MSGPACK_CONTENT_TYPE,
+    AppendItem,
+    AppendRequest,
+    AppendResponse,
+    ErrorBody,
+    Extent,
+    FieldSpec,
+    FieldsTable,
+    GcCount,
+    GcEntry,
+    GcReport,
+    GcRequest,
+    Health,
+    Prefetched,
+    ReadRequest,
     RunUsage,
     Stats,
     StepUsage,
@@ -368,7 +371,7 @@ OPTIONS: dict[str, tuple[bool, str | None]] = {
 def _wire_structs() -> list[type[msgspec.Struct]]:
     found = {
         obj
-        for module in (wire, peer_wire)
+        for module in (wire, dataplane_wire, peer_wire)
         for obj in vars(module).values()
         if isinstance(obj, type) and issubclass(obj, msgspec.Struct) and obj is not msgspec.Struct
     }
@@ -447,7 +450,12 @@ def _layout(cls: type[msgspec.Struct]) -> list[str]:
     out = []
     for f in msgspec.structs.fields(cls):
         text = f"{f.name}: {f.type.__name__ if isinstance(f.type, type) else f.type}"
-        for prefix in ("typing.", "payload_client._wire.", "payload_client._segment."):
+        for prefix in (
+            "typing.",
+            "payload_client._wire.",
+            "payload_client._dataplane_wire.",
+            "payload_client._segment.",
+        ):
             text = text.replace(prefix, "")
         if f.default is not msgspec.NODEFAULT:
             text += f" = {f.default!r}"

@@ -23,7 +23,8 @@ import numpy as np
 import pytest
 
 from payload_client import PayloadClient, PayloadError, PayloadSegment
-from payload_client._wire import FRAME_PREFIX, DataReply, FieldsReply, FieldsRequest
+from payload_client._dataplane_wire import DataReply, FieldsReply, FieldsRequest
+from payload_client._wire import FRAME_PREFIX
 from payloadd.server._activation import passed_sockets
 from payloadd.server._sockets import StartError
 

@@ -420,8 +420,8 @@ def test_symlinked_directories_cannot_lead_out_of_the_root(
 def test_file_paths_that_leave_the_root_are_refused_on_both_planes(
     http: httpx.Client, daemon: Daemon, path: str, match: str
 ) -> None:
+    from payload_client._dataplane_wire import ErrorReply, OpenRequest
     from payload_client._transports import SyncDataPlane
-    from payload_client._wire import ErrorReply, OpenRequest
 
     r = http.post("/v1/read", json={"extents": [[path, 0, 1, 1]]})
     assert r.status_code == 422 and r.json()["error"] == "InvalidSegmentError", r.text

@@ -22,8 +22,9 @@ from payload_client import (
     SegmentFileError,
     StorageFullError,
 )
+from payload_client._dataplane_wire import ReserveRequest
 from payload_client._transports import _descriptors
-from payload_client._wire import FRAME_PREFIX, AppendItem, ReserveRequest
+from payload_client._wire import FRAME_PREFIX, AppendItem
 from payloadd.bench._daemon_process import start_daemon
 from tests.conftest import Daemon
 
@@ -253,8 +254,8 @@ def test_a_stuck_daemon_times_out(tmp_path: Path) -> None:
     import time
 
     from payload_client import TimeoutError
+    from payload_client._dataplane_wire import OpenRequest
     from payload_client._transports import SyncDataPlane
-    from payload_client._wire import OpenRequest
 
     sock = tmp_path / "payloadd.sock"
     with start_daemon(tmp_path / "root", sock) as proc, PayloadClient(sock) as c:

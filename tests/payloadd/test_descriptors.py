@@ -25,13 +25,8 @@ from payload_client import (
     PayloadClient,
     PayloadSegment,
 )
-from payload_client._wire import (
-    APPEND_CONTENT_TYPE,
-    FRAME_PREFIX,
-    AppendItem,
-    AppendRequest,
-    OpenRequest,
-)
+from payload_client._dataplane_wire import OpenRequest
+from payload_client._wire import APPEND_CONTENT_TYPE, FRAME_PREFIX, AppendItem, AppendRequest
 from payloadd.bench._daemon_process import start_daemon
 from tests.payloadd import procfs
 

@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 from payload_client import PayloadClient, PayloadSegment
-from payload_client._wire import FRAME_PREFIX, AppendItem, OpenRequest, ReserveRequest
+from payload_client._dataplane_wire import OpenRequest, ReserveRequest
+from payload_client._wire import FRAME_PREFIX, AppendItem
 from payloadd.bench._daemon_process import start_daemon
 
 R = "routed_experts"

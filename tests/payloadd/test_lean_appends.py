@@ -23,9 +23,10 @@ import numpy as np
 import pytest
 
 from payload_client import FileGoneError, PayloadClient, PayloadSegment, StorageFullError
+from payload_client._dataplane_wire import DATA_SOCKET_SUFFIX, FieldsReply, FieldsRequest
 from payload_client._transports import _descriptors
 from payload_client._transports._dataplane_steps import _removed
-from payload_client._wire import DATA_SOCKET_SUFFIX, FRAME_PREFIX, FieldsReply, FieldsRequest
+from payload_client._wire import FRAME_PREFIX
 from payloadd import Store
 from payloadd.bench._daemon_process import start_daemon
 from payloadd.store._leases import AHEAD_ROOM

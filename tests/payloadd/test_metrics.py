@@ -19,7 +19,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from payload_client import FileMissingError, PayloadClient, PayloadSegment
-from payload_client._wire import DATA_SOCKET_SUFFIX, FRAME_PREFIX, NoteRequest
+from payload_client._dataplane_wire import DATA_SOCKET_SUFFIX, NoteRequest
+from payload_client._wire import FRAME_PREFIX
 from payloadd.bench._daemon_process import start_daemon
 from tests.conftest import free_port
 

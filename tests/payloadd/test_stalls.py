@@ -19,14 +19,8 @@ import numpy as np
 import pytest
 
 from payload_client import PayloadClient
-from payload_client._wire import (
-    APPEND_CONTENT_TYPE,
-    FRAME_PREFIX,
-    AppendItem,
-    AppendRequest,
-    LeaseRequest,
-    ReserveRequest,
-)
+from payload_client._dataplane_wire import LeaseRequest, ReserveRequest
+from payload_client._wire import APPEND_CONTENT_TYPE, FRAME_PREFIX, AppendItem, AppendRequest
 from payloadd.bench._daemon_process import start_daemon
 from tests.conftest import Daemon
 from tests.payloadd import procfs

@@ -23,10 +23,11 @@ from typing import Any, TypeVar
 
 import msgspec
 
+from .._dataplane_wire import DataReply, DataRequest, ErrorReply, NoteRequest
 from .._errors import ProtocolError, TimeoutError, TransportError
 from .._segment import PayloadSegment
 from .._windows import WindowPlan
-from .._wire import FRAME_PREFIX, AppendItem, DataReply, DataRequest, ErrorReply, NoteRequest
+from .._wire import FRAME_PREFIX, AppendItem
 from . import _descriptors
 from ._base import AsyncTransport, DataPlaneDownError, Transport, drive, drive_async
 from ._call import Call

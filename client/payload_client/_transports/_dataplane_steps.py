@@ -28,6 +28,22 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from .._dataplane_wire import (
+    AbortRequest,
+    CommitReply,
+    CommitRequest,
+    DataReply,
+    DataRequest,
+    ErrorReply,
+    FieldsReply,
+    FieldsRequest,
+    LeaseReply,
+    LeaseRequest,
+    OpenReply,
+    OpenRequest,
+    ReserveReply,
+    ReserveRequest,
+)
 from .._errors import (
     AppendInDoubtError,
     PayloadError,
@@ -41,24 +57,7 @@ from .._fields import check_item
 from .._layout import IOV_MAX, ReadLayout
 from .._segment import PayloadSegment
 from .._windows import WindowPlan
-from .._wire import (
-    AbortRequest,
-    AppendItem,
-    CommitReply,
-    CommitRequest,
-    DataReply,
-    DataRequest,
-    ErrorReply,
-    FieldsReply,
-    FieldsRequest,
-    FieldsTable,
-    LeaseReply,
-    LeaseRequest,
-    OpenReply,
-    OpenRequest,
-    ReserveReply,
-    ReserveRequest,
-)
+from .._wire import AppendItem, FieldsTable
 from ._base import DataPlaneDownError
 from ._descriptors import (
     LEASE_ALONG,

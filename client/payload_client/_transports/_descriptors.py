@@ -27,7 +27,8 @@ from typing import Generic, TypeVar
 
 import numpy as np
 
-from .._wire import AppendItem, FieldsTable, NoteRequest
+from .._dataplane_wire import NoteRequest
+from .._wire import AppendItem, FieldsTable
 
 __all__ = [
     "CACHE_FDS",

@@ -25,11 +25,12 @@ from typing import Any, TypeVar
 
 import msgspec
 
+from .._dataplane_wire import ErrorReply
 from .._errors import ProtocolError, TimeoutError, error_from_wire
 from .._layout import IOV_MAX
 from .._peer_wire import HELLO_BYTES, PeerBytes, PeerHello, PeerRead, PeerReply, PeerWelcome
 from .._timeout import Timeout
-from .._wire import FRAME_PREFIX, ErrorReply, Extent
+from .._wire import FRAME_PREFIX, Extent
 from ._base import AsyncTransport, DataPlaneDownError, Transport
 from ._call import Call, Target
 
