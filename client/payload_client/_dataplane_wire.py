@@ -86,13 +86,21 @@ class LeaseRequest(msgspec.Struct, tag="lease", array_like=True):
     ``more``: other keys ``(run, step, field, nbytes)`` to lease in the same round trip, as
     the daemon can (each one may be left out: the client asks for it again when it needs
     it). ``nbytes`` 0 asks ahead of need: granted only far from the disk limits. A daemon
-    from before ``more`` leases the first key only."""
+    from before ``more`` leases the first key only.
+
+    ``done``: leases the client is finished with, ``(file, offset, used)``, each the range
+    granted at ``offset`` of ``file``: the client wrote nothing of it from file offset
+    ``used`` on, and never will. The daemon takes the rest back before it grants anything
+    of this request (a key renewed goes on at ``used``, with no hole); a range it ended
+    already is passed over. A daemon from before ``done`` ends those leases when their
+    file closes."""
 
     run: str
     step: NonNegInt
     field: str
     nbytes: NonNegInt
     more: list[tuple[str, NonNegInt, str, NonNegInt]] = []
+    done: list[tuple[str, NonNegInt, NonNegInt]] = []
 
 
 class LeaseGrant(msgspec.Struct, array_like=True):

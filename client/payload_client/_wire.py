@@ -143,7 +143,8 @@ class Stats(msgspec.Struct):
     ``interval``, ``flushes`` counts the flushes that fsync'd something, ``files_flushed`` the
     data files fsync'd, ``files_dirty`` those the next flush will fsync, ``flush_errors`` the
     fsyncs that failed. Disk limits: ``root_bytes`` is what counts against the cap
-    ``max_root_bytes`` (0: none), ``free_bytes`` the free space of the root's file system
+    ``max_root_bytes`` (0: none): the bytes of this node's files plus ``reserved_bytes``,
+    ranges reserved for appends and leases in progress and not written yet; ``free_bytes`` the free space of the root's file system
     against the floor ``min_free_bytes`` (0: none), ``appends_refused`` the appends and leases
     refused by either limit (507). Read-ahead: ``prefetches`` counts ``POST /v1/prefetch``
     calls that queued something, ``bytes_prefetched`` the bytes read ahead so far.
@@ -175,6 +176,7 @@ class Stats(msgspec.Struct):
     appends_refused: int = 0
     prefetches: int = 0
     bytes_prefetched: int = 0
+    reserved_bytes: int = 0
 
 
 class Health(msgspec.Struct):

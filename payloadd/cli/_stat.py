@@ -156,7 +156,8 @@ def render(stats: Stats, usage: Usage, r: dict[str, float] | None, where: str) -
         f"disk    {_count(usage.files, 'file')} in {_count(usage.steps, 'step')} of "
         f"{_count(len(usage.runs) + usage.more_runs, 'run')}: {human_bytes(usage.bytes)} "
         f"({human_bytes(usage.disk_bytes)} on disk)",
-        f"        counted against the cap {human_bytes(stats.root_bytes)}, cap "
+        f"        counted against the cap {human_bytes(stats.root_bytes)} (the files, and "
+        f"{human_bytes(stats.reserved_bytes)} reserved for appends in progress), cap "
         f"{_limit(stats.max_root_bytes)}; free {human_bytes(stats.free_bytes)}, floor "
         f"{_limit(stats.min_free_bytes)}; appends refused {stats.appends_refused}",
     ]

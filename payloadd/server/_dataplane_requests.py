@@ -56,10 +56,13 @@ from payloadd.store._budget import Descriptors, out_of_descriptors
 from payloadd.store._counts import DATA_PLANE
 from payloadd.store._store import Store
 
-__all__ = ["LEASE_ALONG", "Answer", "Connection", "DataPlaneRequests"]
+__all__ = ["FIRST_LEASE", "LEASE_ALONG", "Answer", "Connection", "DataPlaneRequests"]
 
 log = logging.getLogger("payloadd.dataplane")
 
+FIRST_LEASE = 64 << 10
+"""Bytes of a key's first lease on a connection (more when its append needs more); each
+renewal of the key doubles it, up to ``lease_bytes``."""
 LEASE_ALONG = min(MAX_FDS - 1, LEASES // 4)
 """Most keys one lease request gets leased along with its own (`LeaseRequest.more`)."""
 
@@ -122,7 +125,10 @@ class DataPlaneRequests:
     fds : Descriptors
         The descriptor shares: a request takes what it passes from the per-request share.
     lease_bytes : int
-        Size of the byte ranges clients lease for small appends.
+        Most bytes of one lease (a byte range a client places small appends in). A key's
+        first lease is `FIRST_LEASE` bytes (or what its append needs), each renewal twice
+        the last, up to this: what a lease holds unwritten stays about what its key has
+        written so far, not ``lease_bytes`` a field and a client.
     reservation_timeout : float
         Seconds a reservation may stay uncommitted; then it is given back (`expire`).
     metrics : Metrics, optional
@@ -139,6 +145,7 @@ class DataPlaneRequests:
     ) -> None:
         self.store, self.fds, self.metrics = store, fds, metrics
         self.lease_bytes = lease_bytes
+        self.first_lease = min(FIRST_LEASE, lease_bytes)
         self.reservation_timeout = reservation_timeout
         # reservation ids, unique across connections (a client shared by threads may send a
         # commit on a new connection) and, from a random start, across restarts
@@ -266,6 +273,9 @@ class DataPlaneRequests:
 
     def _lease(self, conn: Connection, req: LeaseRequest, passing: _Passing) -> DataReply:
         key = (req.run, req.step, req.field)
+        last = conn.leases.get(key)  # a key renewed: its next range twice the last one
+        size = self.first_lease if last is None else min(2 * last.nbytes, self.lease_bytes)
+        self._finish(conn, req.done, key)
         more = req.more[:LEASE_ALONG]
         try:  # the keys asked for besides: only as the descriptors allow
             self.fds.take(1 + len(more), "a lease")
@@ -274,7 +284,7 @@ class DataPlaneRequests:
             more = []
         passing.taken = 1 + len(more)
         with self.store.syncs_together():  # fsync="always": each new directory entry once
-            lease, fd = self._lease_file(conn, key, req.nbytes)
+            lease, fd = self._lease_file(conn, key, req.nbytes, size)
             passing.fds.append(fd)
             self._hold(conn, key, lease, passing)
             grants = self._lease_more(conn, more, key, passing)
@@ -299,7 +309,7 @@ class DataPlaneRequests:
             if other == key or other in conn.leases:
                 continue  # the client holds it (or asked twice)
             try:
-                got = self._lease_file(conn, other, nbytes, ahead=nbytes == 0)
+                got = self._lease_file(conn, other, nbytes, self.first_lease, nbytes == 0)
             except (PayloadError, OSError) as exc:  # left out: asked again when needed
                 log.debug("data plane: a lease asked along was left out: %s", exc)
                 continue
@@ -309,6 +319,41 @@ class DataPlaneRequests:
             self._hold(conn, other, got[0], passing)
             grants.append(LeaseGrant(i, got[0].file, got[0].offset, got[0].nbytes))
         return grants
+
+    def _finish(
+        self, conn: Connection, done: list[tuple[str, int, int]], key: tuple[str, int, str]
+    ) -> None:
+        """End the leases the client said it is done with (`LeaseRequest.done`), each at the
+        offset it gave: their unused tails stop counting, and a key renewed (``key``) goes
+        on there. Ranges the connection holds no more (ended already, by a request of
+        another thread of the client) are passed over; the files of keys other than
+        ``key`` are sealed (closed once unused).
+
+        Raises
+        ------
+        InvalidRequestError
+            An end outside its lease's range (nothing is ended then).
+        """
+        if not done:
+            return
+        held = {(lease.file, lease.offset): k for k, lease in conn.leases.items()}
+        ends = []
+        for file, offset, used in done[:LEASES]:
+            k = held.get((file, offset))
+            if k is None:
+                continue
+            lease = conn.leases[k]
+            if not offset <= used <= offset + lease.nbytes:
+                raise InvalidRequestError(
+                    f"the lease of bytes [{offset}, {offset + lease.nbytes}) of {file} "
+                    f"cannot end at {used}"
+                )
+            ends.append((k, lease, used))
+        for k, lease, used in ends:
+            del conn.leases[k]
+            lease.release(used)
+            if k != key:
+                self.store.seal_lease(conn.owner, k)
 
     def _hold(
         self, conn: Connection, key: tuple[str, int, str], lease: LeasedRange, passing: _Passing
@@ -431,19 +476,25 @@ class DataPlaneRequests:
 
     @overload
     def _lease_file(
-        self, conn: Connection, key: tuple[str, int, str], nbytes: int
+        self, conn: Connection, key: tuple[str, int, str], nbytes: int, size: int
     ) -> tuple[LeasedRange, int]: ...
 
     @overload
     def _lease_file(
-        self, conn: Connection, key: tuple[str, int, str], nbytes: int, ahead: bool
+        self, conn: Connection, key: tuple[str, int, str], nbytes: int, size: int, ahead: bool
     ) -> tuple[LeasedRange, int] | None: ...
 
     def _lease_file(
-        self, conn: Connection, key: tuple[str, int, str], nbytes: int, ahead: bool = False
+        self,
+        conn: Connection,
+        key: tuple[str, int, str],
+        nbytes: int,
+        size: int,
+        ahead: bool = False,
     ) -> tuple[LeasedRange, int] | None:
-        """A lease of ``key`` in a file of this connection's, and the client's descriptor
-        (``ahead``: of need, `Store.lease_ahead`: ``None`` near a disk limit).
+        """A lease of ``key`` (at least ``nbytes``, ``size`` where the limits allow) in a
+        file of this connection's, and the client's descriptor (``ahead``: of need,
+        `Store.lease_ahead`: ``None`` near a disk limit).
 
         A new file's descriptor is the one the store created it with (`LeasedRange.writer`),
         else one of the client's own is opened. Garbage collection may remove a leased file
@@ -452,12 +503,12 @@ class DataPlaneRequests:
         """
         for _ in range(8):
             if ahead:
-                got = self.store.lease_ahead(*key, nbytes, self.lease_bytes, owner=conn.owner)
+                got = self.store.lease_ahead(*key, nbytes, size, owner=conn.owner)
                 if got is None:
                     return None
                 lease = got
             else:
-                lease = self.store.lease(*key, nbytes, self.lease_bytes, owner=conn.owner)
+                lease = self.store.lease(*key, nbytes, size, owner=conn.owner)
             try:
                 writer = lease.writer()
                 if writer < 0:

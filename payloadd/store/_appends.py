@@ -77,7 +77,7 @@ class AppendOwner(Protocol):
         """An append ends without a commit: give its reservation back."""
         ...
 
-    def lease_ended(self, f: AppendFile) -> None:
+    def lease_ended(self, f: AppendFile, end: int, used: int | None) -> None:
         """A lease of ``f`` ended (its client wrote ``f`` unseen), and is released."""
         ...
 
@@ -229,8 +229,11 @@ class LeasedRange:
         caller opens one."""
         return self._owner.hand_over(self._file)
 
-    def release(self) -> None:
-        """The client is done with the range (its unused tail stays a hole)."""
+    def release(self, used: int | None = None) -> None:
+        """The client is done with the range. ``used``: the client said it wrote nothing of
+        it from that file offset on (``offset <= used <= offset + nbytes``): that tail is
+        taken back when nothing was placed after it, so the file goes on there; else (and
+        without ``used``) the tail stays reserved until the file closes."""
         if not self._released:
             self._released = True
-            self._owner.lease_ended(self._file)
+            self._owner.lease_ended(self._file, self.offset + self.nbytes, used)

@@ -138,10 +138,14 @@ class FileTable:
 
     def close_file(self, f: AppendFile) -> None:
         """Close ``f``: reserved bytes past its end were never written, and stop counting
-        against the cap. Lock held."""
+        against the cap (unless its client told where its writes end: ``f.told``). Lock
+        held."""
         with contextlib.suppress(OSError):
-            st = os.fstat(f.fd) if f.fd >= 0 else os.stat(f"{self._root}/{f.rel}")
-            if f.fd >= 0 or (st.st_dev, st.st_ino) == f.ino:
+            if f.told:  # its client's word: nothing past the end to take back
+                pass
+            elif f.fd >= 0:
+                self.budget.forget(max(0, f.size - os.fstat(f.fd).st_size))
+            elif ((st := os.stat(f"{self._root}/{f.rel}")).st_dev, st.st_ino) == f.ino:
                 self.budget.forget(max(0, f.size - st.st_size))
         if f.fd >= 0:
             os.close(f.fd)
@@ -442,11 +446,17 @@ class FileTable:
             fd, f.fd = f.fd, -1
         return fd
 
-    def lease_ended(self, f: AppendFile) -> None:
-        """A lease of ``f`` ended: its client wrote ``f`` unseen (for the next flush), and
-        ``f`` is released."""
+    def lease_ended(self, f: AppendFile, end: int, used: int | None) -> None:
+        """A lease of ``f``, the range up to ``end``, ended: its client wrote ``f`` unseen
+        (for the next flush), and ``f`` is released. ``used``: the client's word that it
+        wrote nothing from there on; when nothing was placed after the range, the file's
+        end moves back there (the next lease goes on at ``used``, no hole) and the rest
+        stops counting against the cap."""
         with self.lock:
             f.leases -= 1
+            if used is not None and f.size == end and used <= end and f.open:
+                self.budget.forget(end - used)
+                f.size, f.told = used, True
         if self.dirty is not None:
             self.dirty.released(f.rel)
         self.release([f])

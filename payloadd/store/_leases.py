@@ -18,12 +18,16 @@ from payloadd.store._appends import LeasedRange
 from payloadd.store._files import FileTable
 from payloadd.store._records import os_errors
 
-__all__ = ["AHEAD_ROOM", "Leases"]
+__all__ = ["AHEAD_ROOM", "ROOM_SHARE", "Leases"]
 
 AHEAD_ROOM = 8
 """A lease taken ahead of need (`Leases.lease` with ``ahead``) is granted only while the
 room under the disk limits holds this many whole leases: never near a limit, where it would
 take room from appends that need it."""
+ROOM_SHARE = 8
+"""A lease takes at most this share of the room left under the disk limits (and never less
+than it needs): near a limit, leases shrink instead of one client's reservation refusing
+everybody else's appends."""
 
 
 class Leases:
@@ -88,9 +92,10 @@ class Leases:
                 if old is not None:
                     t.seal(old)
                 t.leased[key] = f
-            granted = max(nbytes, min(size, cap - f.size, room))
+            granted = max(nbytes, min(size, cap - f.size, room // ROOM_SHARE))
             offset = f.size
             f.size += granted
+            f.told = False
             f.users += 1
             f.leases += 1
             self.last_used[run] = time.monotonic()

@@ -60,6 +60,17 @@ from payloadd.store._removal import Removals
 __all__ = ["Store"]
 
 
+def _unwritten(file: tuple[str, int, tuple[int, int]]) -> int:
+    """Bytes reserved at the end of an open file ``(path, reserved end, (dev, ino))`` and
+    not written yet (0 for a file gone or replaced since)."""
+    path, size, ino = file
+    try:
+        st = os.stat(path)
+    except OSError:
+        return 0
+    return max(0, size - st.st_size) if (st.st_dev, st.st_ino) == ino else 0
+
+
 class Store:
     """Owns the payload root: places, writes and reads rows; sync and thread-safe.
 
@@ -493,6 +504,8 @@ class Store:
             disk = {"root_bytes": b.used, "max_root_bytes": b.max_root_bytes}
             disk |= {"free_bytes": free, "min_free_bytes": b.min_free_bytes}
             disk |= {"appends_refused": b.refused}
+            reserved = [(f"{self.root}/{f.rel}", f.size, f.ino) for f in t.open_files.values()]
+        disk["reserved_bytes"] = sum(map(_unwritten, reserved))  # outside the lock: stats
         d = t.dirty
         flushed = {"flushes": 0, "files_flushed": 0, "files_dirty": 0, "flush_errors": 0}
         if d is not None:

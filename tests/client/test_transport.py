@@ -39,6 +39,7 @@ from payload_client import (
     TransportError,
 )
 from payload_client._dataplane_wire import CommitRequest, NoteRequest
+from payload_client._transports._dataplane_steps import Exchange
 from payload_client._transports._descriptors import NOTE_EVERY
 from payload_client._transports._http import translate
 from payloadd.bench._daemon_process import start_daemon
@@ -401,10 +402,10 @@ async def test_timeouts_fire_over_http_and_on_the_data_plane(
             assert d._data_plane is not None
             exchange = d._data_plane._exchange
 
-            def stop_at_commit(request: Any, reply: bool = True) -> Any:
-                if isinstance(request, CommitRequest):
+            def stop_at_commit(step: Exchange) -> Any:
+                if isinstance(step.request, CommitRequest):
                     _stop(proc.pid)
-                return exchange(request, reply)
+                return exchange(step)
 
             monkeypatch.setattr(d._data_plane, "_exchange", stop_at_commit)
             big = _rows(7, 200)  # 76800 bytes > --max-file-bytes: reserved, not leased
@@ -440,11 +441,11 @@ async def test_data_plane_appends_around_a_daemon_death_are_stored_once(
             assert c._data_plane is not None
             exchange = c._data_plane._exchange
 
-            def die_before_note(request: Any, reply: bool = True) -> Any:
-                if isinstance(request, NoteRequest):
+            def die_before_note(step: Exchange) -> Any:
+                if isinstance(step.request, NoteRequest):
                     procs[0].kill()
                     procs[0].wait()
-                return exchange(request, reply)
+                return exchange(step)
 
             monkeypatch.setattr(c._data_plane, "_exchange", die_before_note)
             last = NOTE_EVERY - 1

@@ -24,6 +24,7 @@ from payload_client import (
     shift_segments,
 )
 from payload_client._transports import _descriptors
+from payload_client._transports._dataplane_steps import Exchange
 from payload_client._wire import APPEND_CONTENT_TYPE, FRAME_PREFIX, AppendItem, AppendRequest
 from tests.conftest import Daemon
 from tests.reference import dense_read
@@ -428,7 +429,7 @@ def test_file_paths_that_leave_the_root_are_refused_on_both_planes(
     assert match in r.json()["message"]
     dp = SyncDataPlane(f"{daemon.socket}.data", timeout=10.0)
     try:
-        reply, fds = dp._exchange(OpenRequest([(path, 1)]))
+        reply, fds = dp._exchange(Exchange(OpenRequest([(path, 1)])))
     finally:
         dp.close()
     assert fds == [] and isinstance(reply, ErrorReply), reply

@@ -13,6 +13,7 @@ from payload_client._wire import AppendItem, GcRequest
 from payloadd import Store
 from payloadd.bench._daemon_process import start_daemon
 from payloadd.store._gc import GarbageCollector
+from tests.payloadd.disk_accounting import FIELDS, measure
 
 R = "routed_experts"
 KiB = 1 << 10
@@ -44,7 +45,7 @@ def test_the_cap_refuses_before_reserving_and_counts_reservations(tmp_path: Path
     assert not (tmp_path / "n" / "r" / "1").exists()  # not even a directory
     store.forget_bytes(3840)  # what garbage collection calls after removing files
     lease = store.lease("r", 1, R, 384, 1 << 20, owner=1)
-    assert lease.nbytes == 4000  # near the cap a lease shrinks to what fits
+    assert lease.nbytes == 500  # near the cap a lease takes an eighth of the room left
     assert store.stats().appends_refused == 2
     store.close()
 
@@ -59,6 +60,38 @@ def test_a_lease_tail_stops_counting_when_its_file_closes(tmp_path: Path) -> Non
     assert store.root_bytes == 10_000  # the file is still open for appends
     store.close()  # closing it: the unused tail at its end was never written
     assert store.root_bytes == 768 == node_bytes(tmp_path, "n")
+
+
+def test_a_lease_the_client_says_it_is_done_with_gives_its_tail_back_at_once(
+    tmp_path: Path,
+) -> None:
+    store = Store(tmp_path, "n", max_root_bytes=1 << 20)
+    lease = store.lease("r", 0, R, 384, 10_000, owner=1)
+    with open(tmp_path / lease.file, "r+b") as f:  # the client writes 2 rows of it
+        f.write(bytes(768))
+    lease.release(used=768)  # `LeaseRequest.done`: nothing written from 768 on
+    assert store.root_bytes == 768  # at once, while the file stays open for the next lease
+    nxt = store.lease("r", 0, R, 384, 10_000, owner=1)
+    assert (nxt.file, nxt.offset) == (lease.file, 768)  # goes on there: no hole
+    nxt.release(used=768 + 384)  # its rows are on their way: the client's word counts
+    store.close()
+    assert store.root_bytes == 768 + 384  # not the file's 768 bytes of now
+
+
+def test_near_the_cap_leases_shrink_and_leave_room_for_other_writers(tmp_path: Path) -> None:
+    # 8 writers x 3 fields asking 16 MiB each under a 32 MiB cap: before, the first two
+    # leases took it all and every other writer's 384-byte append was refused
+    store = Store(tmp_path, "n", max_root_bytes=32 << 20)
+    leases = [
+        store.lease("r", 0, field, 384, 16 << 20, owner=writer)
+        for writer in range(1, 9)
+        for field in ("routed_experts", "sampling_mask", "loss_mask")
+    ]
+    assert all(lease.nbytes >= 384 for lease in leases)
+    assert store.root_bytes <= 32 << 20
+    assert max(lease.nbytes for lease in leases) == 4 << 20  # an eighth of the room
+    store.close()
+    assert store.root_bytes == 0
 
 
 def test_recount_and_a_restart_count_the_files_on_disk(tmp_path: Path) -> None:
@@ -127,16 +160,18 @@ def test_at_the_cap_appends_fail_507_and_reads_go_on(tmp_path: Path, transport: 
             assert after.root_bytes == before.root_bytes <= 1 << 20
             assert after.appends_refused == before.appends_refused + 1
             assert after.leases == before.leases and after.appends == before.appends
-            if transport == "http":  # 10 appends fit, and the answer was a 507
-                assert len(kept) == 10 and "(HTTP 507)" in str(err.value)
-            else:  # leases (their unused tails count) shrink to fill the cap exactly
-                assert after.root_bytes == 1 << 20 and "HTTP" not in str(err.value)
+            # 10 appends fit on both transports: renewed leases give their unused tails
+            # back (the client says where its rows end), so the count is the rows
+            assert len(kept) == 10 and after.root_bytes == 10 * rows.nbytes
+            if transport == "http":  # and the answer was a 507
+                assert "(HTTP 507)" in str(err.value)
+            else:
+                assert "HTTP" not in str(err.value)
             for k, segs in kept:  # reads go on, on both transports
                 for reader in (c, probe):
                     np.testing.assert_array_equal(reader.read_field(segs, R, 0, 256, 0), rows + k)
             assert c.health().status == "ok"
-        if transport == "http":  # no lease tails: the count is the files' sizes
-            assert probe.stats().root_bytes == node_bytes(root, "n")
+        assert probe.stats().root_bytes == node_bytes(root, "n")  # the count: the files
 
 
 def test_a_restarted_daemon_counts_what_is_on_disk_and_keeps_the_cap(tmp_path: Path) -> None:
@@ -161,3 +196,25 @@ def test_a_restarted_daemon_counts_what_is_on_disk_and_keeps_the_cap(tmp_path: P
             np.testing.assert_array_equal(c.read_field(seg, R, 0, 256, 0), rows)
         assert c.stats().appends_refused == 3
         assert not (root / "n" / "new").exists()
+
+
+def test_eight_writers_three_fields_the_cap_counts_rows_and_what_leases_hold(
+    tmp_path: Path,
+) -> None:
+    # 8 writer processes x 3 fields released by a barrier, step after step, under a 64 MiB
+    # cap. Before leases started small and gave their tails back, the 24 leases of one step
+    # reserved 16 MiB each: the cap was full of nothing and writers were refused at once.
+    writers, fields = 8, len(FIELDS)
+    acct = measure(tmp_path / "root", writers=writers, steps=3, samples=4, cap=64 << 20)
+    assert acct.refused == 0
+    before = 0
+    for s in acct.steps:  # writers idle, connections open
+        assert s.file_bytes == s.written  # no holes: the files hold the rows, no more
+        assert s.root_bytes == s.file_bytes + s.reserved_bytes  # one definition
+        # what the leases of the two open steps hold unwritten: about a step's rows at most
+        assert s.reserved_bytes <= 2 * (s.written - before) + 2 * writers * fields * 64 * KiB
+        before = s.written
+    assert acct.written == acct.steps[-1].written > 0
+    # writers gone: the cap's count, the files and the GC report are the rows acknowledged
+    assert acct.closed_root_bytes == acct.closed_file_bytes == acct.gc_bytes == acct.written
+    assert acct.after_gc_root_bytes == 0

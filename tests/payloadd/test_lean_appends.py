@@ -25,7 +25,7 @@ import pytest
 from payload_client import FileGoneError, PayloadClient, PayloadSegment, StorageFullError
 from payload_client._dataplane_wire import DATA_SOCKET_SUFFIX, FieldsReply, FieldsRequest
 from payload_client._transports import _descriptors
-from payload_client._transports._dataplane_steps import _removed
+from payload_client._transports._dataplane_appends import _removed
 from payload_client._wire import FRAME_PREFIX
 from payloadd import Store
 from payloadd.bench._daemon_process import start_daemon
@@ -240,8 +240,8 @@ def test_a_lease_ahead_of_need_is_refused_near_the_disk_cap(tight_store: Store) 
     ahead = tight_store.lease_ahead("r", 0, M, 0, 4096, owner=1)
     assert ahead is None and tight_store.root_bytes == 0  # nothing reserved, nothing created
     assert not (tight_store.root / "n" / "r").exists()
-    lease = tight_store.lease("r", 0, R, 384, 4096, owner=1)  # a lease needed now: granted
-    assert lease.nbytes == 4096
+    lease = tight_store.lease("r", 0, R, 384, 4096, owner=1)  # a lease needed now: granted,
+    assert lease.nbytes == (AHEAD_ROOM - 1) * 4096 // 8  # an eighth of the room left
     with pytest.raises(StorageFullError):
         tight_store.lease("r", 0, M, (AHEAD_ROOM - 1) * 4096, 4096, owner=1)
     assert tight_store.stats().appends_refused == 1  # the refusal ahead was not counted

@@ -31,13 +31,13 @@ from .._wire import FRAME_PREFIX, AppendItem
 from . import _descriptors
 from ._base import AsyncTransport, DataPlaneDownError, Transport, drive, drive_async
 from ._call import Call
+from ._dataplane_appends import append_leased
 from ._dataplane_steps import (
     MAX_FDS,
     Blocking,
     Exchange,
     Fresh,
     Steps,
-    append_leased,
     note_steps,
     read_cached,
 )
@@ -367,10 +367,14 @@ class SyncDataPlane(_DataPlane, Transport):
             self._connected(sock)
         return sock
 
-    def _exchange(self, request: DataRequest, reply: bool = True) -> Any:
+    def _exchange(self, step: Exchange) -> Any:
         frame: _Frame | None = None
+        reply = step.reply
         with self.lock:
             self._refresh()
+            request = step.request() if callable(step.request) else step.request
+            if request is None:
+                return None
             sock = self._connect()
             try:
                 try:
@@ -394,7 +398,8 @@ class SyncDataPlane(_DataPlane, Transport):
             except BaseException:  # cancelled, interrupted: its reply would go to the next
                 self._failed(None, frame)
                 raise
-        return self._answered(frame.reply())
+            answer = self._answered(frame.reply())
+            return answer if step.take is None else step.take(answer)
 
     def run(self, steps: Steps[T]) -> T:
         """Drive ``steps`` to its result; a step's failure is raised inside ``steps``.
@@ -408,7 +413,7 @@ class SyncDataPlane(_DataPlane, Transport):
 
     def _perform(self, step: Exchange | Blocking | Fresh) -> Any:
         if isinstance(step, Exchange):
-            return self._exchange(step.request, step.reply)
+            return self._exchange(step)
         if isinstance(step, Fresh):
             with self.lock:
                 self._refresh()
@@ -478,12 +483,16 @@ class AsyncDataPlane(_DataPlane, AsyncTransport):
                 finally:
                     loop.remove_reader(sock.fileno())
 
-    async def _exchange(self, request: DataRequest, reply: bool = True) -> Any:
+    async def _exchange(self, step: Exchange) -> Any:
         if self.lock is None:
             self.lock = asyncio.Lock()
         frame: _Frame | None = None
+        reply = step.reply
         async with self.lock:
             self._refresh()
+            request = step.request() if callable(step.request) else step.request
+            if request is None:
+                return None
             sock = await self._connect()
             loop = asyncio.get_running_loop()
             try:
@@ -516,7 +525,8 @@ class AsyncDataPlane(_DataPlane, AsyncTransport):
             except BaseException:  # cancelled, interrupted: its reply would go to the next
                 self._failed(None, frame)
                 raise
-        return self._answered(frame.reply())
+            answer = self._answered(frame.reply())
+            return answer if step.take is None else step.take(answer)
 
     async def run(self, steps: Steps[T]) -> T:
         """Drive ``steps`` to its result; a step's failure is raised inside ``steps``.
@@ -529,7 +539,7 @@ class AsyncDataPlane(_DataPlane, AsyncTransport):
 
     async def _perform(self, step: Exchange | Blocking | Fresh) -> Any:
         if isinstance(step, Exchange):
-            return await self._exchange(step.request, step.reply)
+            return await self._exchange(step)
         if isinstance(step, Fresh):
             if self.lock is None or not self.lock.locked():  # no reply on its way
                 self._refresh()

@@ -324,6 +324,12 @@ class LeaseCache(_Cache[tuple[str, int, str], LeasedRange]):
                 used.add(lease.file)
         return got
 
+    def has_room(self, key: tuple[str, int, str], nbytes: int) -> bool:
+        """Whether the client's lease of ``key`` has ``nbytes`` free now."""
+        with self.lock:
+            lease = self.items.get(key)
+            return lease is not None and lease.next + nbytes <= lease.end
+
     def holds(self, key: tuple[str, int, str]) -> bool:
         """Whether the client has a lease of ``key`` (with room or not)."""
         with self.lock:
@@ -352,6 +358,26 @@ class LeaseCache(_Cache[tuple[str, int, str], LeasedRange]):
             if len(self.recent) > self.size:
                 del self.recent[next(iter(self.recent))]
         super().put(key, value)
+
+    def finish(self, key: tuple[str, int, str]) -> list[tuple[str, int, int]]:
+        """End the leases a lease request of ``key`` tells the daemon the client is done
+        with (`LeaseRequest.done`): ``key``'s own (it is renewed) and those of the run's
+        steps older than its two latest (``key``'s step counted): ``(file, start, used)``
+        each, ``used`` the end of what was claimed of it. No more claims fit in them from
+        now on; their descriptors close once no I/O uses them."""
+        run, step, _ = key
+        with self.lock:
+            steps = sorted({*self.recent.get(run, ()), step})
+            oldest = steps[-2] if len(steps) > 1 else step  # steps before it are done
+            done = [k for k in self.items if k == key or (k[0] == run and k[1] < min(oldest, step))]
+            out = []
+            for k in done:
+                lease = self.items.pop(k)
+                lease.end = lease.next
+                self.retired.append(lease.fd)
+                out.append((lease.file, lease.start, lease.next))
+            self._sweep()
+        return out
 
     def forget_lease(self, lease: LeasedRange) -> None:
         """Forget ``lease`` if it is still its key's (`forget`)."""
