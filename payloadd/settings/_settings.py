@@ -232,8 +232,9 @@ class Settings(BaseSettings):
     lease_bytes: int = Field(
         16 << 20,
         gt=0,
-        description="Bytes a data-plane client leases at a time: it places appends in its "
-        "lease itself, without a round trip, until the lease is used up.",
+        description="Most bytes of one data-plane lease (a client places appends in its lease "
+        "itself, without a round trip, until it is used up): a key's first lease is 64 KiB, "
+        "each after it twice the last, up to this.",
     )
     fsync: Literal["never", "interval", "always"] = Field(
         "never",
