@@ -5,8 +5,9 @@ Import what you need from here; the ``_*`` modules are private.
 >>> from payload_client import PayloadClient, clip_segments
 """
 
+from ._async_client import AsyncPayloadClient
 from ._base import DEFAULT_SOCKET
-from ._clients import AsyncPayloadClient, PayloadClient
+from ._clients import PayloadClient
 from ._cluster import NODES_ENV, AsyncClusterClient, ClusterClient, load_nodes
 from ._codec import decode_segments, encode_segments
 from ._errors import (

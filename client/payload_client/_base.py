@@ -21,11 +21,10 @@ import numpy as np
 
 from ._dataplane_wire import DATA_SOCKET_SUFFIX
 from ._errors import InvalidRequestError, PayloadError, ProtocolError
-from ._fields import DEFAULT_FIELDS
 from ._layout import ReadLayout
+from ._rows import name_once, rows_for_wire
 from ._segment import (
     INT64_MAX,
-    SUPPORTED_DTYPES,
     PayloadSegment,
     check_int,
     check_name,
@@ -95,72 +94,7 @@ HTTP_CHUNK = 256 << 10
 """Row bytes go to the HTTP stack in memoryview slices of at most this many bytes."""
 
 _encoder = msgspec.msgpack.Encoder()
-_DTYPE_NAMES = {np.dtype(name).newbyteorder("<"): name for name in SUPPORTED_DTYPES}
 _append_response = msgspec.msgpack.Decoder(AppendResponse)
-
-
-_WIRE: dict[np.dtype[Any], tuple[np.dtype[Any], str]] = {
-    np.dtype(name): (np.dtype(name) if np.dtype(name) == little else little, name)
-    for little, name in _DTYPE_NAMES.items()
-}
-"""Dtype of some rows -> (their dtype on the wire, its name): the supported dtypes in native
-byte order to start with (`_rows_for_wire` adds the others it meets)."""
-_NAMES: set[str] = set()
-"""Names (fields, runs) found valid: the pattern is not matched again (bounded)."""
-
-
-def _name(value: Any, what: str) -> str:
-    """`check_name`, once per name."""
-    if type(value) is str and value in _NAMES:
-        return value
-    check_name(value, what)
-    if type(value) is str:
-        if len(_NAMES) >= 4096:
-            _NAMES.clear()
-        _NAMES.add(value)
-    return str(value)
-
-
-def _rows_for_wire(rows: Any, field: str = "") -> tuple[np.ndarray, str]:
-    """``rows``, little-endian and C-contiguous, and their dtype's name; a copy only when
-    they are not already so."""
-    if type(rows) is np.ndarray:  # the common case, checked once, fast
-        wire = _WIRE.get(rows.dtype)
-        if wire is not None and rows.ndim >= 2 and 0 not in rows.shape[1:]:
-            if wire[0] is rows.dtype and rows.flags.c_contiguous:
-                return rows, wire[1]
-            return np.ascontiguousarray(rows, dtype=wire[0]), wire[1]
-    arr = _rows_checked(rows, field)
-    name = _DTYPE_NAMES[arr.dtype]
-    _WIRE.setdefault(rows.dtype, (arr.dtype, name))
-    return arr, name
-
-
-def _rows_checked(rows: Any, field: str = "") -> np.ndarray:
-    if not isinstance(rows, np.ndarray):
-        raise InvalidRequestError(f"rows must be a numpy.ndarray, got {type(rows).__name__}")
-    if isinstance(rows, np.ma.MaskedArray):  # its mask would be dropped, its masked values kept
-        raise InvalidRequestError("rows must not be a masked array: fill it first (rows.filled(v))")
-    if rows.ndim < 2:
-        raise InvalidRequestError(
-            f"rows must have shape [n, *row_shape] with a non-empty row shape, got {rows.shape}"
-        )
-    little = rows.dtype.newbyteorder("<")
-    if little not in _DTYPE_NAMES:
-        spec = DEFAULT_FIELDS.get(field)
-        takes = (
-            f"field {field!r} takes dtype {' or '.join(spec.dtypes)}"
-            if spec is not None
-            else f"rows dtype must be one of {sorted(SUPPORTED_DTYPES)}"
-        )
-        raise InvalidRequestError(
-            f"{takes}, got {rows.dtype}: rows are never cast; cast them yourself once their "
-            "values fit (e.g. rows.astype(np.uint8) for expert ids below 256, np.uint16 "
-            "above; np.int32 for token ids)"
-        )
-    if any(d == 0 for d in rows.shape[1:]):
-        raise InvalidRequestError(f"rows row shape entries must be > 0, got {rows.shape[1:]}")
-    return np.ascontiguousarray(rows, dtype=little)
 
 
 def _then(steps: Steps[None], result: T) -> Steps[T]:
@@ -327,7 +261,7 @@ class BaseClient(Generic[HTTPT, DataPlaneT, PeerT]):
         InvalidRequestError
             Bad items, field, run, step, position or rows.
         """
-        run = _name(run, "run")
+        run = name_once(run, "run")
         step = check_int(step, "step")
         listed = type(items) is list or (
             not isinstance(items, tuple) and isinstance(items, Sequence)
@@ -341,8 +275,8 @@ class BaseClient(Generic[HTTPT, DataPlaneT, PeerT]):
                 fld, rows, pos = item
             except (TypeError, ValueError):
                 raise InvalidRequestError(f"item {i} must be (field, rows, pos)") from None
-            fld = _name(fld, f"item {i} field")
-            arr, name = _rows_for_wire(rows, fld)
+            fld = name_once(fld, f"item {i} field")
+            arr, name = rows_for_wire(rows, fld)
             pos = check_int(pos, f"item {i} pos")
             n = len(arr)
             if pos + n > INT64_MAX:
@@ -401,6 +335,19 @@ class BaseClient(Generic[HTTPT, DataPlaneT, PeerT]):
                 " required])"
             ) from None
 
+    @staticmethod
+    def _covered(w: Window, coverage: bool) -> Window:
+        """``w`` read with the coverage of its call (`PayloadClient.read_many`)."""
+        asked: object = w.coverage  # typed bool, but any value a caller passed
+        if not isinstance(asked, bool | np.bool_):
+            return w  # named by the window's own check
+        if asked and not coverage:
+            raise InvalidRequestError(
+                "this window asks for coverage: pass coverage=True to read_many (every "
+                "result a CoveredRead), or coverage=None (each window as it asks)"
+            )
+        return w._replace(coverage=coverage)
+
     def _prefetch_call(self, windows: Sequence[WindowLike]) -> Call[Prefetched]:
         if isinstance(windows, tuple) or not isinstance(windows, Sequence):
             raise InvalidRequestError("windows must be a list of Window")
@@ -423,12 +370,11 @@ class BaseClient(Generic[HTTPT, DataPlaneT, PeerT]):
             return Call("POST", "/v1/prefetch", decode=lambda _: Prefetched(0, 0), local=True)
         return self._json_call("/v1/prefetch", Prefetched, "POST", ReadRequest(extents))
 
-    def _read_call(self, windows: Sequence[WindowLike]) -> Call[list[ReadResult]]:
-        return self._read_call_of(self._read_plans(windows))
-
     @staticmethod
-    def _read_plans(windows: Sequence[WindowLike]) -> Planned:
-        """The windows planned, their outputs prepared (before any I/O), the results."""
+    def _read_plans(windows: Sequence[WindowLike], cover: bool | None = None) -> Planned:
+        """The windows planned, their outputs prepared (before any I/O), the results;
+        ``cover``: the call's coverage for every window (`PayloadClient.read_many`),
+        ``None``: each window's own."""
         if isinstance(windows, tuple) or not isinstance(windows, Sequence):
             raise InvalidRequestError("windows must be a list of Window")
         plans: list[WindowPlan | None] = []
@@ -439,6 +385,8 @@ class BaseClient(Generic[HTTPT, DataPlaneT, PeerT]):
             if type(w) is not Window:
                 w = BaseClient._window(i, w)
             try:
+                if cover is not None:
+                    w = BaseClient._covered(w, cover)
                 dtype = w.out.dtype if w.dtype is None and w.out is not None else w.dtype
                 plan = plan_window(w.segments, w.field, w.lo, w.hi, w.fill, dtype)
                 if plan is None and w.required:

@@ -24,8 +24,9 @@ from typing import Any, Generic, Literal, TypeVar, overload
 import httpx
 import numpy as np
 
+from ._async_client import AsyncPayloadClient
 from ._base import BaseClient, Planned
-from ._clients import AsyncPayloadClient, PayloadClient
+from ._clients import PayloadClient
 from ._errors import (
     BusyError,
     InvalidRequestError,
@@ -137,7 +138,9 @@ class _Cluster(Generic[C]):
                 data_plane=data_plane,
             )  # fmt: skip
 
-    def _split(self, windows: Sequence[WindowLike]) -> tuple[Planned, dict[str, Planned]]:
+    def _split(
+        self, windows: Sequence[WindowLike], cover: bool | None
+    ) -> tuple[Planned, dict[str, Planned]]:
         """The call planned (checked, outputs prepared), and its part on each node that
         holds a file it needs.
 
@@ -146,7 +149,7 @@ class _Cluster(Generic[C]):
         InvalidRequestError
             As `PayloadClient.read_many`, or a segment on a node not in the map.
         """
-        planned = BaseClient._read_plans(windows)
+        planned = BaseClient._read_plans(windows, cover)
         self._check_nodes(windows)
         plans, outs, results, _, _ = planned
         involved: dict[str, None] = {}
@@ -262,14 +265,27 @@ class ClusterClient(_Cluster[PayloadClient]):
         """Read ``field`` over ``[lo, hi)`` from segments of any nodes: `PayloadClient.read_field`'s
         parameters, result and errors, and `InvalidRequestError` for a segment whose node is
         not in the map (before any I/O)."""
-        return self.read_many(
-            [Window(segments, field, lo, hi, fill, out, dtype, coverage, required)]
-        )[0]
+        window = Window(segments, field, lo, hi, fill, out, dtype, coverage, required)
+        return self._read([window], None)[0]
 
-    def read_many(self, windows: Sequence[WindowLike]) -> list[ReadResult]:
+    @overload
+    def read_many(self, windows: Sequence[WindowLike], *, coverage: Literal[False] = False) -> list[np.ndarray | None]: ...  # fmt: skip
+
+    @overload
+    def read_many(self, windows: Sequence[WindowLike], *, coverage: Literal[True]) -> list[CoveredRead]: ...  # fmt: skip
+
+    @overload
+    def read_many(self, windows: Sequence[WindowLike], *, coverage: None) -> list[ReadResult]: ...  # fmt: skip
+
+    def read_many(
+        self, windows: Sequence[WindowLike], *, coverage: bool | None = False
+    ) -> list[Any]:
         """Read several windows, one request a node: `PayloadClient.read_many` over segments
         of any nodes."""
-        planned, parts = self._split(windows)
+        return self._read(windows, coverage)
+
+    def _read(self, windows: Sequence[WindowLike], cover: bool | None) -> list[ReadResult]:
+        planned, parts = self._split(windows, cover)
         # the nodes over TCP in the pool, this node's (a socket: no network) meanwhile here
         items = sorted(parts.items(), key=lambda it: self.clients[it[0]].socket_path is None)
         items.reverse()
@@ -354,11 +370,25 @@ class AsyncClusterClient(_Cluster[AsyncPayloadClient]):
     ) -> ReadResult:
         """Awaitable `ClusterClient.read_field`."""
         window = Window(segments, field, lo, hi, fill, out, dtype, coverage, required)
-        return (await self.read_many([window]))[0]
+        return (await self._read([window], None))[0]
 
-    async def read_many(self, windows: Sequence[WindowLike]) -> list[ReadResult]:
+    @overload
+    async def read_many(self, windows: Sequence[WindowLike], *, coverage: Literal[False] = False) -> list[np.ndarray | None]: ...  # fmt: skip
+
+    @overload
+    async def read_many(self, windows: Sequence[WindowLike], *, coverage: Literal[True]) -> list[CoveredRead]: ...  # fmt: skip
+
+    @overload
+    async def read_many(self, windows: Sequence[WindowLike], *, coverage: None) -> list[ReadResult]: ...  # fmt: skip
+
+    async def read_many(
+        self, windows: Sequence[WindowLike], *, coverage: bool | None = False
+    ) -> list[Any]:
         """Awaitable `ClusterClient.read_many`."""
-        planned, parts = self._split(windows)
+        return await self._read(windows, coverage)
+
+    async def _read(self, windows: Sequence[WindowLike], cover: bool | None) -> list[ReadResult]:
+        planned, parts = self._split(windows, cover)
         done = await asyncio.gather(
             *(self._one(node, part) for node, part in parts.items()), return_exceptions=True
         )

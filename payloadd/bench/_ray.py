@@ -31,7 +31,7 @@ import time
 import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple, cast
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -120,14 +120,8 @@ def _payloadd_read(
     for key, lo, hi in _ranks(spec, batches):
         t0 = time.perf_counter()
         seg = packed[key[1]]
-        routed, mask = cast(  # no window asks for coverage: arrays or None
-            list[np.ndarray | None],
-            client.read_many(
-                [
-                    Window(seg, ROUTED, lo, hi, ROUTED_FILL),
-                    Window(seg, MASK, lo + 1, hi + 1, MASK_FILL),
-                ]
-            ),
+        routed, mask = client.read_many(
+            [Window(seg, ROUTED, lo, hi, ROUTED_FILL), Window(seg, MASK, lo + 1, hi + 1, MASK_FILL)]
         )
         if laps is not None:
             laps.append(time.perf_counter() - t0)

@@ -112,14 +112,20 @@ def test_reads_without_bytes_return_coverage_without_io(offline: PayloadClient) 
 def test_coverage_must_be_a_bool(offline: PayloadClient, bad: object) -> None:
     s = PayloadSegment("f", "a.bin", 0, 10, 1, "uint8", [3])
     with pytest.raises(InvalidRequestError, match="window 1: coverage must be True or False"):
-        offline.read_many([Window([s], "f", 0, 5, 0), Window([s], "f", 0, 5, 0, coverage=bad)])  # type: ignore[arg-type]
+        offline.read_many(
+            [Window([s], "f", 0, 5, 0), Window([s], "f", 0, 5, 0, coverage=bad)],  # type: ignore[arg-type]
+            coverage=None,
+        )
 
 
 def test_plain_tuples_take_coverage_as_their_eighth_item(offline: PayloadClient) -> None:
     s = PayloadSegment("f", "a.bin", 0, 10, 1, "uint8", [3])
     eight = ([s], "f", 0, 4, 0, None, None, True)
-    got = offline.read_many([eight, ([s], "f", 0, 4, 0)])  # type: ignore[list-item]
+    got = offline.read_many([eight, ([s], "f", 0, 4, 0)], coverage=None)  # type: ignore[list-item]
     assert isinstance(got[0], CoveredRead) and not got[0].covered.any()
     assert isinstance(got[1], np.ndarray)
-    (numpy_bool,) = offline.read_many([Window([s], "f", 0, 4, 0, coverage=np.True_)])  # type: ignore[arg-type]
+    (numpy_bool,) = offline.read_many(
+        [Window([s], "f", 0, 4, 0, coverage=np.True_)],  # type: ignore[arg-type]
+        coverage=None,
+    )
     assert isinstance(numpy_bool, CoveredRead) and numpy_bool.covered.shape == (4,)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from typing import cast
 
 import numpy as np
 import pytest
@@ -25,7 +24,7 @@ async def test_async_round_trip(aclient: AsyncPayloadClient) -> None:
     assert (got[:3] == 0).all()
     (m,) = await aclient.append_many([(M, np.full((2, 5), 4, np.int32), 3)], run="async", step=0)
     windows = [Window(segs + m, R, 3, 4, 0), Window(segs + m, M, 3, 6, -1)]
-    both = cast(list[np.ndarray | None], await aclient.read_many(windows))
+    both = await aclient.read_many(windows)
     assert both[0] is not None and both[1] is not None
     np.testing.assert_array_equal(both[1][:, :5], [[4] * 5, [4] * 5, [-1] * 5])
     assert (await aclient.stats()).appends >= 2

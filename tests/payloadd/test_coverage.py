@@ -64,7 +64,8 @@ def test_read_many_mixes_windows_with_and_without_coverage(client: PayloadClient
             Window(packed, M, 1, 5, -1),
             Window(packed, M, 1, 5, -1, coverage=True),
             Window(packed, "absent", 2, 4, 0, coverage=True),
-        ]
+        ],
+        coverage=None,  # each window as it asks
     )
     routed, mask, mask_cov, absent = got
     assert isinstance(routed, CoveredRead) and routed.array is out
@@ -86,7 +87,7 @@ async def test_async_coverage_matches_sync(aclient: AsyncPayloadClient) -> None:
     assert arr is not None
     np.testing.assert_array_equal(arr[covered], a)
     plain, with_cov = await aclient.read_many(
-        [Window([s], M, 3, 7, -1), Window([s], M, 3, 7, -1, coverage=True)]
+        [Window([s], M, 3, 7, -1), Window([s], M, 3, 7, -1, coverage=True)], coverage=None
     )
     assert isinstance(plain, np.ndarray) and isinstance(with_cov, CoveredRead)
     np.testing.assert_array_equal(with_cov.array, plain)

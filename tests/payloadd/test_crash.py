@@ -22,7 +22,6 @@ from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import cast
 
 import numpy as np
 import pytest
@@ -260,7 +259,7 @@ def _check_reads(c: PayloadClient, appended: Sequence[Appended]) -> None:
             names.append(a.name)
     for start in range(0, len(windows), 256):
         end = start + 256
-        got = cast(list[np.ndarray | None], c.read_many(windows[start:end]))
+        got = c.read_many(windows[start:end])
         for out, rows, name in zip(got, sent[start:end], names[start:end], strict=True):
             assert out is not None and (out.dtype, out.shape) == (rows.dtype, rows.shape), name
             assert out.tobytes() == rows.tobytes(), name

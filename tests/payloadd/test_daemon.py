@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Iterator
-from typing import cast
 
 import httpx
 import msgspec
@@ -359,11 +358,8 @@ def test_reads_into_caller_arrays_and_other_dtypes(client: PayloadClient) -> Non
     np.testing.assert_array_equal(stored, rows)
     pinned = np.empty((64, 48, 8), np.int64)  # reused every step; a view per window
     mask_buf = np.full((20, 64), 7, np.int32)
-    got = cast(
-        list[np.ndarray | None],
-        client.read_many(
-            [Window([r, m], R, 20, 30, 0, pinned[:10]), Window([r, m], M, 25, 45, -1, mask_buf)]
-        ),
+    got = client.read_many(
+        [Window([r, m], R, 20, 30, 0, pinned[:10]), Window([r, m], M, 25, 45, -1, mask_buf)]
     )
     assert got[0] is not None and got[0].base is pinned and got[1] is mask_buf
     np.testing.assert_array_equal(pinned[:10], rows[10:20])

@@ -1,6 +1,7 @@
 """What a new user trips on (issue 17), against a real daemon on both transports: a field name
 one typo away from the table's, a field absent from every segment, a closed client, the
-data-plane socket given as the daemon's, rows of a dtype payloadd does not store."""
+data-plane socket given as the daemon's, rows of a dtype payloadd does not store, results of
+`read_many` that need a cast."""
 
 from __future__ import annotations
 
@@ -8,15 +9,18 @@ import asyncio
 import re
 import subprocess
 import sys
+from typing import assert_type
 
 import numpy as np
 import pytest
 
 from payload_client import (
     AsyncPayloadClient,
+    CoveredRead,
     InvalidRequestError,
     PayloadClient,
     PayloadError,
+    ReadResult,
     Window,
 )
 from tests.conftest import Daemon
@@ -138,3 +142,30 @@ def test_usage_of_one_run_and_more_said_plainly(daemon: Daemon) -> None:
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert re.search(r"\d+ more runs? not listed \(--max-steps N, or --run RUN\)", out.stdout)
+
+
+def test_read_many_is_typed_by_its_coverage(client: PayloadClient) -> None:
+    # `assert_type` is checked by mypy (make test): the common case is arrays, no cast
+    rows = np.arange(2 * 48 * 8, dtype=np.uint8).reshape(2, 48, 8)
+    segs = client.append("routed_experts", rows, 0, run="typed", step=0)
+    windows = [Window(segs, "routed_experts", 0, 3, 0), Window(segs, "sampling_mask", 0, 3, -1)]
+    arrays = assert_type(client.read_many(windows), list[np.ndarray | None])
+    assert arrays[0] is not None and arrays[0].shape == (3, 48, 8) and arrays[1] is None
+    covered = assert_type(client.read_many(windows, coverage=True), list[CoveredRead])
+    assert [c.covered.tolist() for c in covered] == [[True, True, False], [False] * 3]
+    asking = [windows[0], windows[1]._replace(coverage=True)]
+    mixed = assert_type(client.read_many(asking, coverage=None), list[ReadResult])
+    assert isinstance(mixed[0], np.ndarray) and isinstance(mixed[1], CoveredRead)
+    with pytest.raises(InvalidRequestError, match="window 1: this window asks for coverage"):
+        client.read_many(asking)  # the type says arrays: refused, not a CoveredRead
+
+
+@pytest.mark.asyncio
+async def test_async_read_many_is_typed_by_its_coverage(aclient: AsyncPayloadClient) -> None:
+    rows = np.ones((2, 48, 8), np.uint8)
+    segs = await aclient.append("routed_experts", rows, 0, run="typed-async", step=0)
+    windows = [Window(segs, "routed_experts", 0, 2, 0)]
+    (array,) = assert_type(await aclient.read_many(windows), list[np.ndarray | None])
+    assert array is not None and (array == 1).all()
+    (cov,) = assert_type(await aclient.read_many(windows, coverage=True), list[CoveredRead])
+    assert cov.covered.all()

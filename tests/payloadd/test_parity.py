@@ -10,7 +10,6 @@ the shard of the dense inline tensors: ``routing[lo:hi]`` and ``shift_left(mask)
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import cast
 
 import numpy as np
 import pytest
@@ -198,7 +197,7 @@ def test_payload_by_handle_matches_inline(client: PayloadClient, cp: int) -> Non
                     Window(mb.segments, RE, lo, hi, 0),
                     Window(mb.segments, SM, lo + 1, hi + 1, -1),
                 ]
-                got_re, got_sm = cast(list[np.ndarray | None], client.read_many(windows))
+                got_re, got_sm = client.read_many(windows)
                 diff = mismatch(got_re, routing[lo:hi])
                 assert diff is None, f"routing {where}: {diff}"
                 # No mask row at all in the micro batch: the inline mask has width Wmb == 0,
