@@ -463,7 +463,7 @@ def _read(
             routed = retry(lambda: c.read_field(*ws[0][:5]), "read_field", tally, who, until)
             mask = retry(lambda: c.read_field(*ws[1][:5]), "read_field", tally, who, until)
             return routed, mask
-        got = retry(lambda: c.read_many(ws), "read_many", tally, who, until)
+        got = retry(lambda: c.read_many(ws, coverage=None), "read_many", tally, who, until)
         return got[0], got[1]
     assert clients.aio is not None and clients.loop is not None
     a = clients.aio
@@ -473,7 +473,7 @@ def _read(
             routed = await aretry(lambda: a.read_field(*ws[0][:5]), "read_field", tally, who, until)
             mask = await aretry(lambda: a.read_field(*ws[1][:5]), "read_field", tally, who, until)
             return routed, mask
-        got = await aretry(lambda: a.read_many(ws), "read_many", tally, who, until)
+        got = await aretry(lambda: a.read_many(ws, coverage=None), "read_many", tally, who, until)
         return got[0], got[1]
 
     return clients.loop.run_until_complete(both())

@@ -120,7 +120,8 @@ def _read_rank(
         [
             Window(segs, ROUTED, lo, hi, 0, coverage=how == 2),
             Window(segs, MASK, lo + 1, hi + 1, -1),
-        ]
+        ],
+        coverage=None,  # the routing window as it asks
     )
     return check_windows(got[0], got[1], region, lo, hi, f"rank {rank}")
 
