@@ -4,12 +4,15 @@
 # `make check-glusterfs` (not part of `make test`, as root): a shared root on a real GlusterFS
 # volume mounted twice; installs glusterfs-server/-client if missing; figures into
 # docs/benchmarks/glusterfs.json.
+# `make check-container` (not part of `make test`, as root): the image of
+# deploy/container/Dockerfile built with podman and run as a sidecar; installs podman, runc
+# and debootstrap if missing.
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck pytest soak soak-cluster check-glusterfs clean
+.PHONY: demo test lint typecheck pytest soak soak-cluster check-glusterfs check-container clean
 
 $(STAMP): pyproject.toml client/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +43,9 @@ soak: $(STAMP)
 SOAK_CLUSTER_SECONDS ?= 600
 soak-cluster: $(STAMP)
 	$(BIN)/python -m tests.payloadd.soak_cluster --seconds $(SOAK_CLUSTER_SECONDS)
+
+check-container:
+	bash deploy/container/check.sh
 
 check-glusterfs: $(STAMP)
 	@test "$$(id -u)" = 0 || { echo "check-glusterfs runs glusterd and FUSE mounts: run it as root"; exit 1; }

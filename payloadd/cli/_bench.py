@@ -32,7 +32,8 @@ def add_bench_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--root",
         type=Path,
-        default=Path(tempfile.gettempdir()),
+        default=None,  # the temporary folder, looked up when bench runs: every command builds
+        # this parser, and a read-only root file system (a container's) may have none
         help="folder on the file system to measure; a temporary root is made inside [/tmp]",
     )
     p.add_argument(
@@ -95,7 +96,9 @@ def run_bench(args: argparse.Namespace) -> int:
     sizes = dict(list(SIZES.items())[:2]) if args.quick else SIZES
     out = args.out or Path(tempfile.mkdtemp(prefix="payloadd-bench-"))
     total = len(STEPS) + 3  # and the RL batch, Ray, TransferQueue
-    with tempfile.TemporaryDirectory(prefix="payloadd-bench-", dir=args.root) as tmp:
+    with tempfile.TemporaryDirectory(
+        prefix="payloadd-bench-", dir=args.root or tempfile.gettempdir()
+    ) as tmp:
         root, socket = Path(tmp) / "root", Path(tmp) / "payloadd.sock"
         with start_daemon(root, socket):
             bench = Bench(root, socket, args.repeat, args.quick)

@@ -242,3 +242,19 @@ def test_a_node_prefix_that_is_no_directory_of_the_root_is_a_clean_start_error(
     assert out.returncode == 1 and "node prefix" in out.stderr and str(root / "n1") in out.stderr
     assert "Traceback" not in out.stderr
     assert not (tmp_path / "s.sock").exists() and list(outside.iterdir()) == []
+
+
+def test_the_command_line_needs_no_temporary_folder(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a container with a read-only root file system (Kubernetes' readOnlyRootFilesystem) has
+    # no writable /tmp: `payloadd serve` and the `payloadd health` probes must still start
+    import tempfile
+
+    from payloadd.cli._main import _command_line
+
+    def none() -> str:
+        raise FileNotFoundError("No usable temporary directory found")
+
+    monkeypatch.setattr(tempfile, "gettempdir", none)
+    parser, _ = _command_line()
+    args = parser.parse_args(["health", "--socket", "/run/payloadd/payloadd.sock"])
+    assert args.socket is not None

@@ -1,0 +1,172 @@
+#!/usr/bin/env bash
+# make check-container: build deploy/container/Dockerfile with podman and run the image as a
+# sidecar, as root, with everything it needs installed here (podman, runc, debootstrap).
+#
+# 1. The base: $PYTHON_IMAGE when podman has it; else a stand-in made from Debian's packages
+#    (debootstrap bookworm with python3 and pip: what python:3.11-slim gives the Dockerfile,
+#    `python` and a `pip` that installs system-wide), imported as localhost/payloadd-base.
+# 2. The Dockerfile, unchanged but for PYTHON_IMAGE. Its build stage takes the dependencies
+#    from the package index, as any build does: over the host's network, with the host's CA
+#    bundle (the only build step that needs a network).
+# 3. The sidecar: the daemon with no network, a read-only root file system, no capabilities,
+#    uid 10001, the payload root and /run/payloadd on volumes; a client container (uid 10002,
+#    in the daemon's group 10001, no network) appends and reads through the shared socket on
+#    both transports; `payloadd health` from the client's side; SIGTERM (podman stop) drains;
+#    a new daemon container on the same volumes serves every acknowledged row.
+# Then it removes the containers, volumes and images it made. Output: what it saw, a line a
+# check, and the image's size and contents.
+set -euo pipefail
+
+PYTHON_IMAGE=${PYTHON_IMAGE:-python:3.11-slim-bookworm}
+IMAGE=localhost/payloadd:check
+BASE=localhost/payloadd-base:bookworm
+WORK=$(mktemp -d /var/tmp/payloadd-check.XXXXXX)
+P=pl-check-$$  # names of this run's containers and volumes
+HERE=$(cd "$(dirname "$0")/../.." && pwd)
+
+say() { printf '%s\n' "check-container: $*"; }
+fail() { say "FAILED: $*"; exit 1; }
+
+[ "$(id -u)" = 0 ] || { echo "check-container runs podman as root: run it as root"; exit 1; }
+for tool in podman runc debootstrap; do
+  command -v "$tool" >/dev/null || {
+    say "installing podman, runc and debootstrap (Debian packages)"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q podman runc debootstrap >/dev/null
+    break
+  }
+done
+
+# runc, not crun (crun refuses this host's hybrid cgroups); limits given explicitly (the
+# runtime may not raise RLIMIT_NOFILE / RLIMIT_NPROC above the host's here)
+cat >"$WORK/containers.conf" <<'EOF'
+[containers]
+default_ulimits = ["nofile=1024:1024", "nproc=1024:1024"]
+[engine]
+runtime = "runc"
+EOF
+export CONTAINERS_CONF="$WORK/containers.conf"
+
+made_base=0
+cleanup() {
+  set +e
+  podman rm -f -t 0 "$P-daemon" "$P-daemon2" >/dev/null 2>&1
+  podman volume rm -f "$P-root" "$P-run" >/dev/null 2>&1
+  podman rmi -f "$IMAGE" >/dev/null 2>&1
+  [ "$made_base" = 1 ] && podman rmi -f "$BASE" >/dev/null 2>&1
+  podman image prune -f >/dev/null 2>&1
+  rm -rf "$WORK"
+}
+trap cleanup EXIT
+
+# -- 1. the base ----------------------------------------------------------------------------
+if podman image exists "$PYTHON_IMAGE"; then
+  base=$PYTHON_IMAGE
+  say "base: $base"
+else
+  say "base: $PYTHON_IMAGE is not here (no registry): a stand-in from Debian's packages"
+  t0=$(date +%s)
+  debootstrap --variant=minbase --include=python3,python3-pip bookworm "$WORK/rootfs" \
+    http://deb.debian.org/debian >"$WORK/debootstrap.log" 2>&1 || {
+    tail -20 "$WORK/debootstrap.log"; fail "debootstrap"; }
+  r=$WORK/rootfs
+  ln -sf python3 "$r/usr/bin/python" && ln -sf pip3 "$r/usr/bin/pip"
+  rm -f "$r"/usr/lib/python3*/EXTERNALLY-MANAGED  # pip installs system-wide, as in python:*
+  rm -rf "$r"/var/cache/apt/archives/*.deb "$r"/var/lib/apt/lists/* "$r"/usr/share/doc/* \
+    "$r"/usr/share/man/* "$r"/usr/share/locale/*
+  tar -C "$r" -c . | podman import --change 'CMD ["python3"]' - "$BASE" >/dev/null
+  rm -rf "$r"
+  made_base=1
+  base=$BASE
+  say "base: $BASE made in $(($(date +%s) - t0)) s, $(podman image inspect -f '{{.Size}}' "$BASE" | numfmt --to=iec)"
+fi
+
+# -- 2. the image ---------------------------------------------------------------------------
+t0=$(date +%s)
+podman build --format docker --network host \
+  -v /etc/ssl/certs/ca-certificates.crt:/etc/ssl/certs/ca-certificates.crt:ro \
+  --build-arg PYTHON_IMAGE="$base" -f "$HERE/deploy/container/Dockerfile" -t "$IMAGE" \
+  "$HERE" >"$WORK/build.log" 2>&1 || { tail -30 "$WORK/build.log"; fail "podman build"; }
+size=$(podman image inspect -f '{{.Size}}' "$IMAGE")
+say "image: $IMAGE built in $(($(date +%s) - t0)) s, $(numfmt --to=iec "$size") ($size bytes)"
+podman run --rm --network none --no-healthcheck --entrypoint sh "$IMAGE" -c \
+  'echo "  python $(python3 -c "import sys; print(sys.version.split()[0])"), $(payloadd --version)"
+   du -sh /usr/lib/python3 /usr/local/lib/python3*/dist-packages /usr/lib/python3/dist-packages 2>/dev/null | sed "s/^/  /"
+   cd /usr/local/lib/python3*/dist-packages 2>/dev/null && du -s -- */ | sort -rn | head -8 | awk "{printf \"  %6.1f MiB %s\\n\", \$1/1024, \$2}"'
+
+# -- 3. the sidecar -------------------------------------------------------------------------
+podman volume create "$P-root" >/dev/null
+podman volume create "$P-run" >/dev/null
+# --read-only-tmpfs=false: no /tmp either, as Kubernetes' readOnlyRootFilesystem gives;
+# PAYLOADD_NODE: the node is the container's hostname otherwise, a new one at each start
+daemon() {  # $1: the container's name
+  podman run -d --name "$1" --network none --read-only --read-only-tmpfs=false \
+    --cap-drop all --security-opt no-new-privileges --user 10001:10001 \
+    --health-interval disable -e PAYLOADD_NODE=node0 \
+    -v "$P-root:/var/lib/payloadd" -v "$P-run:/run/payloadd" "$IMAGE" >/dev/null
+}
+client() {  # the other side: another uid in the daemon's group, no network, no root volume
+  podman run --rm -i --network none --read-only --read-only-tmpfs=false --cap-drop all \
+    --security-opt no-new-privileges --user 10002:10001 --no-healthcheck \
+    -v "$P-run:/run/payloadd" -v "$WORK:/work" --entrypoint "$@"
+}
+wait_healthy() {  # the health check, run as the client would
+  for _ in $(seq 1 60); do
+    if client payloadd "$IMAGE" health --socket /run/payloadd/payloadd.sock --timeout 2 \
+        >"$WORK/health.txt" 2>&1; then return 0; fi
+    sleep 0.5
+  done
+  cat "$WORK/health.txt"; podman logs "$1" | tail -20; fail "the daemon in $1 never became healthy"
+}
+
+daemon "$P-daemon"
+wait_healthy "$P-daemon"
+podman healthcheck run "$P-daemon" >/dev/null || fail "the image's HEALTHCHECK"
+say "sidecar: daemon up (read-only root, no capabilities, no network); health: $(tr -d '\n' <"$WORK/health.txt")"
+chmod 0777 "$WORK"
+client python3 "$IMAGE" - <<'EOF' || fail "appends and reads from the client container"
+import msgspec
+import numpy as np
+from payload_client import PayloadClient
+
+rows = np.arange(64 * 48 * 8, dtype=np.uint64).astype(np.uint8).reshape(64, 48, 8)
+kept = []
+for data_plane in (True, False):
+    with PayloadClient(data_plane=data_plane) as c:
+        for step in range(3):
+            segs = c.append("routed_experts", rows, step * 64, run="sidecar", step=step)
+            back = c.read_field(segs, "routed_experts", step * 64, step * 64 + 64, 0)
+            assert np.array_equal(back, rows), "read back differs"
+            kept.append(segs)
+        st = c.stats()
+        print(f"  data_plane={data_plane}: 3 appends read back bit for bit; "
+              f"data-plane requests {st.data_plane_requests}, HTTP reads {st.reads}")
+open("/work/segments.json", "wb").write(msgspec.json.encode(kept))
+EOF
+say "sidecar: a client container (uid 10002, group 10001) appended and read on both transports"
+
+t0=$(date +%s)
+podman stop -t 40 "$P-daemon" >/dev/null
+code=$(podman inspect -f '{{.State.ExitCode}}' "$P-daemon")
+[ "$code" = 0 ] || { podman logs "$P-daemon" | tail -20; fail "exit code $code after SIGTERM"; }
+say "sidecar: SIGTERM: exit 0 in $(($(date +%s) - t0)) s; the daemon's last lines:"
+podman logs "$P-daemon" 2>&1 | tail -3 | sed 's/^/  /'
+
+daemon "$P-daemon2"
+wait_healthy "$P-daemon2"
+client python3 "$IMAGE" - <<'EOF' || fail "reads after the restart"
+import msgspec
+import numpy as np
+from payload_client import PayloadClient, PayloadSegment
+
+rows = np.arange(64 * 48 * 8, dtype=np.uint64).astype(np.uint8).reshape(64, 48, 8)
+data = open("/work/segments.json", "rb").read()
+kept = msgspec.json.decode(data, type=list[list[PayloadSegment]])
+with PayloadClient() as c:
+    for segs in kept:
+        lo = segs[0].pos
+        assert np.array_equal(c.read_field(segs, "routed_experts", lo, lo + 64, 0), rows)
+print(f"  a new daemon container on the same volumes served all {len(kept)} appends")
+EOF
+podman stop -t 40 "$P-daemon2" >/dev/null
+say "sidecar: restart served every acknowledged row"
+say "OK"
