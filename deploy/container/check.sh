@@ -46,14 +46,14 @@ runtime = "runc"
 EOF
 export CONTAINERS_CONF="$WORK/containers.conf"
 
-made_base=0
-cleanup() {
+before_images=$(podman images -a -q --no-trunc | sort -u)
+cleanup() {  # what this run made: containers, volumes, images (podman's pause image too)
   set +e
   podman rm -f -t 0 "$P-daemon" "$P-daemon2" >/dev/null 2>&1
   podman volume rm -f "$P-root" "$P-run" >/dev/null 2>&1
-  podman rmi -f "$IMAGE" >/dev/null 2>&1
-  [ "$made_base" = 1 ] && podman rmi -f "$BASE" >/dev/null 2>&1
-  podman image prune -f >/dev/null 2>&1
+  for i in $(podman images -a -q --no-trunc | sort -u | comm -13 <(echo "$before_images") -); do
+    podman rmi -f "$i" >/dev/null 2>&1
+  done
   rm -rf "$WORK"
 }
 trap cleanup EXIT
@@ -75,7 +75,6 @@ else
     "$r"/usr/share/man/* "$r"/usr/share/locale/*
   tar -C "$r" -c . | podman import --change 'CMD ["python3"]' - "$BASE" >/dev/null
   rm -rf "$r"
-  made_base=1
   base=$BASE
   say "base: $BASE made in $(($(date +%s) - t0)) s, $(podman image inspect -f '{{.Size}}' "$BASE" | numfmt --to=iec)"
 fi
@@ -169,4 +168,78 @@ print(f"  a new daemon container on the same volumes served all {len(kept)} appe
 EOF
 podman stop -t 40 "$P-daemon2" >/dev/null
 say "sidecar: restart served every acknowledged row"
+
+# -- 4. the Kubernetes manifests, played by podman ------------------------------------------
+# kube_play.py says what it changes for podman 4.3 (images, the inference container, the
+# native sidecar, the node's name, the Secret's stringData, fsGroup, a DaemonSet's pod).
+# The manifests declare ports, so the pods get podman's default network (host-only):
+# --network none refuses port mappings.
+PY=python3
+"$PY" -c 'import yaml' 2>/dev/null || PY=$HERE/.venv/bin/python
+"$PY" -c 'import yaml' 2>/dev/null || fail "PyYAML is needed to rewrite the manifests (make .venv/.installed)"
+before_volumes=$(podman volume ls -q | sort)
+sed "s/replace me: openssl rand -hex 32/$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')/" \
+  "$HERE/deploy/kubernetes/secret.example.yaml" >"$WORK/secret.raw.yaml"
+"$PY" "$HERE/deploy/container/kube_play.py" "$WORK/secret.raw.yaml" "$IMAGE" >"$WORK/secret.yaml"
+"$PY" "$HERE/deploy/container/kube_play.py" "$HERE/deploy/kubernetes/sidecar.yaml" "$IMAGE" \
+  >"$WORK/sidecar.yaml"
+mkdir -p "$WORK/host"
+"$PY" "$HERE/deploy/container/kube_play.py" "$HERE/deploy/kubernetes/daemonset.yaml" "$IMAGE" \
+  --host "$WORK/host" >"$WORK/daemonset.yaml"
+kube_cleanup() {
+  set +e
+  for f in daemonset sidecar secret; do podman kube down "$WORK/$f.yaml" >/dev/null 2>&1; done
+  podman secret rm payloadd-admin-token >/dev/null 2>&1
+  for v in $(podman volume ls -q | sort | comm -13 <(echo "$before_volumes") -); do
+    podman volume rm -f "$v" >/dev/null 2>&1
+  done
+}
+trap 'kube_cleanup; cleanup' EXIT
+healthy() {  # $1: a container of a played pod, whose liveness probe is its health check
+  for _ in $(seq 1 60); do
+    podman healthcheck run "$1" >/dev/null 2>&1 && return 0
+    sleep 0.5
+  done
+  podman logs "$1" 2>&1 | tail -20; fail "the liveness probe of $1"
+}
+podman kube play "$WORK/secret.yaml" >/dev/null
+podman kube play "$WORK/sidecar.yaml" >"$WORK/play.log" 2>&1 || {
+  cat "$WORK/play.log"; fail "kube play sidecar.yaml"; }
+healthy vllm-pod-0-payloadd
+podman exec -i vllm-pod-0-vllm python3 - <<'EOF' || fail "the client in the pod"
+import numpy as np
+from payload_client import PayloadClient
+
+rows = np.arange(32 * 48 * 8, dtype=np.uint64).astype(np.uint8).reshape(32, 48, 8)
+for data_plane in (True, False):
+    with PayloadClient(data_plane=data_plane) as c:
+        segs = c.append("routed_experts", rows, 0, run="pod", step=0)
+        assert np.array_equal(c.read_field(segs, "routed_experts", 0, 32, 0), rows)
+        print(f"  data_plane={data_plane}: appended and read back in {segs[0].file}")
+EOF
+podman exec vllm-pod-0-payloadd payloadd stat --socket /run/payloadd/payloadd.sock \
+  --token-file /run/secrets/payloadd/token --interval 0 >/dev/null ||
+  fail "payloadd stat with the Secret's token"
+ids=$(podman exec vllm-pod-0-vllm sh -c 'echo "$(id -u) groups $(id -G)"')
+say "kube play sidecar.yaml: the sidecar healthy (its liveness probe); the inference container (uid $ids) appended and read on both transports; the admin token read from the Secret"
+podman kube down "$WORK/sidecar.yaml" >/dev/null
+
+podman kube play "$WORK/daemonset.yaml" >"$WORK/play.log" 2>&1 || {
+  cat "$WORK/play.log"; fail "kube play daemonset.yaml (its pod)"; }
+healthy payloadd-payloadd
+podman run --rm -i --network none --read-only --read-only-tmpfs=false --cap-drop all \
+  --user 10002:10001 --no-healthcheck -v "$WORK/host/run/payloadd:/run/payloadd" \
+  --entrypoint python3 "$IMAGE" - <<'EOF' || fail "a client of the node's daemon"
+import numpy as np
+from payload_client import PayloadClient
+
+rows = np.ones((32, 48, 8), np.uint8)
+for data_plane in (True, False):
+    with PayloadClient(data_plane=data_plane) as c:
+        segs = c.append("routed_experts", rows, 0, run="node", step=0)
+        assert np.array_equal(c.read_field(segs, "routed_experts", 0, 32, 0), rows)
+print("  a container of another uid, the host's socket folder mounted: both transports")
+EOF
+say "kube play daemonset.yaml (its pod): the init container gave the host folders to the daemon ($(stat -c '%u:%g %a' "$WORK/host/run/payloadd")); it serves on the host's socket"
+podman kube down "$WORK/daemonset.yaml" >/dev/null
 say "OK"
