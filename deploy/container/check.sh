@@ -80,8 +80,11 @@ else
 fi
 
 # -- 2. the image ---------------------------------------------------------------------------
+# --no-cache: podman 4.3 (buildah 1.28) cannot bind-mount a build stage taken from its cache
+# ("couldn't find .../merged/wheels on host", podman#16281): the install step would find no
+# wheels on a second build
 t0=$(date +%s)
-podman build --format docker --network host \
+podman build --format docker --no-cache --network host \
   -v /etc/ssl/certs/ca-certificates.crt:/etc/ssl/certs/ca-certificates.crt:ro \
   --build-arg PYTHON_IMAGE="$base" -f "$HERE/deploy/container/Dockerfile" -t "$IMAGE" \
   "$HERE" >"$WORK/build.log" 2>&1 || { tail -30 "$WORK/build.log"; fail "podman build"; }
@@ -172,8 +175,7 @@ say "sidecar: restart served every acknowledged row"
 # -- 4. the Kubernetes manifests, played by podman ------------------------------------------
 # kube_play.py says what it changes for podman 4.3 (images, the inference container, the
 # native sidecar, the node's name, the Secret's stringData, fsGroup, a DaemonSet's pod).
-# The manifests declare ports, so the pods get podman's default network (host-only):
-# --network none refuses port mappings.
+# The pods get no network but loopback (--network none; kube_play.py drops the declared ports).
 PY=python3
 "$PY" -c 'import yaml' 2>/dev/null || PY=$HERE/.venv/bin/python
 "$PY" -c 'import yaml' 2>/dev/null || fail "PyYAML is needed to rewrite the manifests (make .venv/.installed)"
@@ -203,7 +205,7 @@ healthy() {  # $1: a container of a played pod, whose liveness probe is its heal
   podman logs "$1" 2>&1 | tail -20; fail "the liveness probe of $1"
 }
 podman kube play "$WORK/secret.yaml" >/dev/null
-podman kube play "$WORK/sidecar.yaml" >"$WORK/play.log" 2>&1 || {
+podman kube play --network none "$WORK/sidecar.yaml" >"$WORK/play.log" 2>&1 || {
   cat "$WORK/play.log"; fail "kube play sidecar.yaml"; }
 healthy vllm-pod-0-payloadd
 podman exec -i vllm-pod-0-vllm python3 - <<'EOF' || fail "the client in the pod"
@@ -224,7 +226,7 @@ ids=$(podman exec vllm-pod-0-vllm sh -c 'echo "$(id -u) groups $(id -G)"')
 say "kube play sidecar.yaml: the sidecar healthy (its liveness probe); the inference container (uid $ids) appended and read on both transports; the admin token read from the Secret"
 podman kube down "$WORK/sidecar.yaml" >/dev/null
 
-podman kube play "$WORK/daemonset.yaml" >"$WORK/play.log" 2>&1 || {
+podman kube play --network none "$WORK/daemonset.yaml" >"$WORK/play.log" 2>&1 || {
   cat "$WORK/play.log"; fail "kube play daemonset.yaml (its pod)"; }
 healthy payloadd-payloadd
 podman run --rm -i --network none --read-only --read-only-tmpfs=false --cap-drop all \

@@ -10,6 +10,7 @@
 - ``fieldRef: spec.nodeName`` -> this host's name (podman has no node);
 - the pod's ``fsGroup`` -> also its ``supplementalGroups``: podman gives no supplementary
   group for it, and the clients reach the 0660 sockets through it;
+- container ports dropped: they only declare, and ``--network none`` refuses them;
 - init containers kept after they ran (podman's "always" type: removing them races);
 - a Secret's ``stringData`` -> ``data`` (podman 4.3 mounts an empty file for the former);
 - a DaemonSet -> its pod (podman plays no DaemonSet), with ``--host DIR``: its hostPath
@@ -63,6 +64,7 @@ def for_podman(doc: dict[str, Any], image: str) -> dict[str, Any]:
         spec["securityContext"].setdefault("supplementalGroups", [group])
     for c in spec["containers"]:
         c["image"] = image
+        c.pop("ports", None)  # declarative only; podman's --network none refuses them
         if "payloadd" not in (c.get("command") or ["payloadd"])[0]:
             c["command"] = ["sleep", "3600"]
             c.pop("args", None)
