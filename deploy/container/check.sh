@@ -11,8 +11,10 @@
 # 3. The sidecar: the daemon with no network, a read-only root file system, no capabilities,
 #    uid 10001, the payload root and /run/payloadd on volumes; a client container (uid 10002,
 #    in the daemon's group 10001, no network) appends and reads through the shared socket on
-#    both transports; `payloadd health` from the client's side; SIGTERM (podman stop) drains;
-#    a new daemon container on the same volumes serves every acknowledged row.
+#    both transports; `payloadd health` from the client's side; SIGTERM (podman stop) while
+#    an append is half sent: it is finished and answered; a new daemon container on the same
+#    volumes serves every acknowledged row.
+# 4. The Kubernetes manifests played with podman kube play (kube_play.py says what changes).
 # Then it removes the containers, volumes and images it made. Output: what it saw, a line a
 # check, and the image's size and contents.
 set -euo pipefail
@@ -146,8 +148,47 @@ open("/work/segments.json", "wb").write(msgspec.json.encode(kept))
 EOF
 say "sidecar: a client container (uid 10002, group 10001) appended and read on both transports"
 
+# an append in flight when SIGTERM comes: its body half sent, the rest a second later; the
+# daemon must finish it (and answer its segments) before it exits
+client python3 "$IMAGE" - >"$WORK/inflight.log" 2>&1 <<'EOF' &
+import os
+import struct
+import time
+
+import httpx
+import msgspec
+import numpy as np
+
+rows = np.full((4096, 48, 8), 7, np.uint8)  # 1.5 MiB
+item = {"field": "routed_experts", "dtype": "uint8", "shape": [48, 8], "rows": 4096,
+        "pos": 0, "run": "inflight", "step": 0}
+header = msgspec.msgpack.encode({"items": [item]})
+data = rows.tobytes()
+
+
+def body():
+    yield struct.pack("<I", len(header)) + header + data[: len(data) // 2]
+    open("/work/inflight.started", "w").close()
+    time.sleep(1.0)
+    yield data[len(data) // 2 :]
+
+
+sock = os.environ["PAYLOADD_SOCKET"]
+with httpx.Client(transport=httpx.HTTPTransport(uds=sock), base_url="http://payloadd") as h:
+    size = str(4 + len(header) + len(data))  # the daemon takes no chunked body
+    r = h.post("/v1/append", content=body(), timeout=30,
+               headers={"Content-Type": "application/x-payload-append", "Content-Length": size})
+    print(r.status_code, r.text)
+    r.raise_for_status()
+    open("/work/inflight.json", "wb").write(r.content)
+EOF
+inflight=$!
+for _ in $(seq 1 100); do [ -e "$WORK/inflight.started" ] && break; sleep 0.1; done
+[ -e "$WORK/inflight.started" ] || { cat "$WORK/inflight.log"; fail "the in-flight append never started"; }
 t0=$(date +%s)
 podman stop -t 40 "$P-daemon" >/dev/null
+wait "$inflight" || { cat "$WORK/inflight.log"; fail "the append in flight at SIGTERM"; }
+say "sidecar: an append half sent when SIGTERM came was finished and answered: $(cut -c1-60 "$WORK/inflight.log")..."
 code=$(podman inspect -f '{{.State.ExitCode}}' "$P-daemon")
 [ "$code" = 0 ] || { podman logs "$P-daemon" | tail -20; fail "exit code $code after SIGTERM"; }
 say "sidecar: SIGTERM: exit 0 in $(($(date +%s) - t0)) s; the daemon's last lines:"
@@ -167,7 +208,12 @@ with PayloadClient() as c:
     for segs in kept:
         lo = segs[0].pos
         assert np.array_equal(c.read_field(segs, "routed_experts", lo, lo + 64, 0), rows)
-print(f"  a new daemon container on the same volumes served all {len(kept)} appends")
+    answer = msgspec.json.decode(open("/work/inflight.json", "rb").read())
+    (inflight,) = [PayloadSegment(*s) for s in answer["segments"][0]]
+    got = c.read_field([inflight], "routed_experts", 0, 4096, 0)
+    assert got is not None and (got == 7).all(), "the drained append's rows"
+print(f"  a new daemon container on the same volumes served all {len(kept) + 1} appends"
+      " (the drained one too)")
 EOF
 podman stop -t 40 "$P-daemon2" >/dev/null
 say "sidecar: restart served every acknowledged row"
