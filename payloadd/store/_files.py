@@ -138,12 +138,14 @@ class FileTable:
 
     def close_file(self, f: AppendFile) -> None:
         """Close ``f``: reserved bytes past its end were never written, and stop counting
-        against the cap (unless its client told where its writes end: ``f.told``). Lock
-        held."""
+        against the cap. Lock held.
+
+        Its size on disk decides, also after a client said where its rows end
+        (`lease_ended`): rows it had claimed below that end may never be written (an append
+        given up after the word was sent). A write still on its way as the file closes goes
+        uncounted until the next recount (`gc_interval_s`)."""
         with contextlib.suppress(OSError):
-            if f.told:  # its client's word: nothing past the end to take back
-                pass
-            elif f.fd >= 0:
+            if f.fd >= 0:
                 self.budget.forget(max(0, f.size - os.fstat(f.fd).st_size))
             elif ((st := os.stat(f"{self._root}/{f.rel}")).st_dev, st.st_ino) == f.ino:
                 self.budget.forget(max(0, f.size - st.st_size))
@@ -456,7 +458,7 @@ class FileTable:
             f.leases -= 1
             if used is not None and f.size == end and used <= end and f.open:
                 self.budget.forget(end - used)
-                f.size, f.told = used, True
+                f.size = used
         if self.dirty is not None:
             self.dirty.released(f.rel)
         self.release([f])

@@ -95,7 +95,6 @@ class Leases:
             granted = max(nbytes, min(size, cap - f.size, room // ROOM_SHARE))
             offset = f.size
             f.size += granted
-            f.told = False
             f.users += 1
             f.leases += 1
             self.last_used[run] = time.monotonic()

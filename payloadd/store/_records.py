@@ -47,10 +47,7 @@ class AppendFile:
     lease file: its client writes it through a descriptor of its own). ``open`` while its
     reserved bytes count against the cap; it ends once the file is sealed and unused.
     ``users`` counts pending appends and leases, ``leases`` the leases among them (GC may
-    remove a leased file: the client checks after writing, see `Store.remove_step`).
-    ``told``: ``size`` is where the client said its last lease ended (`FileTable.lease_ended`),
-    not a guess: closing the file keeps it whatever the file's size is then (a write of the
-    client's may still be on its way)."""
+    remove a leased file: the client checks after writing, see `Store.remove_step`)."""
 
     rel: str
     size: int
@@ -62,7 +59,6 @@ class AppendFile:
     leases: int = 0
     sealed: bool = False
     open: bool = True
-    told: bool = False
 
 
 @dataclass(frozen=True)

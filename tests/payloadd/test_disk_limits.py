@@ -73,9 +73,12 @@ def test_a_lease_the_client_says_it_is_done_with_gives_its_tail_back_at_once(
     assert store.root_bytes == 768  # at once, while the file stays open for the next lease
     nxt = store.lease("r", 0, R, 384, 10_000, owner=1)
     assert (nxt.file, nxt.offset) == (lease.file, 768)  # goes on there: no hole
-    nxt.release(used=768 + 384)  # its rows are on their way: the client's word counts
+    # a row claimed below the end the client gives, then never written (its append went
+    # another way: the lease it asked for was refused): counted until the file closes...
+    nxt.release(used=768 + 384)
+    assert store.root_bytes == 768 + 384
     store.close()
-    assert store.root_bytes == 768 + 384  # not the file's 768 bytes of now
+    assert store.root_bytes == 768 == node_bytes(tmp_path, "n")  # ...then the file decides
 
 
 def test_near_the_cap_leases_shrink_and_leave_room_for_other_writers(tmp_path: Path) -> None:
@@ -218,3 +221,24 @@ def test_eight_writers_three_fields_the_cap_counts_rows_and_what_leases_hold(
     # writers gone: the cap's count, the files and the GC report are the rows acknowledged
     assert acct.closed_root_bytes == acct.closed_file_bytes == acct.gc_bytes == acct.written
     assert acct.after_gc_root_bytes == 0
+
+
+def test_an_append_refused_a_lease_after_its_key_was_renewed_leaves_nothing_counted(
+    tmp_path: Path,
+) -> None:
+    # item 0 claims room in its key's lease; item 1, above the rotation size, asks for a
+    # lease (the old one ended where item 0's claim ends), is refused, and the whole append
+    # goes through a reservation: item 0's claim, never written, must not stay counted
+    sock, root = tmp_path / "payloadd.sock", tmp_path / "root"
+    with start_daemon(root, sock, "--node", "n", "--max-file-bytes", "65536"):
+        with PayloadClient(sock) as c:
+            c.append(R, np.ones((1, 48, 8), np.uint8), 0, run="r", step=0)  # the key's lease
+            items = [
+                (R, np.full((10, 48, 8), 1, np.uint8), 10),
+                (R, np.full((200, 48, 8), 2, np.uint8), 20),
+            ]
+            segs = c.append_many(items, run="r", step=0)
+            for (_, rows, pos), s in zip(items, segs, strict=True):
+                np.testing.assert_array_equal(c.read_field(s, R, pos, pos + len(rows), 0), rows)
+        with PayloadClient(sock) as probe:  # the writer gone: its lease files closed
+            assert probe.stats().root_bytes == node_bytes(root, "n")
