@@ -136,14 +136,15 @@ class AsyncPayloadClient(BaseClient[AsyncHTTPTransport, AsyncDataPlane, AsyncPee
     async def gc(
         self,
         run: str | None = None,
-        before_step: int | None = None,
+        through_step: int | None = None,
         *,
         ttl_s: float | None = None,
         dry_run: bool = False,
         node: str | None = None,
+        before_step: int | None = None,
     ) -> GcReport:
         """Awaitable `PayloadClient.gc`."""
-        return await self._send(self._gc_call(run, before_step, ttl_s, dry_run, node))
+        return await self._send(self._gc_call(run, through_step, ttl_s, dry_run, node, before_step))
 
     async def delete_run(
         self, run: str, *, dry_run: bool = False, node: str | None = None

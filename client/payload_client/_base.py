@@ -476,17 +476,23 @@ class BaseClient(Generic[HTTPT, DataPlaneT, PeerT]):
     def _gc_call(
         self,
         run: str | None,
-        before_step: int | None,
+        through_step: int | None,
         ttl_s: float | None,
         dry_run: bool,
         node: str | None = None,
+        before_step: int | None = None,
     ) -> Call[GcReport]:
-        if (run is None) != (before_step is None):
-            raise InvalidRequestError("run and before_step go together: give both or neither")
+        if before_step is not None:
+            raise InvalidRequestError(
+                f"gc(before_step=...) is now gc(through_step=...): the watermark includes its "
+                f"step (through_step={before_step!r} removes the steps <= {before_step!r})"
+            )
+        if (run is None) != (through_step is None):
+            raise InvalidRequestError("run and through_step go together: give both or neither")
         if run is not None:
             check_name(run, "run")
-        if before_step is not None:
-            before_step = check_int(before_step, "before_step")
+        if through_step is not None:
+            through_step = check_int(through_step, "through_step")
         ttl = None
         if ttl_s is not None:
             with contextlib.suppress(OverflowError):  # an int too large for a float
@@ -498,7 +504,7 @@ class BaseClient(Generic[HTTPT, DataPlaneT, PeerT]):
                 )
         if node is not None:
             check_name(node, "node")
-        req = GcRequest(run, before_step, ttl, bool(dry_run), node)
+        req = GcRequest(run, through_step, ttl, bool(dry_run), node)
         return self._json_call("/v1/admin/gc", GcReport, "POST", req)
 
     def _delete_run_call(self, run: str, dry_run: bool, node: str | None = None) -> Call[GcReport]:

@@ -320,20 +320,21 @@ class PayloadClient(BaseClient[HTTPTransport, SyncDataPlane, SyncPeerTransport])
     def gc(
         self,
         run: str | None = None,
-        before_step: int | None = None,
+        through_step: int | None = None,
         *,
         ttl_s: float | None = None,
         dry_run: bool = False,
         node: str | None = None,
+        before_step: int | None = None,
     ) -> GcReport:
         """Garbage-collect on the daemon's node, or on another node's prefix: an admin call.
 
         Parameters
         ----------
         run : str, optional
-            With ``before_step``: remove the steps ``<= before_step`` of this run (the
+            With ``through_step``: remove the steps ``<= through_step`` of this run (the
             training watermark). Both or neither.
-        before_step : int, optional
+        through_step : int, optional
             The watermark step, inclusive.
         ttl_s : float, optional
             Also remove every step whose files are all older than this (seconds), of runs
@@ -347,6 +348,9 @@ class PayloadClient(BaseClient[HTTPTransport, SyncDataPlane, SyncPeerTransport])
             the watermark, and the age rule when ``ttl_s`` is given (by the files' ages
             alone); no orphans. The daemon does not see that node's appends in flight: see
             docs/deployment.md. A daemon older than this option refuses it (400).
+        before_step : int, optional
+            The watermark's former name: refused with `InvalidRequestError` naming
+            ``through_step`` (it always included its step).
 
         Returns
         -------
@@ -358,8 +362,8 @@ class PayloadClient(BaseClient[HTTPTransport, SyncDataPlane, SyncPeerTransport])
         Raises
         ------
         InvalidRequestError
-            ``run`` without ``before_step`` (or the reverse), a bad run name, node name or
-            step, or another ``node`` with neither a watermark nor ``ttl_s``.
+            ``run`` without ``through_step`` (or the reverse), a bad run name, node name or
+            step, or another ``node`` with neither a watermark nor ``ttl_s``; ``before_step``.
         UnauthorizedError
             The daemon wants an admin token and this client has none, or a wrong one.
 
@@ -368,7 +372,7 @@ class PayloadClient(BaseClient[HTTPTransport, SyncDataPlane, SyncPeerTransport])
         Reads of a collected segment then raise `FileGoneError` (410), naming its run and
         step; a file a pending append writes to is kept (``GcReport.in_use``). DESIGN §5, §8.
         """
-        return self._send(self._gc_call(run, before_step, ttl_s, dry_run, node))
+        return self._send(self._gc_call(run, through_step, ttl_s, dry_run, node, before_step))
 
     def delete_run(self, run: str, *, dry_run: bool = False, node: str | None = None) -> GcReport:
         """Remove every step of ``run`` on the daemon's node, or of ``node``'s prefix (as in

@@ -214,9 +214,9 @@ class GcRequest(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     Attributes
     ----------
     run : str, optional
-        With ``before_step``: collect the steps ``<= before_step`` of this run (the
+        With ``through_step``: collect the steps ``<= through_step`` of this run (the
         training step watermark). Both or neither.
-    before_step : int, optional
+    through_step : int, optional
         The watermark, inclusive.
     ttl_s : float, optional
         Also collect, across this node's runs, every step whose files are all older than
@@ -228,6 +228,9 @@ class GcRequest(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
         Collect this node's prefix of a shared payload root instead of the daemon's own:
         the watermark, and the age rule only when ``ttl_s`` is given (by the files' ages
         alone); no orphans. One of the two is needed. Default: the daemon's own node.
+    before_step : int, optional
+        The watermark's former name: refused (400) naming ``through_step``, since the
+        watermark always included its step.
 
     Every call on the daemon's own node also removes orphans (files an earlier daemon
     created that hold no byte, so no append was acknowledged from them) and empty
@@ -235,10 +238,11 @@ class GcRequest(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     """
 
     run: str | None = None
-    before_step: Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)] | None = None
+    through_step: Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)] | None = None
     ttl_s: Annotated[float, msgspec.Meta(ge=0)] | None = None
     dry_run: bool = False
     node: str | None = None
+    before_step: Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)] | None = None
 
 
 class GcCount(msgspec.Struct):

@@ -21,10 +21,11 @@ __all__ = ["add_gc_flags", "run_gc"]
 def add_gc_flags(parser: argparse.ArgumentParser) -> None:
     """Add the flags of ``payloadd gc`` to ``parser``."""
     add_connection_flags(parser)
-    parser.add_argument("--run", help="with --before-step: the run whose steps go")
+    parser.add_argument("--run", help="with --through-step: the run whose steps go")
     parser.add_argument(
-        "--before-step", type=int, metavar="STEP", help="remove the run's steps <= STEP"
+        "--through-step", type=int, metavar="STEP", help="remove the run's steps <= STEP"
     )
+    parser.add_argument("--before-step", type=int, help=argparse.SUPPRESS)  # refused: renamed
     parser.add_argument(
         "--ttl-s",
         type=float,
@@ -37,19 +38,24 @@ def add_gc_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--node",
         help="collect this node's prefix of a shared payload root instead of the daemon's own "
-        "(e.g. a node that is gone): with --run and --before-step, --ttl-s or --delete-run; "
+        "(e.g. a node that is gone): with --run and --through-step, --ttl-s or --delete-run; "
         "the daemon does not see that node's appends in flight [default: the daemon's node]",
     )
     parser.add_argument("--dry-run", action="store_true", help="report only, remove nothing")
 
 
 def _check_flags(args: argparse.Namespace) -> None:
-    if (args.run is None) != (args.before_step is None):
-        raise FlagError("--run and --before-step go together")
+    if args.before_step is not None:
+        raise FlagError(
+            f"--before-step is now --through-step (the watermark includes its step): "
+            f"--through-step {args.before_step} removes the steps <= {args.before_step}"
+        )
+    if (args.run is None) != (args.through_step is None):
+        raise FlagError("--run and --through-step go together")
     if args.delete_run is not None and (args.run is not None or args.ttl_s is not None):
         raise FlagError("--delete-run goes alone (not with --run, --ttl-s)")
     if args.node is not None and args.run is None and args.ttl_s is None and not args.delete_run:
-        raise FlagError("--node needs --run and --before-step, --ttl-s, or --delete-run")
+        raise FlagError("--node needs --run and --through-step, --ttl-s, or --delete-run")
 
 
 def _collect(args: argparse.Namespace) -> int:
@@ -60,7 +66,7 @@ def _collect(args: argparse.Namespace) -> int:
             else:
                 report = c.gc(
                     args.run,
-                    args.before_step,
+                    args.through_step,
                     ttl_s=args.ttl_s,
                     dry_run=args.dry_run,
                     node=args.node,

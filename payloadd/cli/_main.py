@@ -107,7 +107,7 @@ def _commands() -> list[Command]:
             "gc",
             "garbage-collect on a running daemon",
             "Ask a running daemon to remove a run's steps up to a watermark "
-            "(--run, --before-step), a whole run (--delete-run), steps older than a TTL "
+            "(--run, --through-step), a whole run (--delete-run), steps older than a TTL "
             "(--ttl-s), orphans and empty directories; with --node, under another node's prefix "
             "of a shared root. Prints the report as JSON. An admin call: give the "
             "token with --token-file or $PAYLOADD_ADMIN_TOKEN when the daemon has one.",

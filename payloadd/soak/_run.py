@@ -11,7 +11,7 @@ resource that grows.
    `shift_segments`) and hands each to every trainer rank (threads and processes). The ranks
    wait on one barrier and read their CP windows of the same micro batch at the same moment:
    files nobody read before. Every window is compared bit for bit; truncated tails too.
-4. A GC thread collects the steps read, a few steps behind (``gc(run=, before_step=)``), then
+4. A GC thread collects the steps read, a few steps behind (``gc(run=, through_step=)``), then
    reads a sample of the collected segments: each must raise `FileGoneError` (410).
 5. With ``--kill-every``, the daemon is SIGKILLed under load and started again on the same
    root and socket; transport errors around a restart are expected, nothing else is.
@@ -378,7 +378,7 @@ class Soak:
                 final = what == "final"
                 mark = step if final else step - self.args.gc_lag
                 if mark > done:
-                    fn = functools.partial(dp.gc, run=RUN, before_step=mark)
+                    fn = functools.partial(dp.gc, run=RUN, through_step=mark)
                     try:
                         report = retry(fn, "gc", self.tally, who, self.until)
                     except GaveUpError:

@@ -59,23 +59,29 @@ class GarbageCollector:
         Raises
         ------
         InvalidRequestError
-            ``run`` without ``before_step`` or the reverse, a bad run or node name, or
-            another node without a watermark or a ``ttl_s``.
+            ``run`` without ``through_step`` or the reverse, a bad run or node name, or
+            another node without a watermark or a ``ttl_s``; the former ``before_step``.
         """
-        if (req.run is None) != (req.before_step is None):
-            raise InvalidRequestError("run and before_step go together: give both or neither")
+        if req.before_step is not None:
+            raise InvalidRequestError(
+                f"before_step is now through_step (the watermark includes its step): send "
+                f'{{"run": ..., "through_step": {req.before_step}}} to remove the steps '
+                f"<= {req.before_step}"
+            )
+        if (req.run is None) != (req.through_step is None):
+            raise InvalidRequestError("run and through_step go together: give both or neither")
         node = self._other(req.node)
         if node is not None and req.run is None and req.ttl_s is None:
             raise InvalidRequestError(
                 f"a collection of node {node!r}, not this daemon's ({self.store.node!r}), "
-                "needs run and before_step, or ttl_s"
+                "needs run and through_step, or ttl_s"
             )
         report = GcReport(dry_run=req.dry_run)
         with self._lock:
-            if req.run is not None and req.before_step is not None:
+            if req.run is not None and req.through_step is not None:
                 run = check_name(req.run, "run")
                 runs = self.store.runs(node)
-                steps = [s for s in runs.get(run, []) if s <= req.before_step]
+                steps = [s for s in runs.get(run, []) if s <= req.through_step]
                 self._remove(report, "watermark", [(run, steps)], node=node)
                 report.note = _no_run(run, runs, node or self.store.node)
             default = self.ttl_s if node is None else 0.0  # another node: only when asked

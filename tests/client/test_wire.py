@@ -133,7 +133,7 @@ EXAMPLES: dict[type[msgspec.Struct], msgspec.Struct] = {
     PeerRead: PeerRead([Extent("a/r/0/f", 0, 10, 10)]),
     PeerBytes: PeerBytes(10),
     ErrorBody: ErrorBody("InvalidRequestError", "bad"),
-    GcRequest: GcRequest("r", 3, 60.0, True, "node-b"),
+    GcRequest: GcRequest("r", 3, 60.0, True, "node-b", 2),
     GcCount: GcCount(2, 10),
     GcReport: GcReport(True, 2, 10, 1, {"watermark": GcCount(2, 10)}, 1, [("r", 3)], "no run"),
     OpenRequest: OpenRequest([("a.bin", 8), ("b.bin", 16)]),
@@ -253,10 +253,13 @@ LAYOUT: dict[str, list[str]] = {
     "ErrorBody": ["error: str", "message: str"],
     "GcRequest": [
         "run: str | None = None",
-        "before_step: Optional[Annotated[int, msgspec.Meta(ge=0, le=9223372036854775807)]] = None",
+        "through_step: Optional[Annotated[int, msgspec.Meta(ge=0, le=9223372036854775807)]] = None",
         "ttl_s: Optional[Annotated[float, msgspec.Meta(ge=0)]] = None",
         "dry_run: bool = False",
         "node: str | None = None",
+        # the watermark was renamed through_step (it always included its step); the old
+        # name stays only to be refused with a message naming the new one
+        "before_step: Optional[Annotated[int, msgspec.Meta(ge=0, le=9223372036854775807)]] = None",
     ],
     "GcCount": ["files: int = 0", "bytes: int = 0"],
     "GcReport": [
@@ -601,7 +604,7 @@ def test_an_older_daemon_takes_gc_requests_without_node_and_refuses_node(codec: 
     encode, decode = CODECS[codec]
     older = _gc_request_before_node()
     plain = GcRequest("r", 3, None, True)  # fields at their defaults are not sent at all
-    assert set(decode(encode(plain))) == {"run", "before_step", "dry_run"}
+    assert set(decode(encode(plain))) == {"run", "through_step", "dry_run"}
     assert decode(encode(plain), type=older) == older("r", 3, None, True)
     assert decode(encode(GcRequest()), type=older) == older()
     with pytest.raises(msgspec.ValidationError, match="unknown field `node`"):

@@ -264,7 +264,7 @@ def test_a_step_collected_on_a_reads_gone_on_b_at_once(pair: Nodes, read_via: st
         keep = a.append("routed_experts", rows(64, 5), 0, run=run, step=1)
         for _ in range(3):  # b's daemon and client have it open, its pages cached
             np.testing.assert_array_equal(read(b, segs), rows(512))
-        report = a.gc(run=run, before_step=0)
+        report = a.gc(run=run, through_step=0)
         assert report.files == 1 and report.steps == [(run, 0)]
         for _ in range(20):  # never the old rows, never fill
             assert_gone(b, segs, run)
@@ -331,7 +331,7 @@ def test_every_mode_reads_growth_and_collection_right(
                     more = a.append("routed_experts", rows(50, r + 1), pos, run=run, step=0)
                     np.testing.assert_array_equal(read(b, more), rows(50, r + 1))
                     segs, pos = segs + more, pos + 50
-                a.gc(run=run, before_step=0)
+                a.gc(run=run, through_step=0)
                 assert_gone(b, segs, run)
                 assert_gone(bh, segs, run)
 
@@ -462,7 +462,7 @@ def test_without_the_metadata_cache_reads_wait_less_and_are_as_right(
             with pair.a("http") as a, pair.b(via) as b:
                 segs = a.append("routed_experts", rows(512), 0, run=run, step=0)
                 np.testing.assert_array_equal(read(b, segs), rows(512))
-                a.gc(run=run, before_step=0)
+                a.gc(run=run, through_step=0)
                 assert_gone(b, segs, run)
     finally:
         gluster.reset("performance.stat-prefetch")

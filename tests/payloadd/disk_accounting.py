@@ -140,7 +140,7 @@ def measure(
                     p.kill()
         acct.closed_root_bytes = probe.stats().root_bytes
         acct.closed_file_bytes = probe.usage(max_steps=0).bytes
-        acct.gc_bytes = probe.gc("acct", before_step=steps).bytes
+        acct.gc_bytes = probe.gc("acct", through_step=steps).bytes
         acct.after_gc_root_bytes = probe.stats().root_bytes
     return acct
 

@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
             if step >= 2:  # the orchestrator frees what was trained on, on every node
                 for n in nodes.values():
                     with PayloadClient(n.socket, token=TOKEN) as c:
-                        c.gc(run="mb", before_step=step - 2)
+                        c.gc(run="mb", through_step=step - 2)
             step += 1
             if step % 10 == 0:
                 s = _sample(pids, Path(tmp), time.monotonic() - start)

@@ -105,12 +105,12 @@ def test_gc_and_run_deletion_need_the_token(guarded: Guarded) -> None:
         assert c.read_field(segs, "f", 0, 2, 0) is not None  # nothing was removed
     cmd = [*PAYLOADD, "gc", "--socket", str(guarded.socket), "--run", "guarded"]
     env = {k: v for k, v in os.environ.items() if k != "PAYLOADD_ADMIN_TOKEN"}
-    refused = subprocess.run([*cmd, "--before-step", "0"], capture_output=True, text=True,
+    refused = subprocess.run([*cmd, "--through-step", "0"], capture_output=True, text=True,
                              env=env, timeout=60)  # fmt: skip
     assert refused.returncode == 1 and "UnauthorizedError" not in refused.stdout
     assert "401" in refused.stderr
     env["PAYLOADD_ADMIN_TOKEN"] = TOKEN
-    done = subprocess.run([*cmd, "--before-step", "0"], capture_output=True, text=True,
+    done = subprocess.run([*cmd, "--through-step", "0"], capture_output=True, text=True,
                           env=env, timeout=60)  # fmt: skip
     assert done.returncode == 0 and '"files": 1' in done.stdout, done.stderr
     with PayloadClient(guarded.socket, token=TOKEN) as admin:
@@ -283,7 +283,7 @@ def test_a_token_file_of_two_lines_accepts_both_while_a_token_is_rotated(tmp_pat
             c.stats()
         out = subprocess.run(
             [sys.executable, "-m", "payloadd", "gc", "--socket", str(tmp_path / "s.sock"),
-             "--token-file", str(tmp_path / "token"), "--run", "r", "--before-step", "0"],
+             "--token-file", str(tmp_path / "token"), "--run", "r", "--through-step", "0"],
             capture_output=True, text=True, timeout=60,
         )  # fmt: skip
         assert out.returncode == 0, out.stderr

@@ -360,7 +360,7 @@ def test_a_lease_whose_file_gc_removes_at_once_is_placed_again(
     ) -> LeasedRange:
         got = lease(run, step, field, nbytes, size, owner)
         if not raced:  # a watermark lands between the lease and the client's descriptor
-            raced.append(collector.collect(GcRequest(run="r", before_step=0)))
+            raced.append(collector.collect(GcRequest(run="r", through_step=0)))
         return got
 
     monkeypatch.setattr(store, "lease", lease_then_gc)

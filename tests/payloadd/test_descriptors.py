@@ -79,7 +79,7 @@ def test_ranks_released_onto_new_files_at_once_leak_no_descriptor(
             t.join()
         assert not failures, failures
         with PayloadClient(sock) as c:
-            assert c.gc(run="r", before_step=199).files == 200
+            assert c.gc(run="r", through_step=199).files == 200
         assert (
             procfs.deleted_fds(proc.pid, tmp_path / "root") == []
         )  # every removed file's space is freed
@@ -332,7 +332,7 @@ def test_nothing_but_data_files_is_readable(tmp_path: Path, transport: str) -> N
         PayloadClient(sock, data_plane=transport == "data-plane") as c,
     ):
         c.append(R, np.ones((1, 2), np.uint8), 0, run="r", step=0)
-        c.gc(run="r", before_step=0)  # writes the GC ledger: run names, files, sizes
+        c.gc(run="r", through_step=0)  # writes the GC ledger: run names, files, sizes
         size = (tmp_path / "root" / "n" / "@gc-ledger.jsonl").stat().st_size
         assert size > 0
         leak = PayloadSegment(R, "n/@gc-ledger.jsonl", 0, 0, 1, "uint8", [size])
@@ -414,7 +414,7 @@ def test_a_read_that_gets_no_descriptor_for_the_cache_leaks_none(
             pass  # refused in words is fine too
         finally:
             procfs.set_nofile(pid, old)
-        c.gc(run="r", before_step=1)
+        c.gc(run="r", through_step=1)
     time.sleep(0.2)
     assert procfs.deleted_fds(pid, tmp_path / "root") == []
 

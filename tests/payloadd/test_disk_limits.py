@@ -115,7 +115,7 @@ def test_the_gc_ledger_and_its_spare_file_never_count(tmp_path: Path) -> None:
     store = Store(tmp_path, "n", max_root_bytes=4000)
     store.append([item(5)], bytes(5 * 384))
     store.append([item(5, step=1)], bytes(5 * 384))
-    GarbageCollector(store).collect(GcRequest(run="r", before_step=0))  # writes both
+    GarbageCollector(store).collect(GcRequest(run="r", through_step=0))  # writes both
     assert store.root_bytes == 1920 == store.recount()  # the cap is for rows
     store.close()
     again = Store(tmp_path, "n", max_root_bytes=4000)

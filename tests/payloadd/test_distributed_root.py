@@ -264,7 +264,7 @@ def test_a_collection_on_a_reads_gone_on_b_where_b_still_sees_the_file(
         for _ in range(2):
             np.testing.assert_array_equal(b.read_field(segs, "routed_experts", 0, 8, 0), data)
         os.link(root / segs[0].file, tmp_path / "still-linked")
-        assert a.gc(run="r", before_step=0).files == 1
+        assert a.gc(run="r", through_step=0).files == 1
         with pytest.raises(FileGoneError, match="run 'r'"):
             b.read_field(segs, "routed_experts", 0, 8, 0)
 
@@ -282,7 +282,7 @@ def test_the_gc_grace_puts_the_ledger_line_first_and_other_nodes_answer_410(
         segs = a.append("routed_experts", np.ones((4, 48, 8), np.uint8), 0, run="r", step=0)
         done: list[float] = []
         started = time.monotonic()
-        gc = threading.Thread(target=lambda: done.append(a.gc(run="r", before_step=0).files))
+        gc = threading.Thread(target=lambda: done.append(a.gc(run="r", through_step=0).files))
         gc.start()
         ledger = root / "a" / LEDGER_NAME
         while not ledger.exists() or b"\n" not in ledger.read_bytes():
@@ -385,7 +385,7 @@ def test_prefetch_errors_are_a_reads_errors(prefetch_daemon: tuple[Path, Path]) 
             c.prefetch([(segs, "routed_experts", 0)])  # type: ignore[list-item]
         with pytest.raises(InvalidRequestError, match="windows must be a list"):
             c.prefetch((segs, "routed_experts", 0, 4, 0))  # type: ignore[arg-type]
-        c.gc(run="r", before_step=0)
+        c.gc(run="r", through_step=0)
         with pytest.raises(FileGoneError, match="run 'r'"):
             c.prefetch([(segs, "routed_experts", 0, 4, 0)])
 
@@ -432,7 +432,7 @@ def test_a_file_kept_in_use_by_a_collection_is_not_listed_and_reads_everywhere(
     b = Store(tmp_path, "b", policy=distributed(wait=0.5))
     a.append([item(1)], bytes(ROW))
     pending = a.begin_append([item(1, pos=1)])  # in flight in the step's file
-    report = GarbageCollector(a, 0.0, 0.0).collect(GcRequest(run="r", before_step=0))
+    report = GarbageCollector(a, 0.0, 0.0).collect(GcRequest(run="r", through_step=0))
     assert (report.files, report.in_use) == (0, 1)
     pending.write(bytes([5]) * ROW)
     ((s,),) = pending.commit()
@@ -574,7 +574,7 @@ def test_collections_at_once_wait_their_graces_together(tmp_path: Path) -> None:
 
     def collect(run: str) -> None:
         barrier.wait(10)
-        reports.append(gc.collect(GcRequest(run=run, before_step=0)))
+        reports.append(gc.collect(GcRequest(run=run, through_step=0)))
 
     threads = [threading.Thread(target=collect, args=(r,)) for r in ("r1", "r2", "r3")]
     started = time.monotonic()

@@ -58,7 +58,7 @@ def test_watermark_removes_steps_up_to_it_and_reads_then_answer_gone(tmp_path: P
     store = Store(tmp_path, "n")
     segs = {step: append(store, "r1", step) for step in range(5)}
     other = append(store, "r2", 1)
-    report = GarbageCollector(store).collect(GcRequest(run="r1", before_step=2))
+    report = GarbageCollector(store).collect(GcRequest(run="r1", through_step=2))
     assert report.steps == [("r1", 0), ("r1", 1), ("r1", 2)]
     assert (report.files, report.bytes, report.by_reason["watermark"].files) == (3, 36, 3)
     assert report.dirs == 3  # the three step directories
@@ -73,7 +73,7 @@ def test_watermark_removes_steps_up_to_it_and_reads_then_answer_gone(tmp_path: P
 def test_a_file_that_never_existed_is_404_not_410(tmp_path: Path) -> None:
     store = Store(tmp_path, "n")
     seg = append(store, "r", 0)
-    GarbageCollector(store).collect(GcRequest(run="r", before_step=0))
+    GarbageCollector(store).collect(GcRequest(run="r", through_step=0))
     with pytest.raises(FileGoneError):  # the collected file
         store.open_for_read(seg.file, 1)
     for never in (
@@ -88,7 +88,7 @@ def test_a_file_that_never_existed_is_404_not_410(tmp_path: Path) -> None:
 def test_the_ledger_survives_a_restart_and_a_torn_last_line(tmp_path: Path) -> None:
     store = Store(tmp_path, "n")
     seg = append(store, "r", 3)
-    GarbageCollector(store).collect(GcRequest(run="r", before_step=5))
+    GarbageCollector(store).collect(GcRequest(run="r", through_step=5))
     store.close()
     with open(tmp_path / "n" / LEDGER_NAME, "ab") as f:
         f.write(b'{"run": "r", "fir')  # a crash while the ledger was written
@@ -100,11 +100,11 @@ def test_the_ledger_survives_a_restart_and_a_torn_last_line(tmp_path: Path) -> N
 def test_dry_run_reports_the_same_and_removes_nothing(tmp_path: Path) -> None:
     store = Store(tmp_path, "n")
     segs = [append(store, "r", step) for step in range(3)]
-    dry = GarbageCollector(store).collect(GcRequest(run="r", before_step=1, dry_run=True))
+    dry = GarbageCollector(store).collect(GcRequest(run="r", through_step=1, dry_run=True))
     assert dry.dry_run and (dry.files, dry.bytes, dry.steps) == (2, 24, [("r", 0), ("r", 1)])
     assert [read(store, s) for s in segs] == [rows(3, i) for i in range(3)]
     assert not (tmp_path / "n" / LEDGER_NAME).exists()  # nothing collected: no 410 either
-    real = GarbageCollector(store).collect(GcRequest(run="r", before_step=1))
+    real = GarbageCollector(store).collect(GcRequest(run="r", through_step=1))
     assert (real.files, real.bytes, real.steps) == (dry.files, dry.bytes, dry.steps)
 
 
@@ -112,20 +112,20 @@ def test_a_file_being_appended_to_is_kept_until_its_append_is_done(tmp_path: Pat
     store = Store(tmp_path, "n")
     done = append(store, "r", 0)
     pending = store.begin_append([item(2, "r", 0)])  # same file, rows not written yet
-    report = GarbageCollector(store).collect(GcRequest(run="r", before_step=0))
+    report = GarbageCollector(store).collect(GcRequest(run="r", through_step=0))
     assert (report.files, report.in_use) == (0, 1)
     assert read(store, done) == rows(3, 0)
     pending.write(rows(2, 9))
     (segs,) = pending.commit()
     assert read(store, segs[0]) == rows(2, 9)  # the append went through whole
-    report = GarbageCollector(store).collect(GcRequest(run="r", before_step=0))
+    report = GarbageCollector(store).collect(GcRequest(run="r", through_step=0))
     assert (report.files, report.in_use, steps_on_disk(store, "r")) == (1, 0, [])
 
 
 def test_later_appends_to_a_collected_step_go_to_a_new_file(tmp_path: Path) -> None:
     store = Store(tmp_path, "n")
     old = append(store, "r", 0)
-    GarbageCollector(store).collect(GcRequest(run="r", before_step=0))
+    GarbageCollector(store).collect(GcRequest(run="r", through_step=0))
     new = append(store, "r", 0)  # a late writer
     assert new.file != old.file and read(store, new) == rows(3, 0)
 
@@ -133,7 +133,7 @@ def test_later_appends_to_a_collected_step_go_to_a_new_file(tmp_path: Path) -> N
 def test_a_leased_file_is_collected(tmp_path: Path) -> None:
     store = Store(tmp_path, "n")
     lease = store.lease("r", 0, "f", 100, 1000, owner=1)
-    report = GarbageCollector(store).collect(GcRequest(run="r", before_step=0))
+    report = GarbageCollector(store).collect(GcRequest(run="r", through_step=0))
     assert (report.files, report.in_use) == (1, 0)  # the client re-checks after writing
     assert not (tmp_path / lease.file).exists()
     assert lease.file not in " ".join(open_files())  # the store let go of its space at once
@@ -161,9 +161,9 @@ def test_bad_requests_are_refused(tmp_path: Path) -> None:
     with pytest.raises(InvalidRequestError, match="go together"):
         c.collect(GcRequest(run="r"))
     with pytest.raises(InvalidRequestError, match="go together"):
-        c.collect(GcRequest(before_step=3))
+        c.collect(GcRequest(through_step=3))
     with pytest.raises(InvalidRequestError, match="run"):
-        c.collect(GcRequest(run="a/b", before_step=3))
+        c.collect(GcRequest(run="a/b", through_step=3))
 
 
 def test_orphans_of_a_crashed_daemon_and_empty_directories_go(tmp_path: Path) -> None:
@@ -220,7 +220,7 @@ def test_collected_bytes_no_longer_count_against_the_cap(tmp_path: Path) -> None
     with pytest.raises(StorageFullError, match="max_root_bytes"):
         append(store, "r", 1, n=10)
     lease = store.lease("r", 2, "f", 8, 8, owner=1)  # 88 with a lease
-    report = GarbageCollector(store).collect(GcRequest(run="r", before_step=2))
+    report = GarbageCollector(store).collect(GcRequest(run="r", through_step=2))
     assert report.files == 2 and store.root_bytes == 0
     assert read(store, append(store, "r", 3, n=20)) == rows(20, 3)  # room again
     lease.release()
@@ -254,7 +254,7 @@ def test_a_collection_after_a_torn_ledger_line_still_answers_gone(tmp_path: Path
     seg = append(store, "r", 1)
     with open(tmp_path / "n" / LEDGER_NAME, "ab") as f:
         f.write(b'{"run": "r", "fir')  # a crash while the ledger was written
-    GarbageCollector(store).collect(GcRequest(run="r", before_step=1))  # the next collection
+    GarbageCollector(store).collect(GcRequest(run="r", through_step=1))  # the next collection
     for s in (store, Store(tmp_path, "n")):  # now and after a restart
         with pytest.raises(FileGoneError, match="step 1 of run 'r'"):
             read(s, seg)
@@ -264,11 +264,11 @@ def test_a_collection_that_removes_nothing_adds_no_ledger_line(tmp_path: Path) -
     store = Store(tmp_path, "n")
     append(store, "r", 0)
     c = GarbageCollector(store)
-    c.collect(GcRequest(run="r", before_step=0))
+    c.collect(GcRequest(run="r", through_step=0))
     ledger = (tmp_path / "n" / LEDGER_NAME).read_bytes()
     for _ in range(20):  # a trainer repeating its watermark, an operator deleting twice
-        assert c.collect(GcRequest(run="r", before_step=0)).files == 0
-        assert c.collect(GcRequest(run="never", before_step=9)).files == 0
+        assert c.collect(GcRequest(run="r", through_step=0)).files == 0
+        assert c.collect(GcRequest(run="never", through_step=9)).files == 0
         assert c.delete_run("never").files == 0
     assert (tmp_path / "n" / LEDGER_NAME).read_bytes() == ledger
 
@@ -278,7 +278,7 @@ def test_odd_step_directories_and_paths_are_no_steps(tmp_path: Path, name: str) 
     store = Store(tmp_path, "n")
     seg = append(store, "r", 0)
     (tmp_path / "n" / "r" / name).mkdir()  # made by hand, or by another program
-    report = GarbageCollector(store).collect(GcRequest(run="r", before_step=0))
+    report = GarbageCollector(store).collect(GcRequest(run="r", through_step=0))
     assert report.steps == [("r", 0)]  # collection goes on
     with pytest.raises(FileGoneError):
         read(store, seg)
@@ -313,7 +313,7 @@ def test_the_ledger_and_its_directory_get_exact_modes_whatever_the_umask(tmp_pat
         node = tmp_path / "root" / "n"
         assert stat.S_IMODE(node.stat().st_mode) == 0o750
         append(store, "r", 0)
-        GarbageCollector(store).collect(GcRequest(run="r", before_step=0))
+        GarbageCollector(store).collect(GcRequest(run="r", through_step=0))
         for p in node.iterdir():
             assert stat.S_IMODE(p.lstat().st_mode) == 0o640, p.name
     finally:
@@ -364,7 +364,7 @@ def test_another_nodes_prefix_only_when_told_and_never_against_the_cap(tmp_path:
     assert not (tmp_path / "b" / "r").exists()
     with pytest.raises(FileGoneError, match=r"\(run,"):
         read(b, theirs[2])
-    with pytest.raises(InvalidRequestError, match="needs run and before_step, or ttl_s"):
+    with pytest.raises(InvalidRequestError, match="needs run and through_step, or ttl_s"):
         collect.collect(GcRequest(node="b"))
     with pytest.raises(InvalidRequestError, match="node"):
         collect.delete_run("r", node="..")

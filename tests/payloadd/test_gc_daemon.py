@@ -70,13 +70,13 @@ def test_gone_is_http_410_and_bad_requests_are_400(daemon: Daemon) -> None:
         (seg,) = c.append("f", rows(2), 0, run=run, step=0)
     transport = httpx.HTTPTransport(uds=str(daemon.socket))
     with httpx.Client(transport=transport, base_url="http://payloadd") as http:
-        answer = http.post("/v1/admin/gc", json={"run": run, "before_step": 0})
+        answer = http.post("/v1/admin/gc", json={"run": run, "through_step": 0})
         assert answer.status_code == 200 and answer.json()["files"] == 1
         body = {"extents": [[seg.file, 0, 768, 768]]}
         gone = http.post("/v1/read", json=body)
         assert gone.status_code == 410 and gone.json()["error"] == "FileGoneError"
         assert f"run '{run}'" in gone.json()["message"]
-        for bad in ({"run": run}, {"before_step": -1}, {"ttl_s": -1}, {"nope": 1}):
+        for bad in ({"run": run}, {"through_step": -1}, {"ttl_s": -1}, {"nope": 1}):
             answer = http.post("/v1/admin/gc", json=bad)
             assert answer.status_code == 400, bad
         assert http.delete("/v1/admin/runs/..%2Fx").status_code in (400, 404)
@@ -144,27 +144,27 @@ def test_ledger_survives_a_restart_and_the_cli_collects(tmp_path: Path) -> None:
         segs = c.append("f", rows(2), 0, run="r", step=1)
         keep = c.append("f", rows(2), 0, run="r", step=2)
         done = subprocess.run([*PAYLOADD, "gc", "--socket", str(sock), "--run", "r",
-                               "--before-step", "1", "--dry-run"], capture_output=True, text=True)  # fmt: skip
+                               "--through-step", "1", "--dry-run"], capture_output=True, text=True)  # fmt: skip
         assert done.returncode == 0, done.stderr
         assert json.loads(done.stdout)["steps"] == [["r", 1]]
         bad = subprocess.run([*PAYLOADD, "gc", "--socket", str(sock), "--run", "r"],
                              capture_output=True, text=True)  # fmt: skip
-        assert bad.returncode == 2 and "--run and --before-step go together" in bad.stderr
+        assert bad.returncode == 2 and "--run and --through-step go together" in bad.stderr
         both = subprocess.run([*PAYLOADD, "gc", "--socket", str(sock), "--delete-run", "r",
-                               "--run", "r", "--before-step", "1"], capture_output=True, text=True)  # fmt: skip
+                               "--run", "r", "--through-step", "1"], capture_output=True, text=True)  # fmt: skip
         assert both.returncode == 2 and "--delete-run goes alone" in both.stderr
         no_token = subprocess.run([*PAYLOADD, "gc", "--socket", str(sock), "--token-file",
-                                   str(tmp_path / "missing"), "--run", "r", "--before-step", "1"],
+                                   str(tmp_path / "missing"), "--run", "r", "--through-step", "1"],
                                   capture_output=True, text=True)  # fmt: skip
         assert no_token.returncode == 2 and "cannot read --token-file" in no_token.stderr
-        for bad_value in (["--run", "../r", "--before-step", "1"], ["--ttl-s", "nan"]):
+        for bad_value in (["--run", "../r", "--through-step", "1"], ["--ttl-s", "nan"]):
             out = subprocess.run([*PAYLOADD, "gc", "--socket", str(sock), *bad_value],
                                  capture_output=True, text=True)  # fmt: skip
             assert out.returncode == 2 and "InvalidRequest" not in out.stderr, out.stderr
             assert ("run" if "--run" in bad_value else "ttl_s") in out.stderr
         assert (root / segs[0].file).exists()  # nothing collected
         done = subprocess.run([*PAYLOADD, "gc", "--socket", str(sock), "--run", "r",
-                               "--before-step", "1"], capture_output=True, text=True)  # fmt: skip
+                               "--through-step", "1"], capture_output=True, text=True)  # fmt: skip
         assert json.loads(done.stdout)["files"] == 1
     with start_daemon(root, sock, "--node", "n"), PayloadClient(sock) as c:
         with pytest.raises(FileGoneError, match="step 1 of run 'r'"):

@@ -265,9 +265,9 @@ def test_gc_counts_runs_files_and_bytes_by_rule(observed: Observed) -> None:
         for step in range(3):
             c.append(R, np.zeros((step + 1, 48, 8), np.uint8), 0, run="m-gc", step=step)
         before = scrape(http)
-        assert c.gc(run="m-gc", before_step=1, dry_run=True).files == 2
+        assert c.gc(run="m-gc", through_step=1, dry_run=True).files == 2
         dry = scrape(http)
-        watermark = c.gc(run="m-gc", before_step=1)
+        watermark = c.gc(run="m-gc", through_step=1)
         gone = c.delete_run("m-gc")
         after = scrape(http)
     assert delta(before, dry, "payloadd_gc_runs_total", trigger="call") == 0  # a dry run
@@ -334,7 +334,7 @@ def test_json_log_lines_carry_the_request_id_the_answer_showed(observed: Observe
         c.append(R, np.zeros((1, 48, 8), np.uint8), 0, run="m-log", step=0)
         r = http.post(
             "/v1/admin/gc",
-            json={"run": "m-log", "before_step": 0},
+            json={"run": "m-log", "through_step": 0},
             headers={"Authorization": f"Bearer {TOKEN}"},
         )
         assert r.status_code == 200

@@ -113,14 +113,14 @@ def test_collecting_a_run_that_is_not_there_says_so_and_names_the_close_one(
 ) -> None:
     with PayloadClient(daemon.socket) as c:
         c.append("routed_experts", ROWS, 0, run="grpo-run-7", step=0)
-        report = c.gc(run="grpo-run7", before_step=0, dry_run=True)
+        report = c.gc(run="grpo-run7", through_step=0, dry_run=True)
         assert report.files == 0
         assert report.note.startswith("no run 'grpo-run7' on node 'test'; did you mean "
                                       "'grpo-run-7'?")  # fmt: skip
         assert "its runs: " in report.note
         gone = c.delete_run("nothing-like-it", dry_run=True)
         assert gone.note.startswith("no run 'nothing-like-it' on node 'test' (its runs:")
-        assert c.gc(run="grpo-run-7", before_step=0, dry_run=True).note == ""  # it is there
+        assert c.gc(run="grpo-run-7", through_step=0, dry_run=True).note == ""  # it is there
 
 
 def test_usage_of_one_run_and_more_said_plainly(daemon: Daemon) -> None:

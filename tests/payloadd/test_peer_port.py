@@ -220,7 +220,7 @@ def test_read_errors_reach_the_client_as_their_classes(peer: Peer) -> None:
         with pytest.raises(SegmentFileError):
             c.read_field(long, "routed_experts", 0, 4, 0)
         with peer.local() as local:
-            local.gc(run="pp", before_step=3)
+            local.gc(run="pp", through_step=3)
         with pytest.raises(FileGoneError, match="garbage-collected"):
             c.read_field(segs, "routed_experts", 0, 4, 0)
 

@@ -308,7 +308,7 @@ def test_a_collects_b_prefix_when_told(pair: Pair, reader: str) -> None:
 
 def test_collecting_another_node_needs_a_rule_and_a_good_name(pair: Pair) -> None:
     with pair.client("a") as a:
-        with pytest.raises(InvalidRequestError, match="needs run and before_step, or ttl_s"):
+        with pytest.raises(InvalidRequestError, match="needs run and through_step, or ttl_s"):
             a.gc(node="b")
         with pytest.raises(InvalidRequestError, match="node"):
             a.gc("r", 0, node="../b")
@@ -317,7 +317,7 @@ def test_collecting_another_node_needs_a_rule_and_a_good_name(pair: Pair) -> Non
         assert a.gc(node="a", dry_run=True).dry_run  # its own node: the plain call
         assert a.gc("r", 0, node="nobody").steps == []  # a prefix that does not exist
     with httpx.Client(transport=httpx.HTTPTransport(uds=str(pair.a)), base_url="http://d") as h:
-        for body in ({"node": "b"}, {"node": "..", "run": "r", "before_step": 0}, {"node": 3}):
+        for body in ({"node": "b"}, {"node": "..", "run": "r", "through_step": 0}, {"node": 3}):
             answer = h.post("/v1/admin/gc", json=body)
             assert answer.status_code == 400, body
             assert answer.json()["error"] == "InvalidRequestError"
@@ -333,7 +333,7 @@ def test_the_gc_command_collects_another_node(pair: Pair) -> None:
         segs = [b.append("f", rows(2, step), 0, run=run, step=step) for step in range(2)]
     gc = [*PAYLOADD, "gc", "--socket", str(pair.a)]
     done = subprocess.run(
-        [*gc, "--node", "b", "--run", run, "--before-step", "0"], capture_output=True, text=True
+        [*gc, "--node", "b", "--run", run, "--through-step", "0"], capture_output=True, text=True
     )
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["steps"] == [[run, 0]]

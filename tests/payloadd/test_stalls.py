@@ -103,7 +103,7 @@ def test_a_stalled_append_body_is_cut_off_and_gives_back_what_it_held(
     assert _files(d, "stall") == []  # nothing of it was acknowledged: no file is left
     with PayloadClient(d.socket) as c:  # and the step is collectable
         c.append(R, np.ones((1, 48, 8), np.uint8), 0, run="stall", step=0)
-        report = c.gc(run="stall", before_step=0)
+        report = c.gc(run="stall", through_step=0)
         assert report.in_use == 0 and report.files == 1
 
 
@@ -167,7 +167,7 @@ def test_a_client_that_stops_reading_an_answer_lets_go_of_its_files(
         metrics = c._http.client.get("/metrics").text
     assert "\npayloadd_request_descriptors 0.0\n" in metrics
     with PayloadClient(d.socket) as c:
-        c.gc(run="slow", before_step=0)
+        c.gc(run="slow", through_step=0)
     assert procfs.deleted_fds(pid, d.root) == []
 
 

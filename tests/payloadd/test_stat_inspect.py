@@ -97,7 +97,7 @@ def test_usage_matches_the_files_written_and_changes_after_gc(own: Daemon, data_
                 assert s.bytes == (5 + s.step) * (384 + 64)
             assert s.files == 2 and 0 < u.now - s.mtime < 600
         assert (r.files, r.bytes) == (6, sum(d[1] for d in disk.values()))
-        report = c.gc(run=run, before_step=1)
+        report = c.gc(run=run, through_step=1)
         assert report.steps == [(run, 0), (run, 1)]
         after = c.usage(ledger=1)
         (r2,) = [x for x in after.runs if x.run == run]
@@ -192,7 +192,7 @@ def test_stat_shows_runs_steps_ledger_and_rates_under_traffic(own: Daemon) -> No
         for step in (3, 4):
             c.append("routed_experts", routed(2, step), 0, run=run, step=step)
         c.append("routed_experts", routed(2, 0), 0, run=run, step=1)
-        c.gc(run=run, before_step=1)
+        c.gc(run=run, through_step=1)
     writer = Writer(own.socket, run)
     writer.start()
     try:
@@ -372,7 +372,7 @@ def test_inspect_of_a_collected_segment_says_gone(own: Daemon, tmp_path: Path) -
     with PayloadClient(own.socket) as c:
         gone = c.append("routed_experts", routed(2, 3), 0, run=run, step=0)
         kept = c.append("routed_experts", routed(2, 4), 0, run=run, step=1)
-        c.gc(run=run, before_step=0)
+        c.gc(run=run, through_step=0)
     path = _segments_file(tmp_path, gone + kept)
     for data_plane in ("socket", "none"):  # the client's data plane, or HTTP only
         sock = str(own.socket) if data_plane == "socket" else str(tmp_path / "http.sock")
