@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import socket
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -12,6 +14,26 @@ import pytest_asyncio
 
 from payload_client import AsyncPayloadClient, PayloadClient
 from payloadd.bench._daemon_process import start_daemon
+
+INTEGERS = ["uint8", "int8", "uint16", "int16", "int32"]
+TEST_FIELDS = {
+    "routed_experts": {"dtypes": ["uint8", "uint16"], "fill": 0, "ragged": False},
+    "sampling_mask": {"dtypes": ["int32"], "fill": -1, "max_width": 1 << 16, "ragged": True},
+    # the tests' own fields: rows of any integer dtype (any float for "weights"), a ragged
+    # last dimension (the number of dimensions and the others fixed per run)
+    **{name: {"dtypes": INTEGERS, "ragged": True} for name in ("f", "a", "b", "c", "g", "m")},
+    "weights": {"dtypes": ["float16", "float32"], "fill": 0.0, "ragged": True},
+}
+"""The fields every daemon the tests start declares (``PAYLOADD_FIELDS``, inherited by the
+child processes): unknown fields are refused by default. A test of the default table starts
+its daemon without it (`default_env`)."""
+os.environ["PAYLOADD_FIELDS"] = json.dumps(TEST_FIELDS)
+
+
+def default_env() -> dict[str, str]:
+    """This process's environment without the tests' fields table: a daemon started with it
+    has the default table."""
+    return {k: v for k, v in os.environ.items() if k != "PAYLOADD_FIELDS"}
 
 
 def free_port() -> int:

@@ -1,4 +1,4 @@
-"""A dense, row-by-row reference model of DESIGN §4, written for clarity, not speed."""
+"""A dense, row-by-row reference model of docs/contract.md, "Reading a window", written for clarity, not speed."""
 
 from __future__ import annotations
 

@@ -7,6 +7,7 @@ It only does I/O: it runs the effects of `BaseClient._route` with `drive_async`,
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from types import TracebackType
 from typing import Any, Literal, TypeVar, overload
@@ -14,6 +15,7 @@ from typing import Any, Literal, TypeVar, overload
 import numpy as np
 
 from ._base import BaseClient, Items, Planned, Segments
+from ._ready import ready_steps
 from ._segment import PayloadSegment
 from ._transports import (
     AsyncDataPlane,
@@ -62,7 +64,16 @@ class AsyncPayloadClient(BaseClient[AsyncHTTPTransport, AsyncDataPlane, AsyncPee
     async def _read(
         self, windows: Sequence[WindowLike], cover: bool | None = None
     ) -> list[ReadResult]:
-        return await self._read_planned(self._read_plans(windows, cover))
+        if self._table is None:  # the checks that need no table come first
+            self._read_plans(windows, cover)
+        table = await self._fields_table()
+        return await self._read_planned(self._read_plans(windows, cover, table))
+
+    async def _fields_table(self) -> FieldsTable:
+        """Awaitable `PayloadClient._fields_table`."""
+        if self._table is None:
+            self._table = await self.fields()
+        return self._table
 
     async def _read_planned(self, planned: Planned) -> list[ReadResult]:
         """Awaitable `PayloadClient._read_planned` (at once: up to 1 MiB of rows)."""
@@ -171,6 +182,35 @@ class AsyncPayloadClient(BaseClient[AsyncHTTPTransport, AsyncDataPlane, AsyncPee
     async def health(self) -> Health:
         """Awaitable `PayloadClient.health`."""
         return await self._send(self._health_call())
+
+    async def wait_ready(self, timeout_s: float = 30.0) -> Health:
+        """Awaitable `PayloadClient.wait_ready`: wait for a starting daemon to answer ``"ok"``.
+
+        Parameters
+        ----------
+        timeout_s : float, default 30.0
+            Seconds to keep asking, >= 0 (0: once).
+
+        Returns
+        -------
+        Health
+            The daemon's first answer with ``status == "ok"``.
+
+        Raises
+        ------
+        InvalidRequestError, ConnectError, TimeoutError, ConnectionLostError, BusyError
+            As `PayloadClient.wait_ready`: ``no payloadd listening on <socket>: is
+            `payloadd serve` running? (waited N s)`` when nothing listened in time.
+        """
+        steps = ready_steps(self._health_call, self.where, timeout_s)
+        return await drive_async(steps, self._ready_effect)
+
+    async def _ready_effect(self, effect: Call[Health] | float) -> Health | None:
+        """One effect of `ready_steps`: send the call, or sleep."""
+        if isinstance(effect, Call):
+            return await self._send(effect)
+        await asyncio.sleep(effect)
+        return None
 
     async def close(self) -> None:
         """Close the connection pool, the data plane and its cached descriptors (as

@@ -21,6 +21,7 @@ import numpy as np
 
 from ._dataplane_wire import DATA_SOCKET_SUFFIX
 from ._errors import InvalidRequestError, PayloadError, ProtocolError
+from ._fields import check_read_field, is_ragged
 from ._layout import ReadLayout
 from ._rows import name_once, rows_for_wire
 from ._segment import (
@@ -37,6 +38,7 @@ from ._transports import (
     Target,
     append_steps,
     read_steps,
+    table_steps,
 )
 from ._transports._dataplane_steps import Steps
 from ._windows import (
@@ -149,6 +151,7 @@ class BaseClient(Generic[HTTPT, DataPlaneT, PeerT]):
         self._peer: PeerT | None = None
         self._peer_lock = threading.Lock()
         self._closed = False  # set by close(): every call after it is refused
+        self._table: FieldsTable | None = None  # the daemon's fields table, once fetched
 
     def _open_peer(self, host: str, port: int, token: str) -> PeerT:
         """The peer port transport of ``host:port`` (no I/O yet)."""
@@ -371,10 +374,15 @@ class BaseClient(Generic[HTTPT, DataPlaneT, PeerT]):
         return self._json_call("/v1/prefetch", Prefetched, "POST", ReadRequest(extents))
 
     @staticmethod
-    def _read_plans(windows: Sequence[WindowLike], cover: bool | None = None) -> Planned:
+    def _read_plans(
+        windows: Sequence[WindowLike],
+        cover: bool | None = None,
+        table: FieldsTable | None = None,
+    ) -> Planned:
         """The windows planned, their outputs prepared (before any I/O), the results;
         ``cover``: the call's coverage for every window (`PayloadClient.read_many`),
-        ``None``: each window's own."""
+        ``None``: each window's own; ``table``: the daemon's fields table, whose fields and
+        row shape rules the reads follow (`check_read_field`; ``None``: no table)."""
         if isinstance(windows, tuple) or not isinstance(windows, Sequence):
             raise InvalidRequestError("windows must be a list of Window")
         plans: list[WindowPlan | None] = []
@@ -388,7 +396,11 @@ class BaseClient(Generic[HTTPT, DataPlaneT, PeerT]):
                 if cover is not None:
                     w = BaseClient._covered(w, cover)
                 dtype = w.out.dtype if w.dtype is None and w.out is not None else w.dtype
-                plan = plan_window(w.segments, w.field, w.lo, w.hi, w.fill, dtype)
+                spec = None if table is None else table.fields.get(w.field)
+                ragged = None if table is None else is_ragged(spec)
+                plan = plan_window(w.segments, w.field, w.lo, w.hi, w.fill, dtype, ragged)
+                if table is not None and spec is None:  # after the checks of the list
+                    check_read_field(table, w.field, plan is not None)
                 if plan is None and w.required:
                     have = sorted({s.field for s in w.segments})
                     raise InvalidRequestError(
@@ -517,7 +529,10 @@ class BaseClient(Generic[HTTPT, DataPlaneT, PeerT]):
         return self._json_call(path, GcReport, "DELETE")
 
     def _fields_call(self) -> Call[FieldsTable]:
-        return self._json_call("/v1/fields", FieldsTable)
+        """The daemon's fields table: on the data plane, as its connection fetched it."""
+        call = self._json_call("/v1/fields", FieldsTable)
+        call.data_plane_steps = lambda dp: table_steps(dp.leases)
+        return call
 
     def _usage_call(
         self, max_steps: int | None, ledger: int | None, run: str | None = None

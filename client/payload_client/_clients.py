@@ -10,6 +10,7 @@ constructor both share; httpx errors are translated once, in `payload_client._tr
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from types import TracebackType
 from typing import Any, Literal, TypeVar, overload
@@ -17,6 +18,7 @@ from typing import Any, Literal, TypeVar, overload
 import numpy as np
 
 from ._base import BaseClient, Items, Planned, Segments
+from ._ready import ready_steps
 from ._segment import PayloadSegment
 from ._transports import (
     Call,
@@ -92,7 +94,15 @@ class PayloadClient(BaseClient[HTTPTransport, SyncDataPlane, SyncPeerTransport])
         return done if done is not None else self._send(self._append_call_of(headers, bodies))
 
     def _read(self, windows: Sequence[WindowLike], cover: bool | None = None) -> list[ReadResult]:
-        return self._read_planned(self._read_plans(windows, cover))
+        if self._table is None:  # the checks that need no table come first
+            self._read_plans(windows, cover)
+        return self._read_planned(self._read_plans(windows, cover, self._fields_table()))
+
+    def _fields_table(self) -> FieldsTable:
+        """The daemon's fields table, fetched by the first read (`fields`) and kept."""
+        if self._table is None:
+            self._table = self.fields()
+        return self._table
 
     def _read_planned(self, planned: Planned) -> list[ReadResult]:
         """A planned read, at once from cached descriptors if it can (``read_now``)."""
@@ -195,7 +205,7 @@ class PayloadClient(BaseClient[HTTPTransport, SyncDataPlane, SyncPeerTransport])
         required: bool = False,
         coverage: bool = False,
     ) -> ReadResult:
-        """Read ``field`` over token positions ``[lo, hi)`` (DESIGN §4).
+        """Read ``field`` over token positions ``[lo, hi)`` (docs/contract.md, "Reading a window").
 
         Parameters
         ----------
@@ -370,7 +380,7 @@ class PayloadClient(BaseClient[HTTPTransport, SyncDataPlane, SyncPeerTransport])
         Notes
         -----
         Reads of a collected segment then raise `FileGoneError` (410), naming its run and
-        step; a file a pending append writes to is kept (``GcReport.in_use``). DESIGN §5, §8.
+        step; a file a pending append writes to is kept (``GcReport.in_use``). See docs/contract.md, "Garbage collection".
         """
         return self._send(self._gc_call(run, through_step, ttl_s, dry_run, node, before_step))
 
@@ -435,6 +445,50 @@ class PayloadClient(BaseClient[HTTPTransport, SyncDataPlane, SyncPeerTransport])
     def health(self) -> Health:
         """Return the daemon's health answer; raises `TransportError` when it is down."""
         return self._send(self._health_call())
+
+    def wait_ready(self, timeout_s: float = 30.0) -> Health:
+        """Wait for a daemon that is starting: ask for its health until it answers ``"ok"``.
+
+        For a process that starts the daemon and then talks to it (a daemon takes seconds to
+        answer on a loaded machine): nothing listening yet, no answer yet, a restart, a
+        daemon at a limit for now or one answering ``"degraded"`` are asked again, after
+        pauses of 0.05 s growing to 0.5 s, until ``timeout_s`` is up.
+
+        Parameters
+        ----------
+        timeout_s : float, default 30.0
+            Seconds to keep asking, >= 0 (0: once). Each attempt may take the time left (at
+            least 0.5 s), within the client's own timeouts.
+
+        Returns
+        -------
+        Health
+            The daemon's first answer with ``status == "ok"``.
+
+        Raises
+        ------
+        InvalidRequestError
+            ``timeout_s`` is not a finite number >= 0; the client is closed.
+        ConnectError
+            Nothing listened on the socket or URL until the time was up: ``no payloadd
+            listening on <socket>: is `payloadd serve` running? (waited N s)``; or, at once,
+            it cannot be connected to for another reason (permission denied).
+        TimeoutError, ConnectionLostError
+            The last attempt's error when the time was up.
+        BusyError
+            The daemon answered, but was at a limit or not ``"ok"`` until the time was up.
+        PayloadError
+            Any other error, at once (`UnauthorizedError` over TCP without the token, an
+            answer that is not payloadd's: `ProtocolError`).
+        """
+        return drive(ready_steps(self._health_call, self.where, timeout_s), self._ready_effect)
+
+    def _ready_effect(self, effect: Call[Health] | float) -> Health | None:
+        """One effect of `ready_steps`: send the call, or sleep."""
+        if isinstance(effect, Call):
+            return self._send(effect)
+        time.sleep(effect)
+        return None
 
     def close(self) -> None:
         """Close the connection pool, the data plane and its cached descriptors; the client

@@ -1,8 +1,8 @@
-"""Reads over the segments of many nodes (DESIGN §9): `ClusterClient`, `AsyncClusterClient`.
+"""Reads over the segments of many nodes (docs/contract.md, "Reads across nodes"): `ClusterClient`, `AsyncClusterClient`.
 
 A packed micro batch holds segments written on several inference nodes; a segment's node is
 the first component of its ``file``. A cluster client plans a call's windows once, over
-every segment, exactly as `PayloadClient` does (DESIGN §4: checks, later wins by list
+every segment, exactly as `PayloadClient` does (docs/contract.md, "Reading a window": checks, later wins by list
 order, widest row, fill, coverage, ``out=``, ``dtype=``), then splits each window's plan by
 node (`WindowPlan.of_node`: the pieces are disjoint in output rows, so each node's part
 writes its own rows of the one output) and sends one read to each node that holds a part,
@@ -38,6 +38,7 @@ from ._plan import list_columns
 from ._segment import PayloadSegment, check_name
 from ._timeout import DEFAULT_TIMEOUT_S, Timeout
 from ._windows import CoveredRead, ReadResult, Window, WindowLike, node_of
+from ._wire import FieldsTable
 
 __all__ = ["NODES_ENV", "AsyncClusterClient", "ClusterClient", "load_nodes"]
 
@@ -138,8 +139,14 @@ class _Cluster(Generic[C]):
                 data_plane=data_plane,
             )  # fmt: skip
 
+    _table: FieldsTable | None = None
+
+    def _order(self) -> list[str]:
+        """The nodes, this node's (a socket) first: whom to ask for the fields table."""
+        return sorted(self.clients, key=lambda n: self.clients[n].socket_path is None)
+
     def _split(
-        self, windows: Sequence[WindowLike], cover: bool | None
+        self, windows: Sequence[WindowLike], cover: bool | None, table: FieldsTable | None
     ) -> tuple[Planned, dict[str, Planned]]:
         """The call planned (checked, outputs prepared), and its part on each node that
         holds a file it needs.
@@ -149,7 +156,7 @@ class _Cluster(Generic[C]):
         InvalidRequestError
             As `PayloadClient.read_many`, or a segment on a node not in the map.
         """
-        planned = BaseClient._read_plans(windows, cover)
+        planned = BaseClient._read_plans(windows, cover, table)
         self._check_nodes(windows)
         plans, outs, results, _, _ = planned
         involved: dict[str, None] = {}
@@ -192,7 +199,7 @@ class _Cluster(Generic[C]):
 
 
 class ClusterClient(_Cluster[PayloadClient]):
-    """Blocking reads over segments of many nodes' daemons (DESIGN §9); a context manager.
+    """Blocking reads over segments of many nodes' daemons (docs/contract.md, "Reads across nodes"); a context manager.
 
     Parameters
     ----------
@@ -284,8 +291,25 @@ class ClusterClient(_Cluster[PayloadClient]):
         of any nodes."""
         return self._read(windows, coverage)
 
+    def _fields_table(self) -> FieldsTable:
+        """The fields table of the first node that answers, this node's first; kept (the
+        nodes of one cluster share their settings)."""
+        if self._table is None:
+            errors: list[PayloadError] = []
+            for node in self._order():
+                try:
+                    self._table = self.clients[node]._fields_table()
+                    break
+                except (TransportError, UnauthorizedError, BusyError) as exc:
+                    errors.append(self._named(node, exc))
+            else:
+                raise errors[0]
+        return self._table
+
     def _read(self, windows: Sequence[WindowLike], cover: bool | None) -> list[ReadResult]:
-        planned, parts = self._split(windows, cover)
+        if self._table is None:  # the checks that need no table come first
+            self._split(windows, cover, None)
+        planned, parts = self._split(windows, cover, self._fields_table())
         # the nodes over TCP in the pool, this node's (a socket: no network) meanwhile here
         items = sorted(parts.items(), key=lambda it: self.clients[it[0]].socket_path is None)
         items.reverse()
@@ -387,8 +411,24 @@ class AsyncClusterClient(_Cluster[AsyncPayloadClient]):
         """Awaitable `ClusterClient.read_many`."""
         return await self._read(windows, coverage)
 
+    async def _fields_table(self) -> FieldsTable:
+        """Awaitable `ClusterClient._fields_table`."""
+        if self._table is None:
+            errors: list[PayloadError] = []
+            for node in self._order():
+                try:
+                    self._table = await self.clients[node]._fields_table()
+                    break
+                except (TransportError, UnauthorizedError, BusyError) as exc:
+                    errors.append(self._named(node, exc))
+            else:
+                raise errors[0]
+        return self._table
+
     async def _read(self, windows: Sequence[WindowLike], cover: bool | None) -> list[ReadResult]:
-        planned, parts = self._split(windows, cover)
+        if self._table is None:  # the checks that need no table come first
+            self._split(windows, cover, None)
+        planned, parts = self._split(windows, cover, await self._fields_table())
         done = await asyncio.gather(
             *(self._one(node, part) for node, part in parts.items()), return_exceptions=True
         )

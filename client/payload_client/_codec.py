@@ -2,7 +2,7 @@
 
 An orchestrator sends each trainer rank its micro batches' segments (over ZMQ, Ray,
 ``torch.distributed`` object lists, JSON): a segment is the array ``[field, file, offset,
-pos, rows, dtype, shape]`` (DESIGN §2), msgpack by default. Decoding a long list makes one
+pos, rows, dtype, shape]`` (docs/contract.md, "The segment model"), msgpack by default. Decoding a long list makes one
 small ``shape`` list per segment, and Python's cyclic garbage collector, which runs every
 few hundred new containers, then walks every object the process holds again and again: on
 a list of 100,000 segments it took 60 % of the decode. `decode_segments` decodes with the
@@ -11,15 +11,19 @@ collector paused (nothing decoded can form a cycle) and gives the same list.
 
 from __future__ import annotations
 
+import difflib
 import gc
 from typing import Any, Literal
 
 import msgspec
 
-from ._errors import InvalidSegmentError
+from ._errors import InvalidRequestError, InvalidSegmentError
 from ._segment import PayloadSegment
 
 __all__ = ["decode_segments", "encode_segments"]
+
+FORMATS = ("msgpack", "json")
+"""The formats of `encode_segments`."""
 
 _msgpack = msgspec.msgpack.Decoder(list[PayloadSegment])
 _json = msgspec.json.Decoder(list[PayloadSegment])
@@ -43,6 +47,11 @@ def encode_segments(
     bytes
         A msgpack (or JSON) array of segment arrays.
 
+    Raises
+    ------
+    InvalidRequestError
+        ``format`` is neither ``"msgpack"`` nor ``"json"`` (naming the closest).
+
     Examples
     --------
     >>> s = PayloadSegment("routed_experts", "n0/r1/3/a.bin", 0, 0, 4, "uint8", [48, 8])
@@ -51,6 +60,10 @@ def encode_segments(
     >>> encode_segments([s], "json")
     b'[["routed_experts","n0/r1/3/a.bin",0,0,4,"uint8",[48,8]]]'
     """
+    if format not in FORMATS:
+        near = difflib.get_close_matches(str(format), FORMATS, n=1)
+        hint = f" (did you mean {near[0]!r}?)" if near else ""
+        raise InvalidRequestError(f'format must be "msgpack" or "json", got {format!r}{hint}')
     return _encoder.encode(segments) if format == "msgpack" else msgspec.json.encode(segments)
 
 
@@ -69,7 +82,7 @@ def decode_segments(data: Any) -> list[PayloadSegment]:
     -------
     list of PayloadSegment
         The segments, in order. Their values are checked by the reads that use them
-        (DESIGN §2): decoding checks only the types.
+        (docs/contract.md, "The segment model"): decoding checks only the types.
 
     Raises
     ------

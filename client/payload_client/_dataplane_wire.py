@@ -32,6 +32,7 @@ __all__ = [
     "ReserveReply",
     "ReserveRequest",
     "ReservedExtent",
+    "ShapesRequest",
 ]
 
 DATA_SOCKET_SUFFIX = ".data"
@@ -93,7 +94,14 @@ class LeaseRequest(msgspec.Struct, tag="lease", array_like=True):
     ``used`` on, and never will. The daemon takes the rest back before it grants anything
     of this request (a key renewed goes on at ``used``, with no hole); a range it ended
     already is passed over. A daemon from before ``done`` ends those leases when their
-    file closes."""
+    file closes.
+
+    ``shapes``: the row shape ``(run, field, shape)`` the client places in the leases of
+    each ``(run, field)`` asked for (the daemon never sees those rows). The daemon checks
+    them as it checks an append's, and fixes those it has none of, before it grants
+    anything: another shape than the one fixed refuses the request (naming both). A key
+    of ``more`` asked ahead of need (``nbytes`` 0) whose ``(run, field)`` has no fixed
+    shape is left out."""
 
     run: str
     step: NonNegInt
@@ -101,6 +109,7 @@ class LeaseRequest(msgspec.Struct, tag="lease", array_like=True):
     nbytes: NonNegInt
     more: list[tuple[str, NonNegInt, str, NonNegInt]] = []
     done: list[tuple[str, NonNegInt, NonNegInt]] = []
+    shapes: list[tuple[str, str, list[int]]] = []
 
 
 class LeaseGrant(msgspec.Struct, array_like=True):
@@ -177,6 +186,16 @@ class FieldsReply(msgspec.Struct, tag="fieldtable", array_like=True):
     generation: bool = False
 
 
+class ShapesRequest(msgspec.Struct, tag="shapes", array_like=True):
+    """Row shapes ``(run, field, shape)`` checked as `LeaseRequest.shapes` are, without a
+    lease: a client whose lease of a key has room asks this before it places rows of a
+    shape other than the one the daemon took for the run and field (after a run was
+    deleted, its shapes are fixed anew). Answered by an empty `CommitReply`, or an
+    `ErrorReply` naming both shapes."""
+
+    shapes: list[tuple[str, str, list[int]]]
+
+
 class ErrorReply(msgspec.Struct, tag="error", array_like=True):
     """The request failed: the error class name (see `STATUS_BY_ERROR`) and a message."""
 
@@ -192,5 +211,6 @@ DataRequest = (
     | AbortRequest
     | NoteRequest
     | FieldsRequest
+    | ShapesRequest
 )
 DataReply = OpenReply | LeaseReply | ReserveReply | CommitReply | ErrorReply | FieldsReply

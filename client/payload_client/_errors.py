@@ -3,10 +3,12 @@
 ::
 
     PayloadError                      base; never raised itself
-    ├── InvalidSegmentError           segment metadata breaks DESIGN §2         422
+    ├── InvalidSegmentError           segment metadata breaks the segment model 422
     ├── InvalidRequestError           bad argument, window, name or body        400
     │   ├── PayloadTooLargeError      body or item above a configured limit     413
-    │   └── RequestTimeoutError       a request's body stalled mid-way          408
+    │   ├── RequestTimeoutError       a request's body stalled mid-way          408
+    │   └── StepCollectedError        an append into a step at or below its     400
+    │                                 run's collected watermark: nothing stored
     ├── UnauthorizedError             admin token missing or wrong              401
     ├── FileMissingError              a segment's file does not exist           404
     ├── FileGoneError                 a segment's file was garbage-collected    410
@@ -34,6 +36,7 @@ meets them, with ``raise ... from``.
 from __future__ import annotations
 
 import builtins
+import errno
 
 __all__ = [
     "STATUS_BY_ERROR",
@@ -45,17 +48,20 @@ __all__ = [
     "FileMissingError",
     "InvalidRequestError",
     "InvalidSegmentError",
+    "NO_DAEMON",
     "PayloadError",
     "PayloadTooLargeError",
     "ProtocolError",
     "RequestTimeoutError",
     "SegmentFileError",
     "ServerError",
+    "StepCollectedError",
     "StorageFullError",
     "TimeoutError",
     "TransportError",
     "UnauthorizedError",
     "error_from_wire",
+    "nobody_listens",
 ]
 
 
@@ -64,7 +70,7 @@ class PayloadError(Exception):
 
 
 class InvalidSegmentError(PayloadError, ValueError):
-    """A segment's metadata breaks the segment contract (DESIGN §2).
+    """A segment's metadata breaks the segment contract (docs/contract.md, "The segment model").
 
     Attributes
     ----------
@@ -92,6 +98,13 @@ class PayloadTooLargeError(InvalidRequestError):
 class RequestTimeoutError(InvalidRequestError):
     """A request's body (or a data-plane frame) stopped arriving mid-way for longer than the
     daemon's ``request_timeout_s``; the daemon dropped it and released what it held."""
+
+
+class StepCollectedError(InvalidRequestError):
+    """An append into a step at or below its run's collected watermark (``gc(run=...,
+    through_step=N)`` on any node of the payload root): the step is gone, so its rows would
+    be read by nobody; nothing was stored. A writer drops such late rows (in asynchronous
+    RL, a straggler of a step already trained on)."""
 
 
 class UnauthorizedError(PayloadError):
@@ -136,7 +149,11 @@ class TransportError(PayloadError):
 
 
 class ConnectError(TransportError, ConnectionError):
-    """The daemon's socket or URL cannot be reached."""
+    """The daemon's socket or URL cannot be reached.
+
+    When nothing listens there (no such socket, or a socket or port nobody listens on), the
+    message is `NO_DAEMON`'s.
+    """
 
 
 class TimeoutError(TransportError, builtins.TimeoutError):
@@ -169,6 +186,7 @@ class AppendInDoubtError(TransportError):
 
 STATUS_BY_ERROR: dict[type[PayloadError], int] = {
     InvalidRequestError: 400,
+    StepCollectedError: 400,
     UnauthorizedError: 401,
     RequestTimeoutError: 408,
     FileMissingError: 404,
@@ -183,7 +201,9 @@ STATUS_BY_ERROR: dict[type[PayloadError], int] = {
 """HTTP status of each error class the daemon can answer with."""
 
 _BY_NAME: dict[str, type[PayloadError]] = {cls.__name__: cls for cls in STATUS_BY_ERROR}
-_BY_STATUS: dict[int, type[PayloadError]] = {code: cls for cls, code in STATUS_BY_ERROR.items()}
+_BY_STATUS: dict[int, type[PayloadError]] = {}
+for _cls, _code in STATUS_BY_ERROR.items():  # a status shared by a subclass: the base's
+    _BY_STATUS.setdefault(_code, _cls)
 
 
 def status_of(exc: PayloadError) -> int:
@@ -217,3 +237,36 @@ def error_from_wire(status: int, name: str | None, message: str) -> PayloadError
     if cls is None:  # an unknown name (e.g. "HTTPError" for an unknown route) or status
         cls = InvalidRequestError if 400 <= status < 500 else ServerError
     return cls(f"{message} (HTTP {status})" if status else message)
+
+
+NO_DAEMON = "no payloadd listening on {where}: is `payloadd serve` running?"
+"""The message of a `ConnectError` when nothing listens at ``where`` (a socket path, or a
+``http://host:port``): the path does not exist, or nobody accepts connections there (a
+socket a killed daemon left, a daemon not started yet). ``payloadd health`` says the same."""
+
+_NOBODY = frozenset({errno.ENOENT, errno.ECONNREFUSED})
+
+
+def nobody_listens(exc: BaseException) -> bool:
+    """Whether ``exc`` (or an exception it was raised from or while handling) says that nothing
+    listens where a connection was tried: ``ENOENT`` (no such socket) or ``ECONNREFUSED``.
+
+    Parameters
+    ----------
+    exc : BaseException
+        A connection error as a library raised it (httpx, asyncio, the socket module), with
+        its ``__cause__`` / ``__context__`` chain.
+
+    Returns
+    -------
+    bool
+        ``True`` when an `OSError` of that chain has one of those two ``errno`` values.
+    """
+    seen: set[int] = set()
+    at: BaseException | None = exc
+    while at is not None and id(at) not in seen:
+        seen.add(id(at))
+        if isinstance(at, OSError) and at.errno in _NOBODY:
+            return True
+        at = at.__cause__ or at.__context__
+    return False

@@ -1,4 +1,4 @@
-"""Pure segment operations (DESIGN §3): no I/O, metadata in, metadata out."""
+"""Pure segment operations (docs/contract.md, "Pure segment operations"): no I/O, metadata in, metadata out."""
 
 from __future__ import annotations
 
@@ -100,7 +100,7 @@ def clip_segments(segments: Sequence[PayloadSegment], lo: int, hi: int) -> list[
         In the input order. A segment wholly outside the window is dropped; one that
         straddles an edge is trimmed (a front cut of ``k`` rows adds ``k * row_nbytes`` to
         ``offset`` and ``k`` to ``pos``); positions stay absolute. A zero-row placeholder is
-        kept when ``lo <= pos <= hi``. (Contract: DESIGN §3.) A segment kept whole is the
+        kept when ``lo <= pos <= hi``. (Contract: docs/contract.md, "Pure segment operations".) A segment kept whole is the
         input object; a trimmed one shares its input's ``shape`` list when that is a list.
 
     Raises
@@ -108,7 +108,7 @@ def clip_segments(segments: Sequence[PayloadSegment], lo: int, hi: int) -> list[
     InvalidRequestError
         If ``lo < 0``, ``lo > hi`` or either is not an integer.
     InvalidSegmentError
-        If any segment is invalid (DESIGN §2).
+        If any segment is invalid (docs/contract.md, "The segment model").
     """
     lo, hi = _check_window(lo, hi)
     cols = _checked_list(segments)
@@ -159,7 +159,7 @@ def shift_segments(segments: Sequence[PayloadSegment], delta: int) -> list[Paylo
     ------
     InvalidRequestError
         If ``delta`` is not an integer, or a result would have ``pos < 0`` or
-        ``pos + rows`` beyond int64. (Contract: DESIGN §3.)
+        ``pos + rows`` beyond int64. (Contract: docs/contract.md, "Pure segment operations".)
     InvalidSegmentError
         If any segment is invalid.
     """
@@ -239,7 +239,7 @@ def merge_pd_segments(
         The prefill segments of ``field`` unchanged, then every decode segment in order,
         where decode segments of ``field`` keep only positions ``>= cut`` (``cut`` is the
         largest ``pos + rows`` of the prefill ones): dropped when they end at or before
-        ``cut``, front-trimmed when they start before it. (Contract: DESIGN §3, the P/D
+        ``cut``, front-trimmed when they start before it. (Contract: docs/contract.md, "Pure segment operations", the P/D
         rule of the router.) Segments kept whole are the input objects; a trimmed one
         shares its input's ``shape`` list when that is a list.
 

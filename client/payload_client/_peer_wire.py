@@ -1,7 +1,7 @@
 """Wire types of the peer port: row bytes between nodes without HTTP.
 
 A daemon with ``peer_port`` set serves reads of its files to other nodes on a TCP port of its
-own (DESIGN §5 (b)), and names it in a `PEER_PORT_HEADER` on every HTTP answer (and in
+own (docs/contract.md, "Reads across nodes"), and names it in a `PEER_PORT_HEADER` on every HTTP answer (and in
 `Health.peer_port`); `payload_client.ClusterClient` and any `PayloadClient` with a
 ``base_url`` and a token read over it once an answer named it, and over HTTP otherwise. Frames are the data plane's: ``u32 little-endian N | N bytes of msgpack``.
 Nothing of descriptor passing crosses it::

@@ -1,4 +1,4 @@
-"""Which bytes of which files land on which output rows of a window (DESIGN §4), as pieces.
+"""Which bytes of which files land on which output rows of a window (docs/contract.md, "Reading a window"), as pieces.
 
 A window's plan is a set of **pieces**, each a run of rows of one segment: ``nbytes`` bytes of
 ``file`` from ``offset`` that land on output rows ``[dst, dst + rows)``. The rule "later
@@ -508,7 +508,7 @@ def _int_range(dtype: np.dtype[Any]) -> tuple[int, int]:
 
 
 def _output_dtype(field: str, stored: frozenset[str], dtype: Any) -> np.dtype[Any]:
-    """The output dtype: int32/float32 by default (DESIGN §4), else ``dtype`` if it holds
+    """The output dtype: int32/float32 by default (docs/contract.md, "Reading a window"), else ``dtype`` if it holds
     every stored dtype of the field without loss."""
     try:
         try:

@@ -1,4 +1,4 @@
-"""Prefill/decode stitching of whole generate responses, for a P/D router (DESIGN §3).
+"""Prefill/decode stitching of whole generate responses, for a P/D router (docs/contract.md, "Pure segment operations").
 
 A router under prefill/decode disaggregation gets two JSON responses of the same request
 and returns one. This module applies `merge_pd_segments` to the segments those responses
@@ -12,7 +12,7 @@ Accepted shapes (already decoded JSON: ``dict``/``list``/``str``/``int``)::
 
 A segment is the 7-element array `PayloadSegment` encodes to (``array_like``), e.g.
 ``["routed_experts", "node0/r1/0/routed_experts-aaaa0001-000001.bin", 0, 0, 100, "uint8",
-[48, 8]]``. Longer arrays (fields a newer version appended at the end, DESIGN §2) are
+[48, 8]]``. Longer arrays (fields a newer version appended at the end: docs/contract.md, "The segment model") are
 accepted and passed through with their extra elements; the object form
 ``{"field": ..., ...}`` is refused.
 """
@@ -103,7 +103,7 @@ def prefill_has_routed_experts(prefill: Any, field: str = "routed_experts") -> b
     InvalidRequestError
         If ``field`` is not a non-empty string or the response is not of the accepted shape.
     InvalidSegmentError
-        If any segment of ``choices[0].payload`` is malformed or invalid (DESIGN §2).
+        If any segment of ``choices[0].payload`` is malformed or invalid (docs/contract.md, "The segment model").
     """
     if not isinstance(field, str) or not field:
         raise InvalidRequestError("field must be a non-empty string")
@@ -149,7 +149,7 @@ def merge_pd_responses(prefill: Any, decode: Any, field: str = "routed_experts")
         If a response is not of the accepted shape, ``field`` is not a non-empty string,
         or a decode choice has ``field`` segments while prefill ``choices[0]`` has none.
     InvalidSegmentError
-        If any segment on either side is malformed, invalid (DESIGN §2) or overflows int64.
+        If any segment on either side is malformed, invalid (docs/contract.md, "The segment model") or overflows int64.
     """
     if not isinstance(field, str) or not field:
         raise InvalidRequestError("field must be a non-empty string")
@@ -169,7 +169,7 @@ def merge_pd_responses(prefill: Any, decode: Any, field: str = "routed_experts")
             merged = merge_pd_segments(head, segs, field)
         except InvalidRequestError as exc:
             raise InvalidRequestError(f"{where}: {exc}") from None
-        # the decode arrays merge_pd_segments kept, in order (its rule, DESIGN §3)
+        # the decode arrays merge_pd_segments kept, in order (its rule: docs/contract.md, "Pure segment operations")
         kept = [
             r
             for r, s in zip(raws, segs, strict=True)

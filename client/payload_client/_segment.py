@@ -1,4 +1,4 @@
-"""The segment model (DESIGN §2): a handle to fixed-width rows of one field in one file."""
+"""The segment model (docs/contract.md, "The segment model"): a handle to fixed-width rows of one field in one file."""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ NAME_PATTERN = re.compile(r"[A-Za-z0-9._-]{1,128}")
 class PayloadSegment(msgspec.Struct, array_like=True, frozen=True, gc=False):
     """A handle to ``rows`` consecutive rows of one field stored in one file.
 
-    Encoded on the wire as an array in this field order (contract, DESIGN §2); new fields
+    Encoded on the wire as an array in this field order (docs/contract.md, "The segment model"); new fields
     may only be appended at the end, with defaults.
 
     Parameters
@@ -172,7 +172,7 @@ def _check_seg_int(value: Any, name: str, index: int | None) -> int:
 
 
 def validate_segment(seg: Any, index: int | None = None) -> PayloadSegment:
-    """Check ``seg`` against the segment contract (DESIGN §2) and return it.
+    """Check ``seg`` against the segment contract (docs/contract.md, "The segment model") and return it.
 
     Parameters
     ----------

@@ -1,4 +1,4 @@
-"""Windows: what a read asks for, its I/O-free plan, and how fetched bytes lay out (DESIGN §4).
+"""Windows: what a read asks for, its I/O-free plan, and how fetched bytes lay out (docs/contract.md, "Reading a window").
 
 `Window` is one window a client reads (`CoveredRead`, `ReadResult`: what it gives back).
 `plan_window` turns segments and a window into the byte extents to fetch; whoever holds the
@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ._errors import InvalidRequestError
+from ._fields import check_patterns
 from ._ops import _check_window
 from ._plan import (
     Piece,
@@ -283,7 +284,7 @@ class WindowPlan:
 
 
 def node_of(file: str) -> str:
-    """The node of a segment's ``file``: its first component (DESIGN §9), the whole path
+    """The node of a segment's ``file``: its first component (docs/contract.md, "Reads across nodes"), the whole path
     when it has one component only."""
     return file.partition("/")[0]
 
@@ -324,6 +325,7 @@ def plan_window(
     hi: int,
     fill: int | float,
     dtype: Any = None,
+    ragged: bool | None = None,
 ) -> WindowPlan | None:
     """Plan the read of ``field`` over token positions ``[lo, hi)``.
 
@@ -339,8 +341,13 @@ def plan_window(
         Value of entries no row covers; must fit the output dtype.
     dtype : numpy dtype, optional
         Output dtype. Default ``int32`` for integer fields, ``float32`` for float fields
-        (DESIGN §4); any integer or float dtype that holds every stored dtype of the field
+        (docs/contract.md, "Reading a window"); any integer or float dtype that holds every stored dtype of the field
         without loss (e.g. the stored ``uint8``, or ``int64`` for indexing).
+    ragged : bool, optional
+        The field's row shape rule (`payload_client.protocol.is_ragged` of its spec in the
+        daemon's fields table; the clients pass it): ``False``, every row dimension must
+        agree over the field's segments; ``True``, every one but the last. ``None`` (no
+        table): only the number of dimensions must agree.
 
     Returns
     -------
@@ -353,23 +360,26 @@ def plan_window(
         ``lo > hi``, ``lo < 0`` (checked first); a ``fill`` or ``dtype`` that does not fit.
     InvalidSegmentError
         Any invalid segment in the list, of any field (checked before the field filter);
-        segments of ``field`` with row shapes of different ranks, or mixing integer and
-        float dtypes.
+        segments of ``field`` with row shapes of different ranks, or whose fixed dimensions
+        disagree (``ragged``: naming two such segments), or mixing integer and float
+        dtypes.
 
     Notes
     -----
     The row shape is the element-wise maximum of the shapes of the field's segments that
-    intersect the window, or of all of them when none does (DESIGN §4). A list of more than
+    intersect the window, or of all of them when none does (docs/contract.md, "Reading a window"). A list of more than
     a few segments is planned over numpy columns: its cost is a few array operations, not
     Python work per segment.
     """
     lo, hi = _check_window(lo, hi)
     if isinstance(segments, list | tuple) and len(segments) <= _SMALL:
-        return _plan_few(validate_segments(segments), field, lo, hi, fill, dtype)
+        return _plan_few(validate_segments(segments), field, lo, hi, fill, dtype, ragged)
     lc = list_columns(segments)
     fc = lc.field(field)
     if not fc.mine.size:
         return None
+    if ragged is not None and len(fc.kinds) > 1:
+        check_patterns(segments, field, [k[1] for k in fc.kinds], ragged)
     out_dtype, fill = check_kinds(field, fc.kinds, fill, dtype)
     if fc.disjoint:
         table, ends, hit_kinds = fc.table(lo, hi)
@@ -383,7 +393,13 @@ def plan_window(
 
 
 def _plan_few(
-    segs: list[PayloadSegment], field: str, lo: int, hi: int, fill: Any, dtype: Any
+    segs: list[PayloadSegment],
+    field: str,
+    lo: int,
+    hi: int,
+    fill: Any,
+    dtype: Any,
+    ragged: bool | None = None,
 ) -> WindowPlan | None:
     """`plan_window` of a short, validated list: plain Python, no array operation."""
     mine = [s for s in segs if s.field == field]
@@ -402,6 +418,8 @@ def _plan_few(
                       s.dtype, shape)  # fmt: skip
         return WindowPlan(lo, hi, shape, out_dtype, fill, (piece,), {s.file: end})
     kinds = {(s.dtype, tuple(s.shape)) for s in mine}
+    if ragged is not None and len(kinds) > 1:
+        check_patterns(segs, field, [k[1] for k in kinds], ragged)
     out_dtype, fill = check_kinds(field, kinds, fill, dtype)
     hits = []
     for s in mine:

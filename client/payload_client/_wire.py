@@ -64,7 +64,7 @@ class AppendItem(msgspec.Struct, forbid_unknown_fields=False):
     field : str
         Field name, ``[A-Za-z0-9._-]{1,128}``.
     dtype : str
-        Element dtype name (DESIGN §2 supported set).
+        Element dtype name (one of ``SUPPORTED_DTYPES``: docs/contract.md, "The segment model").
     shape : list of int
         Shape of one row; every entry > 0.
     rows : int
@@ -294,12 +294,20 @@ class FieldSpec(msgspec.Struct, forbid_unknown_fields=False):
         Largest last dimension of a row (e.g. a sampling mask's width); 0: no limit.
     read_dtype : str
         dtype ``read_field`` returns: ``int32`` for an integer field, ``float32`` for a float.
+    ragged : bool or None
+        Whether the last row dimension may differ from append to append (a sampling
+        mask's width, up to ``max_width``); every other dimension, and the number of
+        dimensions, is fixed for a run by the field's first append in it. ``False``:
+        every dimension is fixed (router-replay ids: ``[layers, top_k]``). ``None`` (a
+        table entry that does not say, a daemon older than this field): ragged when
+        ``max_width`` is set. See `payload_client.protocol.is_ragged`.
     """
 
     dtypes: list[str]
     fill: int | float = 0
     max_width: int = 0
     read_dtype: str = "int32"
+    ragged: bool | None = None
 
 
 class FieldsTable(msgspec.Struct, forbid_unknown_fields=False):

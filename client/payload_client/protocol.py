@@ -13,13 +13,17 @@ by appending fields with defaults.
   errors as `ErrorBody` with the status of `STATUS_BY_ERROR` (`status_of`).
 - **Data plane** (``<socket>`` + `DATA_SOCKET_SUFFIX`): frames of `FRAME_PREFIX` + msgpack,
   requests `DataRequest`, replies `DataReply` (errors as `ErrorReply`), up to `MAX_FDS`
-  descriptors a reply, `LEASES` leases a client keeps.
+  descriptors a reply, `LEASES` leases a client keeps. A client declares the row shapes
+  of its leased appends first (`ShapesRequest`): the daemon never sees those rows.
 - **Peer port** (TCP, between nodes): frames as on the data plane, a `PeerHello` with the
   token first (at most `HELLO_BYTES`), answered `PeerWelcome`; then `PeerRead` requests,
   each answered `PeerBytes` and the raw bytes, or `ErrorReply` (`PeerRequest`, `PeerReply`).
 - **Rules both sides check**: `check_name` (run, step, field names), `check_relative_path`
   (segment paths), `check_field` / `check_item` against `DEFAULT_FIELDS` or a table,
+  row shapes fixed per run (`row_pattern`, `is_ragged`),
   `INT64_MAX`, reads in pages of `PAGE` bytes (`page_matched`).
+- **Sizes in messages**: `format_size` writes every size a person reads (``1.5 GiB``), in the
+  daemon's errors and its command line alike.
 """
 
 from __future__ import annotations
@@ -44,9 +48,19 @@ from ._dataplane_wire import (
     ReservedExtent,
     ReserveReply,
     ReserveRequest,
+    ShapesRequest,
 )
 from ._errors import STATUS_BY_ERROR, UnauthorizedError, status_of
-from ._fields import DEFAULT_FIELDS, check_field, check_item
+from ._fields import (
+    DECLARE,
+    DEFAULT_FIELDS,
+    check_field,
+    check_item,
+    is_ragged,
+    pattern_text,
+    row_pattern,
+    shape_mismatch,
+)
 from ._peer_wire import (
     HELLO_BYTES,
     PEER_PORT_HEADER,
@@ -59,6 +73,7 @@ from ._peer_wire import (
     PeerWelcome,
 )
 from ._segment import INT64_MAX, check_name, check_relative_path
+from ._sizes import format_size
 from ._transports import LEASES, MAX_FDS
 from ._windows import PAGE, page_matched
 from ._wire import (
@@ -88,6 +103,7 @@ from ._wire import (
 __all__ = [
     "APPEND_CONTENT_TYPE",
     "DATA_SOCKET_SUFFIX",
+    "DECLARE",
     "DEFAULT_FIELDS",
     "DEFAULT_SOCKET",
     "FRAME_PREFIX",
@@ -138,6 +154,7 @@ __all__ = [
     "ReserveRequest",
     "ReservedExtent",
     "RunUsage",
+    "ShapesRequest",
     "Stats",
     "StepUsage",
     "UnauthorizedError",
@@ -146,6 +163,11 @@ __all__ = [
     "check_item",
     "check_name",
     "check_relative_path",
+    "is_ragged",
+    "format_size",
     "page_matched",
+    "pattern_text",
+    "row_pattern",
+    "shape_mismatch",
     "status_of",
 ]

@@ -6,7 +6,7 @@ random lengths; per turn one ``routed_experts`` append ``uint8 [t, 48, 8]`` and 
 ``sampling_mask`` append ``int32 [t, w]`` at the turn's own width ``w <= 64``), each sample in
 a step of its own, then packed back to back by the orchestrator with ``shift_segments``:
 16,384 tokens, 240 routing segments (and 240 mask segments). A trainer reads it by window
-(DESIGN §4): routing over the CP 1 window ``[0, 16384)`` and over each of the 4 CP-4 ranks'
+(docs/contract.md, "Context-parallel windows"): routing over the CP 1 window ``[0, 16384)`` and over each of the 4 CP-4 ranks'
 windows ``[lo, hi)``; the mask over each CP-4 rank's ``[lo + 1, hi + 1)`` (labels).
 
 Baselines, on the same stored bytes, files opened once beforehand (`DirectReader`):
@@ -103,7 +103,7 @@ class PackedBatch:
         return self.samples * self.tokens
 
     def windows(self, cp: int) -> list[tuple[int, int]]:
-        """The CP windows ``[lo, hi)`` of the micro batch (DESIGN §4):
+        """The CP windows ``[lo, hi)`` of the micro batch (docs/contract.md, "Context-parallel windows"):
         ``lo = r * L // cp``, ``hi = lo + L // cp``."""
         n = self.length
         return [(r * n // cp, r * n // cp + n // cp) for r in range(cp)]

@@ -10,7 +10,7 @@ The job is the same for both systems, on the batch of `RLBatch`:
    ``clip_segments`` and ``shift_segments``; Ray: refs plus row offsets.
 3. Trainer: every (DP, CP) rank materialises routing ``int32 [hi - lo, 48, 8]`` over its
    window ``[lo, hi)`` (fill 0) and the mask ``int32 [hi - lo, W]`` over ``[lo + 1, hi + 1)``
-   (fill -1), ``W`` the widest mask row intersecting that window (payloadd's rule, DESIGN §4).
+   (fill -1), ``W`` the widest mask row intersecting that window (payloadd's rule: docs/contract.md, "Reading a window").
    payloadd: one ``read_many``; Ray: one ``ray.get`` of the needed refs (zero-copy numpy
    views of the shared-memory store), then slicing and widening into new int32 arrays.
 

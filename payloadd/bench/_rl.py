@@ -307,7 +307,9 @@ def _materialise_inline(
     ids = np.frombuffer(mb.mask_ids, np.int32)
     a, b = np.searchsorted(pos, [lo + 1, hi + 1])
     widths = np.diff(start[a : b + 1])
-    every = np.diff(start)  # no row in the window: the widest of all (DESIGN §4)
+    every = np.diff(
+        start
+    )  # no row in the window: the widest of all (docs/contract.md, "Reading a window")
     if not len(every):  # no mask row left in the micro batch: no mask (as by handle)
         return routed, None
     width = int(widths.max()) if len(widths) else int(every.max()) if len(every) else 1

@@ -77,7 +77,7 @@ class Turn:
 
 @dataclass(frozen=True)
 class RLBatch:
-    """Shape of the synthetic batch (defaults: the issue's scale for a 2-vCPU machine).
+    """Shape of the synthetic batch (defaults: a batch sized for a 2-vCPU machine).
 
     Attributes
     ----------

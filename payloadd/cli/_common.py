@@ -25,7 +25,6 @@ __all__ = [
     "add_connection_flags",
     "emit",
     "exit_status",
-    "human_bytes",
     "open_client",
     "positive_int",
     "table",
@@ -126,15 +125,6 @@ def emit(text: str) -> None:
     except BrokenPipeError:  # as the Python docs advise: no second error at exit
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
-
-
-def human_bytes(n: float) -> str:
-    """``n`` bytes with a binary unit: ``512 B``, ``3.8 KiB``, ``16.0 MiB``, ``1.0 GiB``."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 def table(header: Sequence[str], rows: Sequence[Sequence[str]], right: Sequence[bool]) -> str:

@@ -17,6 +17,7 @@ from pydantic import ValidationError
 from pydantic_core import to_jsonable_python
 from pydantic_settings import SettingsError
 
+from payload_client.protocol import format_size
 from payloadd.settings._config_file import DEFAULT_CONFIG, ConfigFileError
 from payloadd.settings._settings import Settings
 
@@ -26,6 +27,8 @@ ENV_ONLY = frozenset({"admin_token"})
 """Settings that are not flags: secrets, since every user can read a process's command line."""
 ENV_ONLY_FLAGS = frozenset(f"--{name.replace('_', '-')}" for name in ENV_ONLY)
 """The flags `ENV_ONLY` settings would have."""
+SIZE_HELP = " Bytes, or a number with a unit: 512MiB, 1GiB, 1.5GB."
+"""Added to the help of a size flag (``--max-root-bytes``)."""
 
 
 def add_serve_flags(parser: argparse.ArgumentParser) -> None:
@@ -36,7 +39,10 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
         if name in ENV_ONLY:
             continue
         default = info.get_default(call_default_factory=True)
-        if name == "socket_mode":
+        size = name.endswith("_bytes")  # a `Size`: bytes or a number with a unit
+        if size:
+            default = format_size(default) if default else 0
+        elif name == "socket_mode":
             default = f"{default:04o}"
         elif name == "config":
             default = f"{DEFAULT_CONFIG} if it exists"
@@ -53,7 +59,8 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
             default=argparse.SUPPRESS,
             choices=choices,
             metavar=name.upper() if choices is None else None,
-            help=f"{info.description} [env PAYLOADD_{name.upper()}; default {default}]",
+            help=f"{info.description}{SIZE_HELP if size else ''} [env PAYLOADD_{name.upper()}; "
+            f"default {default}]",
         )
 
 
@@ -74,7 +81,8 @@ def _settings_error(exc: ValidationError) -> str:
     lines = []
     for e in exc.errors(include_url=False):
         where = ".".join(map(str, e["loc"])) or "settings"
-        got = "" if "token" in where else f" (got {e['input']!r})"  # never echo a secret
+        said = e["msg"].startswith(repr(e["input"]))  # a size's message quotes it
+        got = "" if "token" in where or said else f" (got {e['input']!r})"  # never a secret
         lines.append(f"  {where}: {e['msg']}{got}")
     return "invalid settings:\n" + "\n".join(lines)
 

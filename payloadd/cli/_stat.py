@@ -18,12 +18,12 @@ from typing import Any
 import msgspec
 
 from payload_client import Stats, Usage
+from payload_client.protocol import format_size
 from payloadd.cli._common import (
     FlagError,
     add_connection_flags,
     emit,
     exit_status,
-    human_bytes,
     open_client,
     table,
 )
@@ -139,8 +139,14 @@ def _steps_text(steps: list[int]) -> str:
     return text if len(text) <= 24 else text[:21] + "..."
 
 
-def _limit(value: int, unit: str = "") -> str:
-    return "none" if value == 0 else human_bytes(value) + unit
+def _limit(value: int) -> str:
+    # exact: a limit is read against the setting given
+    return "none" if value == 0 else format_size(value, exact=True)
+
+
+def _rate(bytes_per_s: float, *, signed: bool = False) -> str:
+    text = format_size(bytes_per_s) + "/s"
+    return "+" + text if signed and not text.startswith("-") else text
 
 
 def _count(n: int, noun: str) -> str:
@@ -149,16 +155,15 @@ def _count(n: int, noun: str) -> str:
 
 def render(stats: Stats, usage: Usage, r: dict[str, float] | None, where: str) -> str:
     """The text ``payloadd stat`` prints for one daemon."""
-    mb = 1e6
     up = _age(stats.uptime_s)
     lines = [
         f"daemon  node {stats.node} on {where}: root {stats.root}, up {up}, fsync {stats.fsync}",
         f"disk    {_count(usage.files, 'file')} in {_count(usage.steps, 'step')} of "
-        f"{_count(len(usage.runs) + usage.more_runs, 'run')}: {human_bytes(usage.bytes)} "
-        f"({human_bytes(usage.disk_bytes)} on disk)",
-        f"        counted against the cap {human_bytes(stats.root_bytes)} (the files, and "
-        f"{human_bytes(stats.reserved_bytes)} reserved for appends in progress), cap "
-        f"{_limit(stats.max_root_bytes)}; free {human_bytes(stats.free_bytes)}, floor "
+        f"{_count(len(usage.runs) + usage.more_runs, 'run')}: {format_size(usage.bytes)} "
+        f"({format_size(usage.disk_bytes)} on disk)",
+        f"        counted against the cap {format_size(stats.root_bytes)} (the files, and "
+        f"{format_size(stats.reserved_bytes)} reserved for appends in progress), cap "
+        f"{_limit(stats.max_root_bytes)}; free {format_size(stats.free_bytes)}, floor "
         f"{_limit(stats.min_free_bytes)}; appends refused {stats.appends_refused}",
     ]
     if r is None:
@@ -167,21 +172,22 @@ def render(stats: Stats, usage: Usage, r: dict[str, float] | None, where: str) -
         lines += [
             f"rates   over {r['interval_s']:.2f} s: {r['appends_per_s']:.1f} appends/s, "
             f"{r['rows_appended_per_s']:.1f} rows/s, "
-            f"{r['bytes_appended_per_s'] / mb:.2f} MB/s appended",
-            f"        HTTP reads {r['reads_per_s']:.1f}/s, {r['bytes_read_per_s'] / mb:.2f} MB/s; "
+            f"{_rate(r['bytes_appended_per_s'])} appended",
+            f"        HTTP reads {r['reads_per_s']:.1f}/s, {_rate(r['bytes_read_per_s'])}; "
             f"data plane {r['data_plane_requests_per_s']:.1f} requests/s, "
-            f"{r['leases_per_s']:.1f} leases/s; on disk {r['disk_bytes_per_s'] / mb:+.2f} MB/s",
+            f"{r['leases_per_s']:.1f} leases/s; "
+            f"on disk {_rate(r['disk_bytes_per_s'], signed=True)}",
         ]
     lines.append("")
     rows: list[list[str]] = []
     for run in usage.runs:
         age = _age(usage.now - run.mtime) if run.files else "-"
-        rows.append([run.run, "all", str(run.files), human_bytes(run.bytes),
-                     human_bytes(run.disk_bytes), age])  # fmt: skip
+        rows.append([run.run, "all", str(run.files), format_size(run.bytes),
+                     format_size(run.disk_bytes), age])  # fmt: skip
         for s in run.steps:
             age = _age(usage.now - s.mtime) if s.files else "-"
-            rows.append(["", str(s.step), str(s.files), human_bytes(s.bytes),
-                         human_bytes(s.disk_bytes), age])  # fmt: skip
+            rows.append(["", str(s.step), str(s.files), format_size(s.bytes),
+                         format_size(s.disk_bytes), age])  # fmt: skip
         if run.more_steps:
             what = "step" if run.more_steps == 1 else "steps"
             rows.append(["", f"{run.more_steps} more {what} not listed (--max-steps N, or "
@@ -199,14 +205,14 @@ def render(stats: Stats, usage: Usage, r: dict[str, float] | None, where: str) -
     ledger = usage.ledger
     n = usage.ledger_entries
     lines.append(
-        f"GC ledger: {n} collection{'' if n == 1 else 's'} ({human_bytes(usage.ledger_bytes)})"
+        f"GC ledger: {n} collection{'' if n == 1 else 's'} ({format_size(usage.ledger_bytes)})"
         + (f", the last {len(ledger)}:" if ledger else "")
     )
     if ledger:
         rows = []
         for e in ledger:
             at = datetime.datetime.fromtimestamp(e.at, datetime.UTC)
-            size = "?" if e.bytes is None else human_bytes(e.bytes)
+            size = "?" if e.bytes is None else format_size(e.bytes)
             rows.append([at.strftime("%Y-%m-%d %H:%M:%S"), e.reason, e.run,
                          _steps_text(e.steps), str(e.files), size])  # fmt: skip
         header = ["TIME (UTC)", "RULE", "RUN", "STEPS", "FILES", "BYTES"]

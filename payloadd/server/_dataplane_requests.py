@@ -48,6 +48,7 @@ from payload_client.protocol import (
     ReservedExtent,
     ReserveReply,
     ReserveRequest,
+    ShapesRequest,
 )
 from payloadd.server._errors import wire_error
 from payloadd.server._metrics import Metrics
@@ -272,6 +273,7 @@ class DataPlaneRequests:
         return ErrorReply(wire.error, wire.message)
 
     def _lease(self, conn: Connection, req: LeaseRequest, passing: _Passing) -> DataReply:
+        self.store.declare_shapes(req.shapes)  # the rows' shapes, before anything is granted
         key = (req.run, req.step, req.field)
         last = conn.leases.get(key)  # a key renewed: its next range twice the last one
         size = self.first_lease if last is None else min(2 * last.nbytes, self.lease_bytes)
@@ -308,6 +310,8 @@ class DataPlaneRequests:
             other = (run, step, fld)
             if other == key or other in conn.leases:
                 continue  # the client holds it (or asked twice)
+            if nbytes == 0 and self.store.shapes.fixed(run, fld) is None:
+                continue  # ahead of need, of a run and field no shape was taken for
             try:
                 got = self._lease_file(conn, other, nbytes, self.first_lease, nbytes == 0)
             except (PayloadError, OSError) as exc:  # left out: asked again when needed
@@ -385,6 +389,10 @@ class DataPlaneRequests:
             return FieldsReply(self.store.fields)
         passing.taken = 1
         return FieldsReply(self.store.fields, generation=True)
+
+    def _shapes(self, conn: Connection, req: ShapesRequest, passing: _Passing) -> DataReply:
+        self.store.declare_shapes(req.shapes)
+        return CommitReply([])
 
     def _open(self, conn: Connection, req: OpenRequest, passing: _Passing) -> DataReply:
         if len(req.files) > MAX_FDS:
@@ -545,6 +553,7 @@ def _tag(body: bytearray) -> bytes | None:
 _HANDLERS: dict[type[Any], tuple[str, _Handler]] = {
     LeaseRequest: ("lease", DataPlaneRequests._lease),
     FieldsRequest: ("fields", DataPlaneRequests._fields),
+    ShapesRequest: ("shapes", DataPlaneRequests._shapes),
     OpenRequest: ("open", DataPlaneRequests._open),
     ReserveRequest: ("reserve", DataPlaneRequests._reserve),
     CommitRequest: ("commit", DataPlaneRequests._commit),

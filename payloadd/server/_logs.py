@@ -75,7 +75,14 @@ def configure_logging(
     -------
     logging.Handler
         The handler installed on the root logger.
+
+    Raises
+    ------
+    ValueError
+        ``log_format`` is neither ``text`` nor ``json``.
     """
+    if log_format not in ("text", "json"):
+        raise ValueError(f'log_format must be "text" or "json", got {log_format!r}')
     handler = logging.StreamHandler(stream or sys.stderr)  # type: ignore[arg-type]
     if log_format == "json":
         handler.setFormatter(

@@ -127,8 +127,9 @@ def _bad_values(settings_cls: type[BaseSettings], data: dict[str, Any]) -> list[
         for e in exc.errors(include_url=False):
             where = ".".join(map(str, e["loc"])) or "settings"
             got = repr(e["input"])
+            said = e["msg"].startswith(got)  # a size's message quotes the value itself
             got = got if len(got) <= 80 else got[:77] + "..."
-            lines.append(f"{where}: {e['msg']} (got {got})")
+            lines.append(f"{where}: {e['msg']}" + ("" if said else f" (got {got})"))
         return lines
     return []
 

@@ -2,7 +2,8 @@
 
 Every field is also a CLI flag of ``payloadd serve`` (``max_file_bytes`` ->
 ``--max-file-bytes``), an environment variable (``PAYLOADD_MAX_FILE_BYTES``) and a key of
-the optional TOML config file (``max_file_bytes = 1073741824``; see ``_config_file``).
+the optional TOML config file (``max_file_bytes = 1073741824``; see ``_config_file``). A
+size (a ``*_bytes`` setting) takes bytes or a number with a unit, ``"1GiB"`` (`Size`).
 Precedence: flag > environment > config file > default. The exceptions: ``admin_token``
 is an environment variable only (a command line is visible to every user, a config file
 often to many), and ``config``, the file itself, is not a key of it.
@@ -35,6 +36,7 @@ from payload_client.protocol import (
     check_name,
 )
 from payloadd.settings._config_file import ConfigFileSource, config_path
+from payloadd.settings._sizes import Size
 
 __all__ = ["FieldRule", "Settings", "default_node"]
 
@@ -54,13 +56,16 @@ class FieldRule(BaseModel):
     """What one field takes: ``dtypes`` (all integer or all float), ``fill`` (the value of
     uncovered positions: an integer that fits ``int32``, or a finite number that fits
     ``float32``: what reads return), ``max_width`` (largest last row dimension; 0: no
-    limit)."""
+    limit), ``ragged`` (whether the last row dimension may differ from append to append;
+    default: when ``max_width`` is set; every other dimension is fixed for a run by the
+    field's first append in it)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     dtypes: list[str] = Field(min_length=1)
     fill: int | float = 0
     max_width: int = Field(0, ge=0, le=INT64_MAX)
+    ragged: bool | None = None
 
     @field_validator("fill", "max_width", mode="before")
     @classmethod
@@ -90,6 +95,11 @@ class FieldRule(BaseModel):
         return self
 
     @property
+    def is_ragged(self) -> bool:
+        """``ragged``, or when not said, whether ``max_width`` is set."""
+        return self.ragged if self.ragged is not None else self.max_width > 0
+
+    @property
     def read_dtype(self) -> str:
         """``float32`` for a float field, ``int32`` for an integer one (what reads return)."""
         return "float32" if self.dtypes[0].startswith("float") else "int32"
@@ -97,13 +107,14 @@ class FieldRule(BaseModel):
 
 def _default_fields() -> dict[str, FieldRule]:
     return {
-        name: FieldRule(dtypes=list(s.dtypes), fill=s.fill, max_width=s.max_width)
+        name: FieldRule(dtypes=list(s.dtypes), fill=s.fill, max_width=s.max_width, ragged=s.ragged)
         for name, s in DEFAULT_FIELDS.items()
     }
 
 
 class Settings(BaseSettings):
-    """Configuration of one payloadd daemon. Sizes are in bytes."""
+    """Configuration of one payloadd daemon. Sizes (``*_bytes``) are bytes, given as bytes or
+    as a number with a unit (``512MiB``, ``1GiB``, ``1.5GB``: `Size`)."""
 
     model_config = SettingsConfigDict(env_prefix="PAYLOADD_", extra="forbid", frozen=True)
 
@@ -175,13 +186,13 @@ class Settings(BaseSettings):
         pattern=r"^[A-Za-z0-9._-]{1,128}$",
         description="Node prefix under the root this daemon writes to (default: host name).",
     )
-    max_file_bytes: int = Field(
+    max_file_bytes: Size = Field(
         1 * GiB, gt=0, description="A data file is rotated before it would exceed this size."
     )
-    max_request_bytes: int = Field(
+    max_request_bytes: Size = Field(
         4 * GiB, gt=0, description="Largest append body or read answer; above: 413."
     )
-    max_control_bytes: int = Field(
+    max_control_bytes: Size = Field(
         16 << 20, gt=0, description="Largest append header or read request body; above: 413."
     )
     max_append_items: int = Field(
@@ -200,7 +211,7 @@ class Settings(BaseSettings):
         description="Most data-plane connections at once; one more is closed at once (its "
         "client falls back to HTTP). Capped like max_connections.",
     )
-    max_inflight_bytes: int = Field(
+    max_inflight_bytes: Size = Field(
         256 << 20,
         gt=0,
         description="Most bytes of request frames and control bodies (read requests, append "
@@ -229,7 +240,7 @@ class Settings(BaseSettings):
         description="Also serve file descriptors on <socket>.data, so clients on this node "
         "pread/pwrite rows themselves instead of sending them over HTTP.",
     )
-    lease_bytes: int = Field(
+    lease_bytes: Size = Field(
         16 << 20,
         gt=0,
         description="Most bytes of one data-plane lease (a client places appends in its lease "
@@ -283,13 +294,13 @@ class Settings(BaseSettings):
         "files, so that other nodes' daemons answer 410 before the files go. Default: 2.5 "
         "on a distributed file system, 0 on a local one.",
     )
-    max_root_bytes: int = Field(
+    max_root_bytes: Size = Field(
         0,
         ge=0,
         description="Cap on the bytes of this daemon's files under <root>/<node> (apparent "
         "sizes, reserved bytes included); an append past it fails with 507. 0: no cap.",
     )
-    min_free_bytes: int = Field(
+    min_free_bytes: Size = Field(
         1 * GiB,
         ge=0,
         description="Free-space floor of the root's file system: an append that would leave "
@@ -317,15 +328,19 @@ class Settings(BaseSettings):
     )
     fields: Annotated[dict[str, FieldRule], NoDecode] = Field(  # JSON read by _json_fields
         default_factory=_default_fields,
-        description="The fields table, JSON: name -> {dtypes, fill, max_width}. An append "
-        "whose dtype is not among the field's dtypes or whose rows are wider than max_width "
-        "(0: no limit) is refused (400). Replaces the default table: routed_experts "
-        "(uint8/uint16, fill 0), sampling_mask (int32, fill -1, max_width 65536).",
+        description="The fields table, JSON: name -> {dtypes, fill, max_width, ragged}. An "
+        "append whose dtype is not among the field's dtypes, whose rows are wider than "
+        "max_width (0: no limit), or whose row shape is not the one the field's first append "
+        "in the run fixed (all dimensions but a ragged last one) is refused (400). Replaces "
+        "the default table: routed_experts (uint8/uint16, fill 0, every dimension fixed), "
+        "sampling_mask (int32, fill -1, ragged, max_width 65536).",
     )
     unknown_fields: Literal["allow", "refuse"] = Field(
-        "allow",
-        description="allow: a field not in the fields table takes any supported dtype and "
-        "width; refuse: appends of such a field are refused (400).",
+        "refuse",
+        description="refuse: appends of a field not in the fields table are refused (400), "
+        "and so are reads of one (its rows would be read by nobody, or a typo would read "
+        "as nothing); allow: such a field takes any supported dtype, its rows' shape fixed "
+        "per run by its first append.",
     )
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field(
         "info", description="Log level of the daemon and uvicorn."
@@ -382,7 +397,7 @@ class Settings(BaseSettings):
         """The fields table as the wire carries it (``GET /v1/fields``)."""
         return FieldsTable(
             {
-                name: FieldSpec(list(r.dtypes), r.fill, r.max_width, r.read_dtype)
+                name: FieldSpec(list(r.dtypes), r.fill, r.max_width, r.read_dtype, r.is_ragged)
                 for name, r in self.fields.items()
             },
             self.unknown_fields,

@@ -284,7 +284,7 @@ def expected_region(shape: SoakShape, mb: MicroBatch, a: int, b: int) -> Region:
 
 
 def expected_window(region: Region, field: str, lo: int, hi: int) -> np.ndarray | None:
-    """What ``read_field(mb.segments, field, lo, hi, fill)`` must return (DESIGN §4): ``int32``,
+    """What ``read_field(mb.segments, field, lo, hi, fill)`` must return (docs/contract.md, "Reading a window"): ``int32``,
     ``None`` when no segment of the field is kept, rows as wide as the widest intersecting
     row (else the widest of the field's segments)."""
     if not region.a <= lo <= hi <= region.b:

@@ -363,7 +363,7 @@ def check_windows(
     what: str,
 ) -> list[str]:
     """Compare a rank's two windows with what they must hold: routing at ``[lo, hi)``, the
-    mask at ``[lo + 1, hi + 1)`` (DESIGN §4); a `CoveredRead` of the routing window has its
+    mask at ``[lo + 1, hi + 1)`` (docs/contract.md, "Context-parallel windows"); a `CoveredRead` of the routing window has its
     coverage checked too. Returns the mismatches (empty: bit for bit)."""
     out = []
     if isinstance(got_routed, CoveredRead):

@@ -18,12 +18,21 @@ import time
 from pathlib import Path
 
 from payload_client import StorageFullError
+from payload_client.protocol import format_size
 
-__all__ = ["FREE_SPACE_TTL", "DiskBudget", "tree_sizes"]
+__all__ = ["FREE_ROOM", "FREE_SPACE_TTL", "DiskBudget", "tree_sizes"]
 
 FREE_SPACE_TTL = 0.25
 """Seconds a ``statvfs`` sample of the root is used; reservations made since are subtracted
 from it, so the estimate only errs low (a file system shared with other writers aside)."""
+
+
+FREE_ROOM = (
+    "To make room, collect the steps already trained on (client.gc(run=RUN, through_step=N), "
+    "or payloadd gc --run RUN --through-step N)"
+)
+"""What a refusal by either limit says frees room first (the rest of the sentence is the
+limit's own)."""
 
 
 def tree_sizes(top: Path) -> dict[Path, int]:
@@ -103,15 +112,14 @@ class DiskBudget:
             self._sample, self._sampled_at, self._since = st.f_bavail * st.f_frsize, now, 0
         return max(0, self._sample - self._since)
 
-    def room(self, need: int, what: str) -> int:
+    def room(self, need: int) -> int:
         """Bytes that may be reserved now, at least ``need``; nothing is reserved yet.
 
         Parameters
         ----------
         need : int
-            Bytes the request cannot do without.
-        what : str
-            The request, for the message (``"append of 1048576 bytes"``).
+            Bytes the append cannot do without (its rows; on the data plane, the rows it
+            asks a lease for).
 
         Returns
         -------
@@ -122,7 +130,8 @@ class DiskBudget:
         ------
         StorageFullError
             ``need`` does not fit under the cap or above the floor; the message names the
-            limit, the current usage and the request.
+            limit, what is counted against it and what the append needed (`format_size`),
+            and what frees room.
         """
         room = 1 << 62
         if self.max_root_bytes:
@@ -130,17 +139,24 @@ class DiskBudget:
             if need > room:
                 self.refused += 1
                 raise StorageFullError(
-                    f"storage full: {what} refused: node directory {self.node_dir} holds "
-                    f"{self.used} bytes, the cap max_root_bytes is {self.max_root_bytes}"
+                    f"storage full: an append of {format_size(need, exact=True)} does not fit "
+                    f"under the cap max_root_bytes = {format_size(self.max_root_bytes, exact=True)}"
+                    f": this node's files under {self.node_dir} and its appends in progress "
+                    f"count {format_size(self.used, exact=True)}, leaving "
+                    f"{format_size(max(0, room))}. {FREE_ROOM}, or restart the daemon with a "
+                    "larger --max-root-bytes"
                 )
         if self.min_free_bytes:
             free = self.free_bytes()
             if need > free - self.min_free_bytes:
                 self.refused += 1
                 raise StorageFullError(
-                    f"storage full: {what} refused: the file system of the payload root "
-                    f"{self.root} has {free} bytes free, the floor min_free_bytes is "
-                    f"{self.min_free_bytes}"
+                    f"storage full: an append of {format_size(need, exact=True)} does not fit "
+                    "above the free-space floor min_free_bytes = "
+                    f"{format_size(self.min_free_bytes, exact=True)}: the file system of the "
+                    f"payload root {self.root} has {format_size(free, exact=True)} free. "
+                    f"{FREE_ROOM}, free space on that file system, or restart the daemon "
+                    "with a smaller --min-free-bytes"
                 )
             room = min(room, free - self.min_free_bytes)
         return room

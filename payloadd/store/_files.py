@@ -22,12 +22,13 @@ from pathlib import Path
 from typing import Literal
 
 from payload_client.protocol import AppendItem
+from payloadd.store._appends import item_nbytes
 from payloadd.store._disk_limits import DiskBudget
 from payloadd.store._durability import DirtyFiles
 from payloadd.store._generation import GenerationPage
 from payloadd.store._records import AppendFile, Placement, os_errors
 
-__all__ = ["DIR_MODE", "FILE_MODE", "FileTable"]
+__all__ = ["DIR_MODE", "FILE_MODE", "FileTable", "files_needed", "unwritten"]
 
 DIR_MODE = 0o750
 FILE_MODE = 0o640
@@ -486,3 +487,41 @@ class FileTable:
             self.shared.clear()
             self.spares.clear()
             self.leased.clear()
+
+
+def files_needed(items: Sequence[AppendItem], cap: int) -> int:
+    """At most how many data files an append of ``items`` holds open at once (for the
+    descriptor budget, `payloadd.store._budget`): the files `FileTable.place` would fill for each
+    (run, step, field), from an empty one, plus one (a current file partly full).
+
+    Raises
+    ------
+    InvalidRequestError
+        An item is invalid (`item_nbytes`).
+    """
+    state: dict[tuple[str, int, str], list[int]] = {}  # key -> [files, bytes in the last]
+    for i, it in enumerate(items):
+        row_nb = item_nbytes(it, i)[0]
+        f = state.setdefault((it.run, it.step, it.field), [1, 0])
+        rows = it.rows
+        while True:  # as `FileTable.place` does
+            if f[1] + rows * row_nb <= cap or rows == 0 or (f[1] == 0 and rows == 1):
+                f[1] += rows * row_nb
+                break
+            if f[1] > 0:
+                f[0], f[1] = f[0] + 1, 0
+                continue
+            take = max(1, cap // row_nb)
+            f[1], rows = take * row_nb, rows - take
+    return sum(files + 1 for files, _ in state.values())
+
+
+def unwritten(file: tuple[str, int, tuple[int, int]]) -> int:
+    """Bytes reserved at the end of an open file ``(path, reserved end, (dev, ino))`` and
+    not written yet (0 for a file gone or replaced since)."""
+    path, size, ino = file
+    try:
+        st = os.stat(path)
+    except OSError:
+        return 0
+    return max(0, size - st.st_size) if (st.st_dev, st.st_ino) == ino else 0

@@ -82,7 +82,8 @@ class GarbageCollector:
                 run = check_name(req.run, "run")
                 runs = self.store.runs(node)
                 steps = [s for s in runs.get(run, []) if s <= req.through_step]
-                self._remove(report, "watermark", [(run, steps)], node=node)
+                self._remove(report, "watermark", [(run, steps)], node=node,
+                             through=req.through_step)  # fmt: skip
                 report.note = _no_run(run, runs, node or self.store.node)
             default = self.ttl_s if node is None else 0.0  # another node: only when asked
             ttl = req.ttl_s if req.ttl_s is not None else default
@@ -138,6 +139,8 @@ class GarbageCollector:
             report.note = _no_run(run, runs, other or self.store.node)
             if not dry_run:
                 report.dirs += self.store.remove_run_dir(run, other)
+                if other is None:  # a new run of its name fixes its row shapes anew
+                    self.store.shapes.forget(run)
             self.store.ledger().keep_reserve()
         return report
 
@@ -167,12 +170,22 @@ class GarbageCollector:
         targets: Iterable[tuple[str, Iterable[int]]],
         idle_since: float | None = None,
         node: str | None = None,
+        through: int | None = None,
     ) -> None:
         """Collect the steps of ``targets`` (``(run, steps)``): plan every step (what is in
         use stays, and what is planned takes no more appends), write one ledger line per run
-        of exactly the files planned, wait the grace once, then remove them."""
+        of exactly the files planned, wait the grace once, then remove them.
+
+        ``through``: the watermark of a watermark collection, written in its line (a line
+        with no file when the watermark rises over steps with none): appends at or below it
+        are refused from then on (`payloadd.store._watermarks`)."""
         planned: list[tuple[str, int, Removal]] = []
+        marks: dict[str, int] = {}
         for run, steps in targets:
+            if through is not None:
+                mark = self.store.ledger(node).mark(run, load=True)
+                if mark is None or through > mark:
+                    marks[run] = through
             for step in steps:
                 rels = [r for r in self.store.step_files(run, step, node) if r not in self._planned]
                 plan = self.store.plan_step(
@@ -180,20 +193,24 @@ class GarbageCollector:
                 )
                 planned.append((run, step, plan))
         if not report.dry_run:
-            by_run: dict[str, list[tuple[str, int]]] = {}
+            by_run: dict[str, list[tuple[str, int]]] = {run: [] for run in marks}
             for run, _, plan in planned:
                 by_run.setdefault(run, []).extend(plan.files)
                 self._planned.update(rel for rel, _ in plan.files)
             lines = 0
             try:
                 for run, files in by_run.items():
-                    if not files:  # nothing to remove: no line (the ledger stays small)
+                    if not files and run not in marks:  # nothing to say: no line
                         continue
                     with os_errors(self.store.root):  # a full disk: 507, nothing is removed
                         self.store.ledger(node).record(
-                            run, reason, [rel for rel, _ in files], sum(n for _, n in files)
+                            run,
+                            reason,
+                            [rel for rel, _ in files],
+                            sum(n for _, n in files),
+                            through,
                         )  # before any of them goes
-                    lines += 1
+                    lines += bool(files)
             except BaseException:
                 for files in by_run.values():  # a later collection plans them again
                     self._planned.difference_update(rel for rel, _ in files)

@@ -84,7 +84,7 @@ class Leases:
                 if room < AHEAD_ROOM * max(size, nbytes):
                     return None
             else:
-                room = t.budget.room(nbytes, f"lease of {nbytes} bytes")
+                room = t.budget.room(nbytes)
             f = t.leased.get(key)
             if f is None or t.removed(f) or (f.size + nbytes > cap and f.size > 0):
                 f = t.new_file(run, step, field, owner)  # its descriptor: for the client

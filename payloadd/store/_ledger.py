@@ -67,6 +67,10 @@ class Collected(msgspec.Struct, forbid_unknown_fields=False):
     bytes : int or None
         Sum of their sizes when the collection was planned, in bytes; ``None`` in lines
         written before this was recorded.
+    through : int or None
+        The watermark of a ``watermark`` collection: steps ``<= through`` of ``run`` are
+        gone, and appends into them are refused. ``None`` in other lines (and in lines
+        written before this was recorded: their files' steps stand for it).
     """
 
     run: str
@@ -74,6 +78,7 @@ class Collected(msgspec.Struct, forbid_unknown_fields=False):
     at: float
     files: list[str]
     bytes: int | None = None
+    through: int | None = None
 
 
 _decoder = msgspec.json.Decoder(Collected)
@@ -102,6 +107,7 @@ class Ledger:
         self._steps: dict[tuple[str, str], list[int]] = {}  # (run, step) -> its lines
         self._starts = array("q")  # byte offset of each line (collection), in file order
         self._ends = array("q")
+        self._marks: dict[str, int] = {}  # run -> its collected watermark
 
     def _load(self) -> None:
         """Index what was appended since the last look (another node's daemon may append
@@ -145,6 +151,15 @@ class Ledger:
         for key in {tuple(f.split("/")[1:3]) for f in c.files}:
             if len(key) == 2:
                 self._steps.setdefault((key[0], key[1]), []).append(n)
+        if c.reason == "watermark":
+            steps = [
+                int(k[1])
+                for k in (f.split("/")[1:3] for f in c.files)
+                if len(k) == 2 and k[1].isdigit()
+            ]
+            mark = max(steps + ([c.through] if c.through is not None else []), default=None)
+            if mark is not None and mark > self._marks.get(c.run, -1):
+                self._marks[c.run] = mark
 
     def _read(self, lines: list[int]) -> list[Collected]:
         """Decode lines ``lines`` (their numbers) from the file; lock held."""
@@ -163,10 +178,15 @@ class Ledger:
         return out
 
     def record(
-        self, run: str, reason: str, files: list[str], nbytes: int | None = None
+        self,
+        run: str,
+        reason: str,
+        files: list[str],
+        nbytes: int | None = None,
+        through: int | None = None,
     ) -> Collected:
         """Append one collection of ``files`` (relative paths, ``nbytes`` bytes in all) and
-        fsync it; return it.
+        fsync it; return it. ``through``: the watermark of a ``watermark`` collection.
 
         On a full file system the spare file (`keep_reserve`) is removed to make room.
 
@@ -175,7 +195,7 @@ class Ledger:
         OSError
             When the ledger cannot be written (the caller then removes nothing).
         """
-        c = Collected(run, reason, time.time(), files, nbytes)
+        c = Collected(run, reason, time.time(), files, nbytes, through)
         line = _encoder.encode(c) + b"\n"
         with self._lock:
             try:
@@ -246,6 +266,14 @@ class Ledger:
         except OSError:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
+
+    def mark(self, run: str, *, load: bool = False) -> int | None:
+        """The collected watermark of ``run`` (steps ``<= mark`` are gone), or ``None``; as
+        last loaded, unless ``load`` (what was appended since is read first)."""
+        if load:
+            with self._lock:
+                self._load()
+        return self._marks.get(run)
 
     def recent(self, n: int) -> tuple[list[Collected], int]:
         """The last ``n`` collections, oldest first, and the number of collections in all."""

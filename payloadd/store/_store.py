@@ -47,7 +47,7 @@ from payloadd.store._appends import LeasedRange, PendingAppend, item_nbytes
 from payloadd.store._budget import APPEND_FILES, READ_CACHE
 from payloadd.store._counts import HTTP, Counts
 from payloadd.store._disk_limits import DiskBudget, tree_sizes
-from payloadd.store._files import DIR_MODE, FileTable
+from payloadd.store._files import DIR_MODE, FileTable, files_needed, unwritten
 from payloadd.store._fs_kind import RootPolicy, detect
 from payloadd.store._generation import GenerationPage
 from payloadd.store._leases import Leases
@@ -56,19 +56,10 @@ from payloadd.store._prefetch import Prefetcher
 from payloadd.store._readers import ExtentReader, Readers
 from payloadd.store._records import AppendFile, Placement, Removal, os_errors
 from payloadd.store._removal import Removals
+from payloadd.store._shapes import SHAPES_NAME, RunShapes
+from payloadd.store._watermarks import Watermarks
 
 __all__ = ["Store"]
-
-
-def _unwritten(file: tuple[str, int, tuple[int, int]]) -> int:
-    """Bytes reserved at the end of an open file ``(path, reserved end, (dev, ino))`` and
-    not written yet (0 for a file gone or replaced since)."""
-    path, size, ino = file
-    try:
-        st = os.stat(path)
-    except OSError:
-        return 0
-    return max(0, size - st.st_size) if (st.st_dev, st.st_ino) == ino else 0
 
 
 class Store:
@@ -125,6 +116,11 @@ class Store:
     generation : GenerationPage or None
         The removal generation, which every removal of a data file moves; data-plane clients
         map it (``None`` without memfd sealing: clients check after every write).
+    shapes : RunShapes
+        The row shape fixed for each run and field of this node (its first append).
+    watermarks : Watermarks
+        The collected watermark of each run, over every node's GC ledger: appends at or
+        below it are refused.
     """
 
     def __init__(
@@ -173,6 +169,8 @@ class Store:
         )  # fmt: skip
         self._removals = Removals(self._table, self.reads, self._last_use)
         self.prefetcher = Prefetcher(self.reads, self.counts, max_read_bytes)
+        self.shapes = RunShapes(self.root / node / SHAPES_NAME, self.fields)
+        self.watermarks = Watermarks(self.reads)
 
     @staticmethod
     def check_root(root: str | os.PathLike[str], node: str | None = None) -> Path:
@@ -213,31 +211,8 @@ class Store:
             return next(self._owners)
 
     def files_needed(self, items: Sequence[AppendItem]) -> int:
-        """At most how many data files an append of ``items`` holds open at once (for the
-        descriptor budget, `payloadd.store._budget`): the files `FileTable.place` would fill for each
-        (run, step, field), from an empty one, plus one (a current file partly full).
-
-        Raises
-        ------
-        InvalidRequestError
-            An item is invalid (`item_nbytes`).
-        """
-        state: dict[tuple[str, int, str], list[int]] = {}  # key -> [files, bytes in the last]
-        cap = self.max_file_bytes
-        for i, it in enumerate(items):
-            row_nb = item_nbytes(it, i)[0]
-            f = state.setdefault((it.run, it.step, it.field), [1, 0])
-            rows = it.rows
-            while True:  # as `FileTable.place` does
-                if f[1] + rows * row_nb <= cap or rows == 0 or (f[1] == 0 and rows == 1):
-                    f[1] += rows * row_nb
-                    break
-                if f[1] > 0:
-                    f[0], f[1] = f[0] + 1, 0
-                    continue
-                take = max(1, cap // row_nb)
-                f[1], rows = take * row_nb, rows - take
-        return sum(files + 1 for files, _ in state.values())
+        """`payloadd.store._files.files_needed` at this store's rotation size."""
+        return files_needed(items, self.max_file_bytes)
 
     def begin_append(
         self, items: Sequence[AppendItem], private: bool = False, *, transport: str = HTTP
@@ -265,7 +240,11 @@ class Store:
         ------
         InvalidRequestError
             An item names a bad field, run, dtype or shape, or overflows int64, or does not
-            fit the fields table (`check_item`); nothing is reserved then.
+            fit the fields table (`check_item`), or its row shape is not the one its run's
+            first append of the field fixed (`RunShapes`); nothing is reserved then.
+        StepCollectedError
+            An item's step is at or below its run's collected watermark; nothing is
+            reserved.
         PayloadTooLargeError
             More items or row bytes than the limits; nothing is reserved.
         StorageFullError
@@ -283,6 +262,7 @@ class Store:
         sizes = [item_nbytes(item, i) for i, item in enumerate(items)]
         for i, item in enumerate(items):
             check_item(self.fields, item, i)
+        self.watermarks.check((it.run, it.step) for it in items)
         total = sum(n for _, n in sizes)
         if total > self.max_append_bytes:
             raise PayloadTooLargeError(
@@ -316,7 +296,8 @@ class Store:
             return f
 
         with t.lock, os_errors(self.root):
-            t.budget.room(total, f"append of {total} bytes")
+            t.budget.room(total)
+            self.shapes.take((i, it.run, it.field, it.shape) for i, it in enumerate(items))
             try:
                 for i, it in enumerate(items):
                     t.place(i, it, sizes[i][0], held, placements, current, new)
@@ -354,7 +335,10 @@ class Store:
             nothing is reserved. Near a limit, the range shrinks to what fits (at least
             ``nbytes``). The whole range counts against the cap from now on, until its file
             is closed (then an unused tail at the file's end stops counting).
+        StepCollectedError
+            ``step`` is at or below the run's collected watermark.
         """
+        self.watermarks.check([(run, step)])
         got = self._leases.lease(run, step, field, nbytes, size, owner)
         assert got is not None
         return got
@@ -364,8 +348,24 @@ class Store:
     ) -> LeasedRange | None:
         """`lease`, for a key a client has not appended to yet (it asks ahead, to save a
         round trip later): ``None``, nothing reserved, unless the disk limits leave room for
-        `payloadd.store._leases.AHEAD_ROOM` such leases."""
+        `payloadd.store._leases.AHEAD_ROOM` such leases, or ``step`` is collected already."""
+        mark = self.watermarks.mark(run)
+        if mark is not None and step <= mark:
+            return None
         return self._leases.lease(run, step, field, nbytes, size, owner, ahead=True)
+
+    def declare_shapes(self, shapes: Sequence[tuple[str, str, list[int]]]) -> None:
+        """Check (and fix, where first) the row shapes ``(run, field, shape)`` a data-plane
+        client will append in its leases (`RunShapes.take`).
+
+        Raises
+        ------
+        InvalidRequestError
+            A bad run or field name, a field the table refuses, or a shape other than the
+            one fixed for its run and field (naming both).
+        """
+        with os_errors(self.root):
+            self.shapes.declare(shapes)
 
     def syncs_together(self) -> contextlib.AbstractContextManager[None]:
         """A block whose new files' directories are fsync'd once each at its end, under
@@ -505,7 +505,7 @@ class Store:
             disk |= {"free_bytes": free, "min_free_bytes": b.min_free_bytes}
             disk |= {"appends_refused": b.refused}
             reserved = [(f"{self.root}/{f.rel}", f.size, f.ino) for f in t.open_files.values()]
-        disk["reserved_bytes"] = sum(map(_unwritten, reserved))  # outside the lock: stats
+        disk["reserved_bytes"] = sum(map(unwritten, reserved))  # outside the lock: stats
         d = t.dirty
         flushed = {"flushes": 0, "files_flushed": 0, "files_dirty": 0, "flush_errors": 0}
         if d is not None:

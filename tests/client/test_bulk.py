@@ -1,4 +1,4 @@
-"""The column-by-column paths agree with the segment-by-segment ones (DESIGN §2, §3).
+"""The column-by-column paths agree with the segment-by-segment ones (docs/contract.md, "The segment model" and "Pure segment operations").
 
 Long lists are validated and operated on column by column; the references here are the
 segment-by-segment definitions (`validate_segment` over the list, and the operations as

@@ -23,11 +23,13 @@ from payload_client import (
     PayloadSegment,
     ProtocolError,
     ServerError,
+    StepCollectedError,
     TransportError,
     UnauthorizedError,
 )
 from payload_client._errors import error_from_wire, status_of
 from payload_client._transports._call import _Sink
+from payloadd.bench._daemon_process import start_daemon
 
 
 def test_importing_the_client_loads_no_server_stack() -> None:
@@ -100,18 +102,33 @@ def test_bad_read_is_refused_before_any_io(offline: PayloadClient) -> None:
     assert (info.value.index, info.value.field) == (0, "file")
 
 
-def test_reads_that_need_no_bytes_do_not_ask_the_daemon(offline: PayloadClient) -> None:
+def test_reads_that_need_no_bytes_ask_the_daemon_only_for_its_fields_table(
+    offline: PayloadClient, tmp_path: Path
+) -> None:
     s = PayloadSegment("f", "a.bin", 0, 10, 1, "uint8", [3])
-    assert offline.read_field([s], "other", 0, 5, 0) is None
-    got = offline.read_field([s], "f", 0, 5, -1)  # no segment intersects [0, 5)
-    assert got is not None and got.shape == (5, 3) and (got == -1).all()
+    with pytest.raises(ConnectError, match="no payloadd listening"):  # its table first
+        offline.read_field([s], "f", 0, 5, -1)
+    sock = tmp_path / "s.sock"
+    with PayloadClient(sock) as c:
+        with start_daemon(tmp_path / "root", sock):
+            assert c.read_field([s], "m", 0, 5, 0) is None  # the first read: the table
+        # the daemon is gone: later reads that need no bytes are answered all the same
+        assert c.read_field([s], "m", 0, 5, 0) is None
+        got = c.read_field([s], "f", 0, 5, -1)  # no segment intersects [0, 5)
+        assert got is not None and got.shape == (5, 3) and (got == -1).all()
+        with pytest.raises(InvalidRequestError, match="unknown field 'other'"):
+            c.read_field([s], "other", 0, 5, 0)  # in no table, in no segment: a typo
 
 
 def test_status_table_and_wire_errors() -> None:
     assert STATUS_BY_ERROR[FileGoneError] == 410
     assert STATUS_BY_ERROR[FileMissingError] == 404
     assert status_of(InvalidSegmentError("x")) == 422
-    assert len(set(STATUS_BY_ERROR.values())) == len(STATUS_BY_ERROR)
+    # a status is shared only by a class and its subclass (the base answers for both)
+    bases = [c for c in STATUS_BY_ERROR if not any(b in STATUS_BY_ERROR for b in c.__mro__[1:])]
+    assert len({STATUS_BY_ERROR[c] for c in bases}) == len(bases)
+    assert type(error_from_wire(400, None, "bad")) is InvalidRequestError
+    assert type(error_from_wire(400, "StepCollectedError", "gone")) is StepCollectedError
     err = error_from_wire(404, "FileMissingError", "payload file 'a' does not exist")
     assert type(err) is FileMissingError and "'a'" in str(err) and "404" in str(err)
     assert type(error_from_wire(410, None, "gone")) is FileGoneError

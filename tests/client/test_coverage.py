@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -10,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from payload_client import (
+    ConnectError,
     CoveredRead,
     InvalidRequestError,
     PayloadClient,
@@ -18,6 +20,7 @@ from payload_client import (
     coverage,
     plan_window,
 )
+from payloadd.bench._daemon_process import start_daemon
 from tests.client.test_read import FIELDS, local_read, stored
 from tests.reference import dense_coverage, dense_read
 
@@ -91,14 +94,27 @@ def test_coverage_matches_dense_model_and_marks_exactly_the_non_fill_rows(
 
 
 @pytest.fixture
-def offline(tmp_path: Path) -> PayloadClient:
-    """A client of a socket nobody listens on: any I/O would raise ConnectError."""
-    return PayloadClient(tmp_path / "nobody.sock")
+def offline(tmp_path: Path) -> Iterator[PayloadClient]:
+    """A client whose daemon is gone after its first read, which fetched the daemon's fields
+    table (once, as every client's first read does): any I/O now would raise ConnectError."""
+    sock = tmp_path / "payloadd.sock"
+    with PayloadClient(sock) as c:
+        with start_daemon(tmp_path / "root", sock):
+            assert c.read_field([], "f", 0, 0, 0) is None  # no segment of a table field
+        yield c
+
+
+def test_a_first_read_fetches_the_fields_table_even_without_bytes(tmp_path: Path) -> None:
+    s = PayloadSegment("f", "a.bin", 0, 10, 1, "uint8", [3])
+    with PayloadClient(tmp_path / "nobody.sock") as c:
+        for _ in range(2):  # not kept when it failed
+            with pytest.raises(ConnectError, match="no payloadd listening on"):
+                c.read_field([s], "f", 0, 5, -1, coverage=True)  # no row intersects
 
 
 def test_reads_without_bytes_return_coverage_without_io(offline: PayloadClient) -> None:
     s = PayloadSegment("f", "a.bin", 0, 10, 1, "uint8", [3])
-    absent = offline.read_field([s], "other", 0, 5, 0, coverage=True)
+    absent = offline.read_field([s], "a", 0, 5, 0, coverage=True)  # no segment of it
     assert isinstance(absent, CoveredRead) and absent.array is None
     assert absent.covered.tolist() == [False] * 5
     arr, covered = offline.read_field([s], "f", 0, 5, -1, coverage=True)  # no row intersects

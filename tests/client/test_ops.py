@@ -1,4 +1,4 @@
-"""Pure segment operations (DESIGN §3), by example and against a row-by-row model."""
+"""Pure segment operations (docs/contract.md, "Pure segment operations"), by example and against a row-by-row model."""
 
 from __future__ import annotations
 
@@ -118,7 +118,7 @@ def test_shift_overflow_and_negative() -> None:
         shift_segments([mk(R, 3, 1)], 2**63 - 4)
 
 
-# -- merge_pd_segments (DESIGN §3, the router's P/D rule) -------------------------------
+# -- merge_pd_segments (the router's P/D rule) ------------------------------------------
 
 
 def test_merge_prepends_prefill_drops_and_trims_decode() -> None:

@@ -1,4 +1,4 @@
-"""The columnar planner and the coalesced read layout against the dense model (DESIGN §4).
+"""The columnar planner and the coalesced read layout against the dense model (docs/contract.md, "Reading a window").
 
 Many segments, mixed widths and dtypes, overlaps (later wins), layouts that coalesce (turns
 appended back to back in one file) and layouts that do not; every ``out=`` / ``dtype=`` /

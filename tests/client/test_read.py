@@ -1,4 +1,4 @@
-"""Window read semantics (DESIGN §4) of plan_window + assemble, against the dense model."""
+"""Window read semantics (docs/contract.md, "Reading a window") of plan_window + assemble, against the dense model."""
 
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ def test_read_matches_dense_model(
     assert got is not None
     assert got.dtype == want.dtype and got.shape == want.shape
     np.testing.assert_array_equal(got, want)
-    # fresh (DESIGN §4): shares memory with nothing, not even another read of the same window
+    # fresh (docs/contract.md, "Reading a window"): shares memory with nothing, not even another read of the same window
     assert got.flags.c_contiguous and got.flags.writeable and got.flags.aligned
     again = local_read(files, segs, field, lo, lo + n, fill)
     assert again is not None and not np.shares_memory(got, again)

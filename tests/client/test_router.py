@@ -1,4 +1,4 @@
-"""Prefill/decode stitching (DESIGN §3) of segments and of whole generate responses."""
+"""Prefill/decode stitching (docs/contract.md, "Pure segment operations") of segments and of whole generate responses."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The segment model (DESIGN §2): wire form, validation, row size."""
+"""The segment model (docs/contract.md, "The segment model"): wire form, validation, row size."""
 
 from __future__ import annotations
 

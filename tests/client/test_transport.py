@@ -289,7 +289,7 @@ async def test_reads_survive_restarts_and_answers_cut_midway(tmp_path: Path) -> 
         # exactly once: killed again and not restarted, the one retry is refused
         sent.clear()
         cut.append(kill)
-        with pytest.raises(ConnectError, match="cannot connect"):
+        with pytest.raises(ConnectError, match="no payloadd listening on"):
             h.read_field(segs, R, 100, 8000, 0, dtype=np.uint8)
         assert sent == ["/v1/read", "/v1/read"]
         with pytest.raises(ConnectError, match="nothing was stored") as info:

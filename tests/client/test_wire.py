@@ -47,6 +47,7 @@ from payload_client._dataplane_wire import (
     ReservedExtent,
     ReserveReply,
     ReserveRequest,
+    ShapesRequest,
 )
 from payload_client._peer_wire import PeerBytes, PeerHello, PeerRead, PeerWelcome
 from payload_client._transports import _call as client_call
@@ -148,6 +149,7 @@ EXAMPLES: dict[type[msgspec.Struct], msgspec.Struct] = {
         1536,
         [("r", 2, "sampling_mask", 0)],
         [("n/r/0/routed_experts-1.bin", 0, 4096)],
+        [("r", "routed_experts", [48, 8])],
     ),
     LeaseGrant: LeaseGrant(0, "b.bin", 0, 1 << 24),
     LeaseReply: LeaseReply("a.bin", 6, 1 << 24, True, [LeaseGrant(0, "b.bin", 0, 1 << 24)]),
@@ -156,9 +158,10 @@ EXAMPLES: dict[type[msgspec.Struct], msgspec.Struct] = {
     AbortRequest: AbortRequest(5),
     CommitReply: CommitReply([[SEG]]),
     ErrorReply: ErrorReply("InvalidRequestError", "bad"),
-    FieldSpec: FieldSpec(["uint8", "uint16"], 7, 16, "float32"),
+    FieldSpec: FieldSpec(["uint8", "uint16"], 7, 16, "float32", True),
     FieldsTable: FieldsTable({"f": FieldSpec(["int32"])}, "refuse"),
     FieldsRequest: FieldsRequest(),
+    ShapesRequest: ShapesRequest([("r", "sampling_mask", [4, 8])]),
     FieldsReply: FieldsReply(FieldsTable({"f": FieldSpec(["int32"], -1, 8)}, "refuse"), True),
     StepUsage: StepUsage(3, 2, 1616, 8192, 1.5e9),
     RunUsage: RunUsage("r", 4, 3232, 16384, 1.5e9, [StepUsage(3, 2, 1616, 8192, 1.5e9)], 1),
@@ -284,6 +287,7 @@ LAYOUT: dict[str, list[str]] = {
         f"nbytes: {NNI}",
         f"more: list[tuple[str, {NNI}, str, {NNI}]] = list()",
         f"done: list[tuple[str, {NNI}, {NNI}]] = list()",
+        "shapes: list[tuple[str, str, list[int]]] = list()",
     ],
     "LeaseGrant": ["index: int", "file: str", "offset: int", "nbytes: int"],
     "LeaseReply": [
@@ -310,12 +314,14 @@ LAYOUT: dict[str, list[str]] = {
         "fill: int | float = 0",
         "max_width: int = 0",
         "read_dtype: str = 'int32'",
+        "ragged: bool | None = None",
     ],
     "FieldsTable": [
         "fields: dict[str, FieldSpec]",
         "unknown_fields: Literal['allow', 'refuse'] = 'allow'",
     ],
     "FieldsRequest": [],
+    "ShapesRequest": ["shapes: list[tuple[str, str, list[int]]]"],
     "FieldsReply": ["table: FieldsTable", "generation: bool = False"],
     "StepUsage": ["step: int", "files: int", "bytes: int", "disk_bytes: int", "mtime: float"],
     "RunUsage": [
@@ -372,6 +378,7 @@ OPTIONS: dict[str, tuple[bool, str | None]] = {
     "CommitReply": (True, "committed"),
     "ErrorReply": (True, "error"),
     "FieldsRequest": (True, "fields"),
+    "ShapesRequest": (True, "shapes"),
     "FieldsReply": (True, "fieldtable"),
     "PeerHello": (True, "hello"),
     "PeerWelcome": (True, "welcome"),
@@ -620,7 +627,7 @@ def _http(daemon: Daemon) -> httpx.Client:
 
 def test_daemon_takes_a_newer_append_header_and_extent(daemon: Daemon) -> None:
     rows = np.arange(12, dtype=np.uint8).reshape(4, 3)
-    item = AppendItem("wire_evolution", "uint8", [3], 4, 100, "wire-run", 1)
+    item = AppendItem("f", "uint8", [3], 4, 100, "wire-run", 1)  # a field of the table
     header = msgspec.msgpack.encode(to_newer(AppendRequest([item]), EXTRA_VALUE))
     assert EXTRA.encode() in header
     body = FRAME_PREFIX.pack(len(header)) + header + rows.tobytes()
@@ -633,7 +640,7 @@ def test_daemon_takes_a_newer_append_header_and_extent(daemon: Daemon) -> None:
         assert r.status_code == 200, r.text
         [[seg]] = msgspec.msgpack.decode(r.content, type=AppendResponse).segments
         assert (seg.field, seg.pos, seg.rows, seg.dtype, seg.shape) == (
-            "wire_evolution",
+            "f",
             100,
             4,
             "uint8",
@@ -659,7 +666,7 @@ def test_daemon_takes_a_newer_append_header_and_extent(daemon: Daemon) -> None:
 
 
 def test_data_plane_takes_a_newer_lease_request(daemon: Daemon) -> None:
-    request = to_newer(LeaseRequest("wire-run", 1, "wire_lease", 6), EXTRA_VALUE)
+    request = to_newer(LeaseRequest("wire-run", 1, "f", 6), EXTRA_VALUE)
     body = msgspec.msgpack.encode(request)
     assert msgspec.msgpack.decode(body)[-1] == EXTRA_VALUE
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:

@@ -182,7 +182,7 @@ def grown_rounds(p: Nodes, read_via: str, rounds: int = 50) -> list[float]:
 
 @pytest.mark.parametrize("read_via", TRANSPORTS)
 def test_a_file_grown_after_b_read_it_is_read_whole_every_round(pair: Nodes, read_via: str) -> None:
-    """The repro of the issue: 0 of 50 rounds read right before the fix."""
+    """The repro of the grown-file read failure: 0 of 50 rounds read right before the fix."""
     took = grown_rounds(pair, read_via)
     print(f"\n{read_via}: b's read of a's append took {statistics.median(took) * 1e3:.1f} ms "
           f"(median), {max(took) * 1e3:.1f} ms (max)")  # fmt: skip

@@ -25,7 +25,7 @@ import numpy as np
 
 from payload_client import PayloadClient, PayloadError, PayloadSegment
 
-__all__ = ["MAX_FILE_BYTES", "Ack", "Plan", "Stop", "plan", "record_decoder"]
+__all__ = ["FIELDS", "MAX_FILE_BYTES", "Ack", "Plan", "Stop", "plan", "record_decoder"]
 
 MAX_FILE_BYTES = 64 << 10
 """Rotation size the test's daemon runs with; a few items are larger (split across files)."""
@@ -41,6 +41,17 @@ SPECS: list[tuple[str, str, tuple[int, ...] | None]] = [
     ("flags", "int8", (3,)),
     ("ids", "int16", (2, 5)),
 ]
+FIELDS = {
+    "routed_experts": {"dtypes": ["uint8", "uint16"], "fill": 0, "ragged": False},
+    "sampling_mask": {"dtypes": ["int32"], "fill": -1, "max_width": 1 << 16, "ragged": True},
+    "logprobs": {"dtypes": ["float32"], "fill": 0.0, "ragged": False},
+    "weights": {"dtypes": ["float16"], "fill": 0.0, "ragged": False},
+    "flags": {"dtypes": ["int8"], "fill": 0, "ragged": False},
+    "ids": {"dtypes": ["int16"], "fill": 0, "ragged": False},
+}
+"""The test's daemon's fields table (``--fields``), one entry per field of `SPECS`: unknown
+fields are refused. Each field's row shape is the same in every run (fixed by its first
+append there), but for the ragged sampling mask's width."""
 RUNS = ("crash-a", "crash-b")
 STEPS = 3
 

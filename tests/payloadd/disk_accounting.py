@@ -11,6 +11,7 @@ and the GC report's bytes. `measure` is also what `test_disk_limits` runs, small
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing as mp
 import multiprocessing.synchronize
 import sys
@@ -28,6 +29,13 @@ FIELDS = {  # field -> (row shape, dtype): router replay, logprobs, a mask
     "routed_experts": ((48, 8), np.uint8),
     "logprobs": ((1,), np.float32),
     "loss_mask": ((1,), np.uint8),
+}
+
+
+TABLE = {  # the daemon's fields table: the three declared (unknown fields are refused)
+    "routed_experts": {"dtypes": ["uint8"], "ragged": False},
+    "logprobs": {"dtypes": ["float32"], "fill": 0.0, "ragged": False},
+    "loss_mask": {"dtypes": ["uint8"], "ragged": False},
 }
 
 
@@ -101,7 +109,7 @@ def measure(
     """Run the writers against a new daemon on ``root`` (``cap``: its max_root_bytes)."""
     sock = root.parent / f"{root.name}.sock"
     acct = Account()
-    flags = ["--node", "n", "--max-root-bytes", str(cap)]
+    flags = ["--node", "n", "--max-root-bytes", str(cap), "--fields", json.dumps(TABLE)]
     with start_daemon(root, sock, *flags), PayloadClient(sock) as probe:
         ctx = mp.get_context("spawn")
         go, idle = ctx.Barrier(writers + 1), ctx.Barrier(writers + 1)

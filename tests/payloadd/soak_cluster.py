@@ -21,7 +21,15 @@ import numpy as np
 
 from payload_client import AsyncClusterClient, ClusterClient, PayloadClient, PayloadSegment
 from tests.payloadd.procfs import deleted_fds, fds, status
-from tests.payloadd.test_cluster import TOKEN, Cluster, check, cp_windows, daemons, write_batch
+from tests.payloadd.test_cluster import (
+    BATCH_STEPS,
+    TOKEN,
+    Cluster,
+    check,
+    cp_windows,
+    daemons,
+    write_batch,
+)
 
 RANKS = 4
 
@@ -38,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
         windows = mismatches = step = 0
         start = time.monotonic()
         while time.monotonic() - start < args.seconds:
-            segs, length = write_batch(nodes, np.random.default_rng(step))
+            base = step * BATCH_STEPS  # each batch in steps of its own
+            segs, length = write_batch(nodes, np.random.default_rng(step), base)
             files = cluster.files()
             errors: list[BaseException] = []
             barrier = threading.Barrier(RANKS)
@@ -54,9 +63,10 @@ def main(argv: list[str] | None = None) -> int:
             for e in errors[:1]:
                 print("error:", repr(e)[:300])
             if step >= 2:  # the orchestrator frees what was trained on, on every node
+                trained = base - BATCH_STEPS - 1  # the last step of two batches before
                 for n in nodes.values():
                     with PayloadClient(n.socket, token=TOKEN) as c:
-                        c.gc(run="mb", through_step=step - 2)
+                        c.gc(run="mb", through_step=trained)
             step += 1
             if step % 10 == 0:
                 s = _sample(pids, Path(tmp), time.monotonic() - start)

@@ -30,6 +30,8 @@ from payloadd.server._sockets import StartError
 
 LISTEN_EXEC = Path(__file__).with_name("listen_exec.py")
 PAYLOADD = [sys.executable, "-m", "payloadd"]
+R, M = "routed_experts", "sampling_mask"
+"""The fields of the default table: the daemons here start with no ``PAYLOADD_*`` setting."""
 
 
 @contextlib.contextmanager
@@ -107,13 +109,13 @@ def test_passed_sockets_serve_both_planes_and_a_restart_refuses_no_client(tmp_pa
         segs: list[PayloadSegment] = []
         for dp in (True, False):
             with PayloadClient(sock, data_plane=dp) as c:
-                segs += c.append("f", rows, 6 * len(segs), run="r", step=0)
+                segs += c.append(R, rows, 6 * len(segs), run="r", step=0)
         with PayloadClient(sock) as c:
             assert c.stats().data_plane_requests > 0  # the passed data socket served
         for dp in (True, False):
             with PayloadClient(sock, data_plane=dp) as c:
                 np.testing.assert_array_equal(
-                    c.read_field(segs, "f", 0, 12, 0), np.concatenate([rows, rows])
+                    c.read_field(segs, R, 0, 12, 0), np.concatenate([rows, rows])
                 )
         # the lock still keeps a second daemon off the socket
         other = subprocess.run(
@@ -142,7 +144,7 @@ def test_passed_sockets_serve_both_planes_and_a_restart_refuses_no_client(tmp_pa
             assert isinstance(reply, FieldsReply) and "routed_experts" in reply.table.fields
             for dp in (True, False):  # and the first daemon's segments read back
                 with PayloadClient(sock, data_plane=dp) as c:
-                    np.testing.assert_array_equal(c.read_field(segs, "f", 0, 6, 0), rows)
+                    np.testing.assert_array_equal(c.read_field(segs, R, 0, 6, 0), rows)
         finally:
             waiting.close()
             waiting_data.close()
@@ -157,8 +159,8 @@ def test_sockets_without_their_names_are_told_apart_by_path(tmp_path: Path) -> N
         proc = _start(tmp_path, [(data, "payloadd"), (http, "payloadd")])
         try:
             with PayloadClient(sock) as c:
-                seg = c.append("f", np.ones((2, 3), np.int32), 0, run="r", step=0)
-                np.testing.assert_array_equal(c.read_field(seg, "f", 0, 2, 0), np.ones((2, 3)))
+                seg = c.append(M, np.ones((2, 3), np.int32), 0, run="r", step=0)
+                np.testing.assert_array_equal(c.read_field(seg, M, 0, 2, 0), np.ones((2, 3)))
                 assert c.stats().data_plane_requests > 0
         finally:
             _stop(proc)
@@ -171,7 +173,7 @@ def test_a_data_socket_not_passed_is_bound_by_the_daemon(tmp_path: Path) -> None
         try:
             assert data_path.is_socket()
             with PayloadClient(sock) as c:
-                c.append("f", np.ones((2, 3), np.int32), 0, run="r", step=0)
+                c.append(M, np.ones((2, 3), np.int32), 0, run="r", step=0)
                 assert c.stats().data_plane_requests > 0
         finally:
             _stop(proc)
@@ -285,8 +287,8 @@ def test_systemd_socket_activate_starts_the_daemon_on_the_first_connection(
                     assert proc.poll() is None and time.monotonic() < deadline
                     time.sleep(0.05)
         with PayloadClient(sock, timeout=60) as c:
-            seg = c.append("f", np.ones((2, 3), np.int32), 0, run="r", step=0)
-            np.testing.assert_array_equal(c.read_field(seg, "f", 0, 2, 0), np.ones((2, 3)))
+            seg = c.append(M, np.ones((2, 3), np.int32), 0, run="r", step=0)
+            np.testing.assert_array_equal(c.read_field(seg, M, 0, 2, 0), np.ones((2, 3)))
             assert c.stats().data_plane_requests > 0
     finally:
         _stop(proc)

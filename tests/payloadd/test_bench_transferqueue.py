@@ -81,7 +81,7 @@ def test_the_check_names_the_rank_whose_rows_differ() -> None:
 
 
 def _expected(spec: RLBatch) -> dict[Key, tuple[np.ndarray, np.ndarray]]:
-    """Every rank's windows made straight from the batch's turns (payloadd's rules, DESIGN §4)."""
+    """Every rank's windows made straight from the batch's turns (payloadd's rules: docs/contract.md, "Context-parallel windows")."""
     turns = [list(spec.turns_of(i)) for i in range(spec.samples)]
     batches = spec.micro_batches()
     out: dict[Key, tuple[np.ndarray, np.ndarray]] = {}

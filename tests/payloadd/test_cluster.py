@@ -1,4 +1,4 @@
-"""Cluster reads (DESIGN §9): three real daemons on distinct roots (no sharing), each with TCP
+"""Cluster reads (docs/contract.md, "Reads across nodes"): three real daemons on distinct roots (no sharing), each with TCP
 and the peer port on 127.0.0.1 behind a token; a trainer reads packed micro batches whose
 samples were written on all three through `ClusterClient` and `AsyncClusterClient`, and
 every window equals the dense reference bit for bit."""
@@ -98,11 +98,16 @@ def daemons(tmp: Path, *extra: str, peer: bool = True) -> Iterator[dict[str, Nod
         yield nodes
 
 
+BATCH_STEPS = 6
+"""Steps one `write_batch` writes into (a sample each)."""
+
+
 def write_batch(
-    nodes: dict[str, Node], rng: np.random.Generator
+    nodes: dict[str, Node], rng: np.random.Generator, first_step: int = 0
 ) -> tuple[list[PayloadSegment], int]:
     """Six multi-turn samples, two written on each node turn by turn (routing ids and masks
-    at each turn's own width), packed back to back into one micro batch."""
+    at each turn's own width), packed back to back into one micro batch; sample ``i`` in
+    step ``first_step + i``."""
     segs: list[PayloadSegment] = []
     at = 0
     for i in range(6):
@@ -115,8 +120,9 @@ def write_batch(
                 routed = rng.integers(0, 128, (t, 48, 8), dtype=np.uint8)
                 width = int(rng.integers(1, 9))
                 mask = rng.integers(-1, 1000, (t, width), dtype=np.int32)
-                sample += c.append("routed_experts", routed, pos, run="mb", step=i)
-                sample += c.append("sampling_mask", mask, pos, run="mb", step=i)
+                step = first_step + i
+                sample += c.append("routed_experts", routed, pos, run="mb", step=step)
+                sample += c.append("sampling_mask", mask, pos, run="mb", step=step)
                 pos += t
         segs += shift_segments(sample, at)
         at += pos
@@ -208,7 +214,7 @@ def test_coverage_out_and_dtype(cluster: Cluster) -> None:
 
 def test_later_segments_win_across_nodes(cluster: Cluster) -> None:
     """Rows of one node overwritten by rows of another later in the list, narrower rows of
-    a third on top: §4 across nodes as within one."""
+    a third on top: a window read across nodes as within one."""
     rng = np.random.default_rng(3)
     segs = []
     for i, name in enumerate(NODES):
@@ -308,7 +314,7 @@ def test_a_wrong_token_is_unauthorized(cluster: Cluster) -> None:
 def test_ranks_released_at_once_read_a_new_step_of_every_node(cluster: Cluster) -> None:
     """Eight trainer ranks (threads, one cluster client each) released by a barrier onto a
     micro batch just written on all three nodes: every window right, no thread stuck."""
-    segs, length = write_batch(cluster.nodes, np.random.default_rng(99))
+    segs, length = write_batch(cluster.nodes, np.random.default_rng(99), BATCH_STEPS)
     files = cluster.files()
     barrier = threading.Barrier(8)
     errors: list[BaseException] = []

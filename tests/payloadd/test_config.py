@@ -11,7 +11,9 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
+from pydantic import ValidationError
 
 from payload_client import PayloadClient
 from payloadd.bench._daemon_process import start_daemon
@@ -119,7 +121,9 @@ SECRET = "s3cret-token-0123456789abcdef"
     ("text", "keys"),
     [
         ("max_file_byte = 10\n", ["max_file_byte", "did you mean max_file_bytes"]),
-        ('max_file_bytes = "lots"\n', ["max_file_bytes", "valid integer"]),
+        ('max_file_bytes = "lots"\n', ["max_file_bytes: 'lots' is not a size", "1GiB"]),
+        ('lease_bytes = "1.5B"\n', ["lease_bytes: '1.5B' is not a whole number of bytes"]),
+        ("lease_bytes = 1.5\n", ["lease_bytes: 1.5 is not a whole number of bytes"]),
         ("max_file_bytes = 0\n", ["max_file_bytes", "greater than 0"]),
         ("ttl_s = true\n", ["ttl_s", "boolean"]),
         ("socket_mode = 660\n", ["socket_mode", "0777"]),
@@ -149,6 +153,113 @@ def test_a_bad_config_file_stops_the_start(tmp_path: Path, text: str, keys: list
         assert key in out.stderr
     assert SECRET not in out.stderr
     assert not (tmp_path / "r").exists() and not (tmp_path / "s").exists()
+
+
+SIZES = sorted(name for name in Settings.model_fields if name.endswith("_bytes"))
+"""Every size setting: each takes a unit."""
+
+
+def test_every_size_setting_takes_units_from_every_source(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert SIZES == [
+        "lease_bytes", "max_control_bytes", "max_file_bytes", "max_inflight_bytes",
+        "max_request_bytes", "max_root_bytes", "min_free_bytes",
+    ]  # fmt: skip
+    config = tmp_path / "c.toml"
+    config.write_text("".join(f'{name} = "2 KiB"\n' for name in SIZES))
+    from_file = Settings(config=str(config))
+    for name in SIZES:
+        monkeypatch.setenv(f"PAYLOADD_{name.upper()}", "1.5kib")
+    from_env = Settings(config=str(config))
+    flags: dict[str, Any] = {name: "3MiB" for name in SIZES}  # as argparse hands them on
+    from_flags = Settings(config=str(config), **flags)
+    for name in SIZES:
+        assert getattr(from_file, name) == 2048, name
+        assert getattr(from_env, name) == 1536, name
+        assert getattr(from_flags, name) == 3 << 20, name
+
+
+@pytest.mark.parametrize(
+    ("given", "size"),
+    [
+        ("4096", 4096), (4096, 4096), ("64KiB", 64 << 10), ("512MiB", 512 << 20),
+        ("1GiB", 1 << 30), ("1gib", 1 << 30), ("1 GiB", 1 << 30), (" 2KiB ", 2048),
+        ("1.5GB", 1_500_000_000), ("1.5GiB", 3 << 29), ("1K", 1000), ("1.005KB", 1005),
+        (".5MiB", 1 << 19), (2e9, 2_000_000_000), ("7EiB", 7 << 60),
+    ],
+)  # fmt: skip
+def test_size_forms(given: object, size: int) -> None:
+    assert Settings(config="", max_root_bytes=given).max_root_bytes == size
+
+
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [
+        ("1GXB", "'1GXB' is not a size: unknown unit 'GXB': give bytes (1073741824) or a "
+                 "number with a unit (512MiB, 1GiB, 1.5GB)"),
+        ("-1", "'-1' is not a size: give bytes"),
+        ("1GiB/s", "'1GiB/s' is not a size"),  # pydantic's ByteSize would take 1 GiB
+        ("1e9", "'1e9' is not a size"),
+        ("8Gbit", "unknown unit 'Gbit'"),  # a size setting counts bytes
+        ("1.5B", "'1.5B' is not a whole number of bytes (1.5 bytes)"),  # not truncated to 1
+        ("1.5", "'1.5' is not a whole number of bytes"),
+        ("0.3KiB", "'0.3KiB' is not a whole number of bytes (307.2 bytes)"),
+        (1.5, "1.5 is not a whole number of bytes"),
+        (True, "True is not a size"),
+        ("16EiB", "less than or equal to 9223372036854775807"),
+    ],
+)  # fmt: skip
+def test_a_bad_size_is_refused_naming_the_value(given: object, message: str) -> None:
+    with pytest.raises(ValidationError) as err:
+        Settings(config="", max_root_bytes=given)
+    (e,) = err.value.errors()
+    assert e["loc"] == ("max_root_bytes",) and message in e["msg"], e["msg"]
+
+
+def test_units_through_serve_flag_env_and_file(tmp_path: Path) -> None:
+    config = tmp_path / "payloadd.toml"
+    config.write_text('max_root_bytes = "1.5GB"\nlease_bytes = "1MiB"\nmax_file_bytes = 65536\n')
+    env = _env(PAYLOADD_CONFIG=str(config), PAYLOADD_MIN_FREE_BYTES="64 KiB")
+    flags = ("--max-file-bytes", "4MiB")
+    sock = tmp_path / "s.sock"
+    with start_daemon(tmp_path / "root", sock, *flags, env=env), PayloadClient(sock) as c:
+        stats = c.stats()
+        rows = np.ones((8192, 48, 8), np.uint8)  # 3 MiB: one file under a 4 MiB rotation
+        segs = c.append("routed_experts", rows, 0, run="u", step=0)
+    assert stats.max_root_bytes == 1_500_000_000  # file
+    assert stats.min_free_bytes == 64 << 10  # environment
+    assert len({s.file for s in segs}) == 1  # the flag's 4 MiB, not the file's 65536
+
+
+@pytest.mark.parametrize("how", ["flag", "env", "file"])
+def test_a_bad_size_stops_the_start_naming_the_setting(tmp_path: Path, how: str) -> None:
+    cmd = [*PAYLOADD, "serve", "--root", str(tmp_path / "r"), "--socket", str(tmp_path / "s")]
+    env = _env()
+    if how == "flag":
+        cmd += ["--max-root-bytes", "1GXB"]
+    elif how == "env":
+        env["PAYLOADD_MAX_ROOT_BYTES"] = "1GXB"
+    else:
+        config = tmp_path / "c.toml"
+        config.write_text('max_root_bytes = "1GXB"\n')
+        cmd += ["--config", str(config)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 2, out.stderr
+    line = "max_root_bytes: '1GXB' is not a size: unknown unit 'GXB': give bytes (1073741824) "
+    assert line + "or a number with a unit (512MiB, 1GiB, 1.5GB)" in out.stderr, out.stderr
+    assert "(got '1GXB')" not in out.stderr  # quoted once
+    assert "Traceback" not in out.stderr and not (tmp_path / "r").exists()
+
+
+def test_serve_help_gives_sizes_defaults_with_units() -> None:
+    env = {**_env(), "COLUMNS": "2000"}  # one line per flag
+    out = subprocess.run([*PAYLOADD, "serve", "--help"], capture_output=True, text=True,
+                         timeout=60, env=env)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "[env PAYLOADD_MAX_FILE_BYTES; default 1 GiB]" in out.stdout
+    assert "[env PAYLOADD_MAX_ROOT_BYTES; default 0]" in out.stdout
+    assert out.stdout.count("Bytes, or a number with a unit: 512MiB, 1GiB, 1.5GB.") == len(SIZES)
 
 
 @pytest.mark.parametrize("how", ["flag", "env", "file"])
@@ -264,9 +375,13 @@ def test_the_example_config_covers_every_setting_and_changes_nothing(
 
 def test_the_example_config_starts_a_daemon(tmp_path: Path) -> None:
     sock = tmp_path / "s.sock"
-    with start_daemon(tmp_path / "root", sock, "--config", str(EXAMPLE)), PayloadClient(sock) as c:
-        assert c.health().status == "ok"
-        assert sorted(c.fields().fields) == ["routed_experts", "sampling_mask"]
+    config = ("--config", str(EXAMPLE))
+    with start_daemon(tmp_path / "root", sock, *config, env=_env()), PayloadClient(sock) as c:
+        assert c.health().status == "ok"  # no PAYLOADD_* variable: the file's settings
+        table = c.fields()
+        assert sorted(table.fields) == ["routed_experts", "sampling_mask"]
+        assert table.unknown_fields == "refuse"
+        assert [table.fields[f].ragged for f in sorted(table.fields)] == [False, True]
 
 
 def test_operations_table_lists_every_setting() -> None:

@@ -63,7 +63,7 @@ def test_read_many_mixes_windows_with_and_without_coverage(client: PayloadClient
             Window(packed, R, 0, 9, 0, out=out, coverage=True),
             Window(packed, M, 1, 5, -1),
             Window(packed, M, 1, 5, -1, coverage=True),
-            Window(packed, "absent", 2, 4, 0, coverage=True),
+            Window(packed, "weights", 2, 4, 0.0, coverage=True),  # no segment of it
         ],
         coverage=None,  # each window as it asks
     )

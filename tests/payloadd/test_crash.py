@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import itertools
+import json
 import os
 import re
 import selectors
@@ -35,7 +36,14 @@ from payload_client import (
     row_nbytes,
 )
 from payloadd.bench._daemon_process import start_daemon
-from tests.payloadd.crash_writer import MAX_FILE_BYTES, Ack, Stop, plan, record_decoder
+from tests.payloadd.crash_writer import (
+    FIELDS,
+    MAX_FILE_BYTES,
+    Ack,
+    Stop,
+    plan,
+    record_decoder,
+)
 
 WRITERS = 4
 """Writer processes (two threads each)."""
@@ -46,7 +54,10 @@ PER_TRANSPORT = 150
 PER_WRITER = 25
 WAIT_S = 120.0
 """Generous bound on every wait (a loaded 2-core machine); none is reached normally."""
-FLAGS = ("--node", "crash", "--max-file-bytes", str(MAX_FILE_BYTES), "--lease-bytes", "16384")
+FLAGS = (
+    "--node", "crash", "--max-file-bytes", str(MAX_FILE_BYTES), "--lease-bytes", "16384",
+    "--fields", json.dumps(FIELDS),  # the writers' fields, declared
+)  # fmt: skip
 R = "routed_experts"
 
 

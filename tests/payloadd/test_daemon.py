@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from payload_client import (
     FileMissingError,
+    InvalidRequestError,
     PayloadClient,
     PayloadTooLargeError,
     SegmentFileError,
@@ -49,8 +50,9 @@ def http(daemon: Daemon) -> Iterator[httpx.Client]:
 def test_round_trip_integer_fields(client: PayloadClient, dtype: str, shape: tuple[int, ...],
                                    high: int) -> None:  # fmt: skip
     rows = rng.integers(0, high, (37, *shape)).astype(dtype)
-    fld = "ints"  # not in the fields table: any supported dtype
-    segs = client.append(fld, rows, 100, run="rt", step=1)
+    fld = "f"  # a field of the tests' table taking every integer dtype
+    run = f"rt-{dtype}"  # a run per row shape: its first append fixes it
+    segs = client.append(fld, rows, 100, run=run, step=1)
     assert len(segs) == 1 and segs[0].pos == 100 and segs[0].rows == 37 and segs[0].dtype == dtype
     got = client.read_field(segs, fld, 100, 137, 0)
     assert got is not None and got.dtype == np.int32 and got.shape == (37, *shape)
@@ -123,7 +125,7 @@ def test_read_many_in_one_round_trip(
     segs = [r, m]
     before = client.stats()
     got = client.read_many(
-        [Window(segs, R, 4, 8, 0), Window(segs, M, 5, 9, -1), (segs, "x", 0, 1, 0)]
+        [Window(segs, R, 4, 8, 0), Window(segs, M, 5, 9, -1), (segs, "f", 0, 1, 0)]
     )
     after = client.stats()
     if client.data_socket:  # one request for the descriptors of both files, then preads
@@ -134,7 +136,13 @@ def test_read_many_in_one_round_trip(
         assert after.reads == before.reads + 1
     np.testing.assert_array_equal(got[0], routed[4:8])
     np.testing.assert_array_equal(got[1], mask[5:9])
-    assert got[2] is None
+    assert got[2] is None  # a field of the table with no segment in the list
+    with pytest.raises(InvalidRequestError, match=r"^window 2: unknown field 'x'"):
+        client.read_many(
+            [Window(segs, R, 4, 8, 0), Window(segs, M, 5, 9, -1), (segs, "x", 0, 1, 0)]
+        )
+    now = client.stats()  # refused before any request
+    assert (now.reads, now.data_plane_requests) == (after.reads, after.data_plane_requests)
 
 
 def test_rotation_through_the_daemon(small_daemon: Daemon) -> None:
@@ -256,20 +264,22 @@ def test_openapi_document_is_valid_and_complete(http: httpx.Client) -> None:
 
 
 W = "weights"
-K = "mask"  # outside the fields table (sampling_mask takes int32 only): any integer dtypes
+G = "g"  # rows [4, width]: the last dimension ragged, the first fixed (the run's first append)
+K = "m"  # rows [width] (sampling_mask takes int32 only): any integer dtypes
 PROP_DTYPES: dict[str, list[type[np.generic]]] = {
-    R: [np.uint8, np.uint16],
+    R: [np.uint8, np.uint16],  # rows [4, 8], every dimension fixed
+    G: [np.uint8, np.uint16],
     K: [np.int32, np.int8],
     W: [np.float32, np.float16],
 }
-PROP_FILLS: dict[str, int | float] = {R: 0, K: -1, W: 0.5}
+PROP_FILLS: dict[str, int | float] = {R: 0, G: 0, K: -1, W: 0.5}
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     blocks=st.lists(
         st.tuples(
-            st.sampled_from([R, K, W]), st.integers(0, 1), st.integers(0, 6),
+            st.sampled_from([R, G, K, W]), st.integers(0, 1), st.integers(0, 6),
             st.integers(0, 30), st.integers(1, 5),
         ),
         min_size=1,
@@ -282,11 +292,12 @@ PROP_FILLS: dict[str, int | float] = {R: 0, K: -1, W: 0.5}
 def test_daemon_reads_match_dense_model(daemon: Daemon, blocks: list[tuple[str, int, int, int, int]],
                                         clip: tuple[int, int], delta: int,
                                         window: tuple[int, int]) -> None:  # fmt: skip
-    """Random segment lists (fields of varying widths, dtypes mixed within a field), clipped,
-    shifted and read through random windows on both transports, equal the dense model."""
+    """Random segment lists (ragged fields of varying widths, a field of fixed rows, dtypes
+    mixed within a field), clipped, shifted and read through random windows on both
+    transports, equal the dense model."""
     items = []
     for field, which, n, pos, width in blocks:
-        shape = (n, 4, width) if field == R else (n, width)
+        shape = {R: (n, 4, 8), G: (n, 4, width)}.get(field, (n, width))
         dtype = PROP_DTYPES[field][which]
         high = 100 if dtype == np.int8 else 250
         items.append((field, rng.integers(0, high, shape).astype(dtype), pos))

@@ -46,7 +46,8 @@ def test_rows_move_by_descriptor_not_over_http(
     assert after.appends == before.appends + 1  # the client's note
     assert after.bytes_appended - before.bytes_appended == rows.nbytes
     assert after.reads == before.reads and after.bytes_read == before.bytes_read  # no HTTP read
-    assert after.data_plane_requests - before.data_plane_requests == 4  # fields, lease, note, open
+    # the fields table, the lease (with the rows' shape), the note, the open
+    assert after.data_plane_requests - before.data_plane_requests == 4
     assert after.leases == before.leases + 1
     (s,) = segs
     assert (daemon.root / s.file).read_bytes()[s.offset : s.offset + rows.nbytes] == rows.tobytes()
@@ -101,7 +102,9 @@ def test_a_removed_file_is_never_read_through_a_held_descriptor(daemon: Daemon) 
         with pytest.raises(SegmentFileError, match="ends at byte"):  # cached, still checked
             fast.read_field([longer], "sampling_mask", 0, 1, -1)
         os.unlink(daemon.root / segs[0].file)  # as GC does; the client holds it open
-        for c in (fast, http):  # §4: a file that is gone is an error, never fill or old bytes
+        # docs/contract.md, "Reading a window": a file that is gone is an error, never fill
+        # or old bytes
+        for c in (fast, http):
             with pytest.raises(FileMissingError):
                 c.read_field(segs, "sampling_mask", 0, 40, -1)
         again = fast.append("sampling_mask", rows, 0, run="held", step=0)  # not into the dead file
@@ -340,9 +343,14 @@ def test_after_a_restart_reads_and_appends_stay_on_the_data_plane(tmp_path: Path
             assert first[0].file != second[0].file
 
 
+@pytest.mark.parametrize("rule", ["run", "watermark"])
 def test_a_lease_whose_file_gc_removes_at_once_is_placed_again(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rule: str
 ) -> None:
+    # the lease's file goes between the lease and the client's descriptor: a run deletion
+    # leaves the step open, and the rows are placed again in a new file; a watermark over
+    # the step closes it, and the append is refused (StepCollectedError), nothing stored
+    from payload_client import StepCollectedError
     from payload_client._transports import SyncDataPlane, append_steps
     from payload_client._wire import Extent, GcReport, GcRequest
     from payloadd import Store
@@ -354,13 +362,18 @@ def test_a_lease_whose_file_gc_removes_at_once_is_placed_again(
     collector = GarbageCollector(store)
     lease = store.lease
     raced: list[GcReport] = []
+    leased: list[str] = []
 
     def lease_then_gc(
         run: str, step: int, field: str, nbytes: int, size: int, owner: int
     ) -> LeasedRange:
         got = lease(run, step, field, nbytes, size, owner)
-        if not raced:  # a watermark lands between the lease and the client's descriptor
-            raced.append(collector.collect(GcRequest(run="r", through_step=0)))
+        leased.append(got.file)
+        if not raced:  # a collection lands between the lease and the client's descriptor
+            if rule == "run":
+                raced.append(collector.delete_run("r"))
+            else:
+                raced.append(collector.collect(GcRequest(run="r", through_step=0)))
         return got
 
     monkeypatch.setattr(store, "lease", lease_then_gc)
@@ -370,8 +383,16 @@ def test_a_lease_whose_file_gc_removes_at_once_is_placed_again(
     try:
         rows = bytes(range(8))
         item = AppendItem(R, "uint8", [2], 4, 0, "r", 0)
+        if rule == "watermark":
+            with pytest.raises(StepCollectedError, match="step 0 of run 'r'"):
+                dp.run(append_steps([item], [memoryview(rows)], dp.leases))
+            assert raced[0].files == 1  # the first lease's file went
+            assert list((tmp_path / "root").rglob("*.bin")) == []  # and no other came
+            return
         ((seg,),) = dp.run(append_steps([item], [memoryview(rows)], dp.leases))
         assert raced[0].files == 1  # the first lease's file went
+        assert not (tmp_path / "root" / leased[0]).exists()
+        assert seg.file == leased[1] != leased[0]  # placed again, in a new lease's file
         got = store.read_extents([Extent(seg.file, seg.offset, 8, seg.offset + 8)])
         assert bytes(got) == rows
     finally:

@@ -70,7 +70,7 @@ def test_the_floor_refuses_before_the_file_system_is_full(
     with start_daemon(small_fs / "root", sock, *floor), PayloadClient(sock) as c:
         kept: list[tuple[np.ndarray, list[PayloadSegment]]] = []
         w = PayloadClient(sock, data_plane=transport == "data-plane")
-        with w, pytest.raises(StorageFullError, match="min_free_bytes is 524288"):
+        with w, pytest.raises(StorageFullError, match=r"min_free_bytes = 512 KiB \(524288 bytes\)"):
             for k in range(100):
                 rows = np.full((256, 100), k, np.uint8)  # 25 KiB
                 kept.append((rows, w.append("f", rows, 0, run="floor", step=0)))

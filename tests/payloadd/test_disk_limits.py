@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -10,6 +11,7 @@ import pytest
 
 from payload_client import PayloadClient, PayloadSegment, StorageFullError
 from payload_client._wire import AppendItem, GcRequest
+from payload_client.protocol import format_size
 from payloadd import Store
 from payloadd.bench._daemon_process import start_daemon
 from payloadd.store._gc import GarbageCollector
@@ -37,11 +39,14 @@ def test_the_cap_refuses_before_reserving_and_counts_reservations(tmp_path: Path
     with pytest.raises(StorageFullError) as err:
         store.begin_append([item(1)])
     msg = str(err.value)
-    assert "append of 384 bytes" in msg and "3840" in msg and "max_root_bytes is 4000" in msg
+    assert "an append of 384 B does not fit under the cap" in msg
+    assert "count 3.8 KiB (3840 bytes), leaving 160 B" in msg
+    assert "max_root_bytes = 3.9 KiB (4000 bytes)" in msg
     assert sorted(p.name for p in tmp_path.rglob("*.bin")) == files  # nothing reserved
     assert store.root_bytes == 3840 == node_bytes(tmp_path, "n")
-    with pytest.raises(StorageFullError, match="lease of 384 bytes"):
+    with pytest.raises(StorageFullError) as err:  # a data-plane lease: the same words
         store.lease("r", 1, R, 384, 1 << 20, owner=1)
+    assert str(err.value) == msg
     assert not (tmp_path / "n" / "r" / "1").exists()  # not even a directory
     store.forget_bytes(3840)  # what garbage collection calls after removing files
     lease = store.lease("r", 1, R, 384, 1 << 20, owner=1)
@@ -128,8 +133,11 @@ def test_the_floor_refuses_with_the_free_space_in_the_message(tmp_path: Path) ->
     with pytest.raises(StorageFullError) as err:
         store.append([item(1)], bytes(384))
     msg = str(err.value)
-    assert "append of 384 bytes" in msg and "min_free_bytes is 4611686018427387904" in msg
-    assert "bytes free" in msg and not (tmp_path / "n").exists()
+    assert "an append of 384 B does not fit above the free-space floor" in msg
+    assert "min_free_bytes = 4 EiB (4611686018427387904 bytes)" in msg
+    assert f"the payload root {tmp_path} has " in msg and " bytes) free" in msg
+    assert "a smaller --min-free-bytes" in msg and "payloadd gc --run RUN" in msg
+    assert not (tmp_path / "n").exists()
     free = store.stats().free_bytes
     assert free > 0 and store.stats().min_free_bytes == 1 << 62
     store.close()
@@ -141,10 +149,10 @@ def test_the_floor_refuses_with_the_free_space_in_the_message(tmp_path: Path) ->
 def _fill(c: PayloadClient, rows: np.ndarray, run: str) -> list[tuple[int, list[PayloadSegment]]]:
     """Append ``rows`` until the daemon refuses; return what was acknowledged."""
     kept: list[tuple[int, list[PayloadSegment]]] = []
-    with pytest.raises(StorageFullError, match="max_root_bytes is 1048576") as err:
+    with pytest.raises(StorageFullError, match=r"max_root_bytes = 1 MiB \(1048576 bytes\)") as err:
         for k in range(100):
             kept.append((k, c.append(R, rows + k, 0, run=run, step=0)))
-    assert f"of {rows.nbytes} bytes" in str(err.value) or "lease" in str(err.value)
+    assert f"an append of 96 KiB ({rows.nbytes} bytes)" in str(err.value)
     return kept
 
 
@@ -177,6 +185,45 @@ def test_at_the_cap_appends_fail_507_and_reads_go_on(tmp_path: Path, transport: 
         assert probe.stats().root_bytes == node_bytes(root, "n")  # the count: the files
 
 
+def files_of(root: Path, node: str) -> dict[str, int]:
+    """Every file of the node (the daemon's own ``@`` files too) and its size."""
+    files = (p for p in (root / node).rglob("*") if p.is_file())
+    return {str(p.relative_to(root)): p.stat().st_size for p in files}
+
+
+@pytest.mark.parametrize("data_plane", [True, False])
+def test_the_cap_refusal_names_the_cap_and_what_frees_room(
+    tmp_path: Path, data_plane: bool
+) -> None:
+    sock, root = tmp_path / "payloadd.sock", tmp_path / "root"
+    rows = np.full((256, 48, 8), 3, np.uint8)  # 96 KiB
+    flags = ("--node", "n", "--max-root-bytes", "1MiB", "--lease-bytes", "256KiB")
+    with start_daemon(root, sock, *flags), PayloadClient(sock, data_plane=data_plane) as c:
+        assert c.stats().max_root_bytes == 1 << 20  # the flag's unit taken
+        for step in range(10):  # 960 KiB: the next 96 KiB do not fit
+            c.append(R, rows, 0, run="r", step=step)
+        before, counted = files_of(root, "n"), c.stats().root_bytes
+        with pytest.raises(StorageFullError) as err:
+            c.append(R, rows, 0, run="r", step=10)
+        msg = str(err.value)
+        assert msg.startswith(
+            "storage full: an append of 96 KiB (98304 bytes) does not fit under the cap "
+            "max_root_bytes = 1 MiB (1048576 bytes): this node's files under "
+            f"{root / 'n'} and its appends in progress count 960 KiB (983040 bytes), "
+            "leaving 64 KiB. "
+        ), msg
+        assert "client.gc(run=RUN, through_step=N)" in msg  # what frees room
+        assert "payloadd gc --run RUN --through-step N" in msg
+        assert "a larger --max-root-bytes" in msg
+        assert "lease" not in msg.lower()  # the user asked for an append, not a lease
+        assert ("(HTTP 507)" in msg) == (not data_plane)
+        assert files_of(root, "n") == before and not (root / "n" / "r" / "10").exists()
+        assert c.stats().root_bytes == counted  # nothing written, nothing reserved
+        c.gc(run="r", through_step=4)  # as the message says: room for 5 steps again
+        segs = c.append(R, rows, 0, run="r", step=10)
+        np.testing.assert_array_equal(c.read_field(segs, R, 0, 256, 0), rows)
+
+
 def test_a_restarted_daemon_counts_what_is_on_disk_and_keeps_the_cap(tmp_path: Path) -> None:
     sock, root = tmp_path / "payloadd.sock", tmp_path / "root"
     rows = np.ones((256, 48, 8), np.uint8)
@@ -186,13 +233,14 @@ def test_a_restarted_daemon_counts_what_is_on_disk_and_keeps_the_cap(tmp_path: P
     limits = ("--max-root-bytes", str(on_disk + 1000), "--min-free-bytes", str(1 << 62))
     with start_daemon(root, sock, "--node", "n", *limits), PayloadClient(sock) as c:
         assert c.stats().root_bytes == on_disk
-        with pytest.raises(StorageFullError, match=f"holds {on_disk} bytes"):
+        counted = re.escape(f"count {format_size(on_disk, exact=True)}")
+        with pytest.raises(StorageFullError, match=counted):
             c.append(R, rows, 0, run="new", step=0)  # 96 KiB: above the cap
         one = rows[:1]  # 384 bytes fit under the cap, but the floor is above any disk
         for dp in (True, False):
             with (
                 PayloadClient(sock, data_plane=dp) as w,
-                pytest.raises(StorageFullError, match="bytes free, the floor min_free_bytes"),
+                pytest.raises(StorageFullError, match="above the free-space floor min_free_bytes"),
             ):
                 w.append(R, one, 0, run="new", step=0)
         for seg in segs:

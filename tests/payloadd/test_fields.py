@@ -16,7 +16,7 @@ from payload_client import AsyncPayloadClient, FieldsTable, InvalidRequestError,
 from payloadd.bench._daemon_process import start_daemon
 from payloadd.settings._settings import Settings
 
-from ..conftest import TRANSPORTS
+from ..conftest import TRANSPORTS, default_env
 
 TABLE = {
     "routed_experts": {"dtypes": ["uint8", "uint16"], "fill": 0},
@@ -41,18 +41,38 @@ def sc(strict: Path, request: pytest.FixtureRequest) -> Iterator[PayloadClient]:
         yield c
 
 
+@pytest.fixture(scope="module")
+def default_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A daemon started with no fields table of its own (the default one); its socket."""
+    tmp = tmp_path_factory.mktemp("default")
+    sock = tmp / "payloadd.sock"
+    with start_daemon(tmp / "root", sock, "--node", "d", env=default_env()):
+        yield sock
+
+
+@pytest.fixture(params=TRANSPORTS)
+def dc(default_daemon: Path, request: pytest.FixtureRequest) -> Iterator[PayloadClient]:
+    with PayloadClient(default_daemon, data_plane=request.param == "data-plane") as c:
+        yield c
+
+
 def _files(root: Path) -> int:
     return sum(os.path.getsize(Path(d) / f) for d, _, fs in os.walk(root) for f in fs)
 
 
-def test_default_table(client: PayloadClient) -> None:
-    table = client.fields()
-    assert table.unknown_fields == "allow"
+def test_default_table(dc: PayloadClient) -> None:
+    table = dc.fields()
+    assert table.unknown_fields == "refuse"  # unknown fields refused unless allowed
+    assert sorted(table.fields) == ["routed_experts", "sampling_mask"]
     assert table.fields["routed_experts"].dtypes == ["uint8", "uint16"]
     assert table.fields["routed_experts"].fill == 0
+    assert table.fields["routed_experts"].max_width == 0
+    assert table.fields["routed_experts"].ragged is False  # every row dimension fixed
+    assert table.fields["routed_experts"].read_dtype == "int32"
     assert table.fields["sampling_mask"].dtypes == ["int32"]
     assert table.fields["sampling_mask"].fill == -1
     assert table.fields["sampling_mask"].max_width == 1 << 16
+    assert table.fields["sampling_mask"].ragged is True  # its width may differ
     assert table.fields["sampling_mask"].read_dtype == "int32"
 
 
@@ -109,7 +129,8 @@ def test_float_field_reads_float32_and_table_fills_uncovered_positions(sc: Paylo
     table = sc.fields().fields
     w = np.array([[np.nan, 1.5], [np.inf, -np.inf]], np.float32)
     mask = np.array([[3, 4]], np.int32)
-    segs = sc.append_many([("weights", w, 1), ("sampling_mask", mask, 2)], run="r", step=2)
+    # a run of its own: "weights" rows are [2] here, and run "r" fixed them at [1]
+    segs = sc.append_many([("weights", w, 1), ("sampling_mask", mask, 2)], run="floats", step=2)
     flat = [s for group in segs for s in group]
     got, covered = sc.read_field(flat, "weights", 0, 4, table["weights"].fill, coverage=True)
     want = np.full((4, 2), 0.25, np.float32)

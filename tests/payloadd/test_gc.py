@@ -16,6 +16,7 @@ from payload_client import (
     FileMissingError,
     InvalidRequestError,
     PayloadSegment,
+    StepCollectedError,
     StorageFullError,
 )
 from payload_client._wire import AppendItem, Extent, GcRequest
@@ -122,11 +123,32 @@ def test_a_file_being_appended_to_is_kept_until_its_append_is_done(tmp_path: Pat
     assert (report.files, report.in_use, steps_on_disk(store, "r")) == (1, 0, [])
 
 
-def test_later_appends_to_a_collected_step_go_to_a_new_file(tmp_path: Path) -> None:
+def test_later_appends_to_a_collected_step_are_refused_storing_nothing(tmp_path: Path) -> None:
+    store = Store(tmp_path, "n")
+    append(store, "r", 0)
+    GarbageCollector(store).collect(GcRequest(run="r", through_step=0))
+    before = sorted(tmp_path.rglob("*"))
+    with pytest.raises(StepCollectedError, match=r"step 0 of run 'r'.*through step 0"):
+        append(store, "r", 0)  # a late writer
+    with pytest.raises(StepCollectedError):
+        store.lease("r", 0, "f", 100, 1000, owner=1)  # the data plane's way in
+    assert store.lease_ahead("r", 0, "f", 0, 1000, owner=1) is None
+    assert sorted(tmp_path.rglob("*")) == before  # no file, no directory
+    assert read(store, append(store, "r", 1)) == rows(3, 1)  # later steps take appends
+    for s in (store, Store(tmp_path, "n")):  # now and after a restart
+        with pytest.raises(StepCollectedError):
+            append(s, "r", 0)
+
+
+def test_a_step_the_age_rule_removed_takes_later_appends_in_a_new_file(tmp_path: Path) -> None:
     store = Store(tmp_path, "n")
     old = append(store, "r", 0)
-    GarbageCollector(store).collect(GcRequest(run="r", through_step=0))
-    new = append(store, "r", 0)  # a late writer
+    past = time.time() - 100
+    os.utime(tmp_path / old.file, (past, past))
+    store.last_used["r"] = time.monotonic() - 100  # idle as long
+    report = GarbageCollector(store).collect(GcRequest(ttl_s=50))
+    assert report.by_reason["ttl"].files == 1 and not (tmp_path / old.file).exists()
+    new = append(store, "r", 0)  # no watermark: the step takes appends again
     assert new.file != old.file and read(store, new) == rows(3, 0)
 
 
@@ -138,7 +160,9 @@ def test_a_leased_file_is_collected(tmp_path: Path) -> None:
     assert not (tmp_path / lease.file).exists()
     assert lease.file not in " ".join(open_files())  # the store let go of its space at once
     lease.release()
-    assert append(store, "r", 0).file != lease.file
+    with pytest.raises(StepCollectedError):  # the client's next lease of the step
+        store.lease("r", 0, "f", 100, 1000, owner=1)
+    assert append(store, "r", 1).file != lease.file
 
 
 def test_delete_run_removes_every_step_and_the_run_directory(tmp_path: Path) -> None:
@@ -265,7 +289,9 @@ def test_a_collection_that_removes_nothing_adds_no_ledger_line(tmp_path: Path) -
     append(store, "r", 0)
     c = GarbageCollector(store)
     c.collect(GcRequest(run="r", through_step=0))
+    c.collect(GcRequest(run="never", through_step=9))  # a watermark over no step: one line
     ledger = (tmp_path / "n" / LEDGER_NAME).read_bytes()
+    assert ledger.count(b"\n") == 2 and b'"through":9' in ledger
     for _ in range(20):  # a trainer repeating its watermark, an operator deleting twice
         assert c.collect(GcRequest(run="r", through_step=0)).files == 0
         assert c.collect(GcRequest(run="never", through_step=9)).files == 0

@@ -24,6 +24,7 @@ from payload_client import (
     InvalidRequestError,
     PayloadClient,
     PayloadSegment,
+    StepCollectedError,
 )
 from payload_client._transports import _descriptors
 from payloadd.bench._daemon_process import start_daemon
@@ -104,15 +105,25 @@ async def test_async_client_collects(aclient: AsyncPayloadClient) -> None:
 
 
 def test_cached_descriptors_never_read_collected_files(daemon: Daemon) -> None:
-    run = f"dp-{uuid.uuid4().hex[:8]}"
+    run, other = (f"dp-{uuid.uuid4().hex[:8]}" for _ in range(2))
     with PayloadClient(daemon.socket) as c, PayloadClient(daemon.socket) as admin:
         segs = c.append("f", rows(8), 0, run=run, step=0)
         assert np.array_equal(read(c, segs), rows(8))  # the client now caches the descriptor
         admin.gc(run, 0)
         with pytest.raises(FileGoneError):  # neither the old bytes nor fill
             read(c, segs)
-        # the writer's lease pointed into the removed file: the next append lands in a new one
-        again = c.append("f", rows(8, 1), 0, run=run, step=0)
+        # the step is closed: the writer's next append into it is refused, nothing stored
+        with pytest.raises(StepCollectedError, match=f"step 0 of run '{run}'"):
+            c.append("f", rows(8, 1), 0, run=run, step=0)
+        assert not (daemon.root / "test" / run / "0").exists()
+        # a run deleted leaves its steps open: the writer's lease pointed into the removed
+        # file, and the next append lands in a new one
+        segs = c.append("f", rows(8), 0, run=other, step=0)
+        assert np.array_equal(read(c, segs), rows(8))
+        admin.delete_run(other)
+        with pytest.raises(FileGoneError):
+            read(c, segs)
+        again = c.append("f", rows(8, 1), 0, run=other, step=0)
         assert again[0].file != segs[0].file
         assert (daemon.root / again[0].file).exists()
         assert np.array_equal(read(c, again), rows(8, 1))

@@ -9,14 +9,17 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from payload_client import DEFAULT_SOCKET
+from payload_client._errors import NO_DAEMON as CLIENT_NO_DAEMON
 from payloadd.bench._daemon_process import start_daemon
 from payloadd.cli._health import DEFAULT_SOCKET as HEALTH_DEFAULT_SOCKET
+from payloadd.cli._health import NO_DAEMON as HEALTH_NO_DAEMON
 from payloadd.cli._main import main
 from payloadd.settings._settings import Settings
 from tests.conftest import Daemon
@@ -50,12 +53,16 @@ def test_socket_defaults_to_payloadd_socket_env(daemon: Daemon) -> None:
     assert run("health", env=env).returncode == 0
     env["PAYLOADD_SOCKET"] = str(daemon.socket) + ".nope"
     out = run("health", env=env)
-    assert out.returncode == 1 and f"{daemon.socket}.nope does not exist" in out.stderr
+    assert out.returncode == 1 and f"no payloadd listening on {daemon.socket}.nope" in out.stderr
 
 
 def test_default_socket_is_the_daemons_and_the_clients() -> None:
     assert HEALTH_DEFAULT_SOCKET == DEFAULT_SOCKET
     assert Path(HEALTH_DEFAULT_SOCKET) == Settings.model_fields["socket"].default
+
+
+def test_no_daemon_is_said_as_the_client_says_it() -> None:
+    assert HEALTH_NO_DAEMON == CLIENT_NO_DAEMON
 
 
 def test_daemon_with_admin_token_needs_none_for_health(tmp_path: Path) -> None:
@@ -65,6 +72,13 @@ def test_daemon_with_admin_token_needs_none_for_health(tmp_path: Path) -> None:
     sock = tmp_path / "s.sock"
     with start_daemon(tmp_path / "root", sock, "--admin-token-file", str(token)):
         assert main(["health", "--socket", str(sock)]) == 0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
 
 
 def unhealthy(capsys: pytest.CaptureFixture[str], *args: str) -> str:
@@ -81,7 +95,7 @@ def unhealthy(capsys: pytest.CaptureFixture[str], *args: str) -> str:
 def test_no_daemon(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     sock = tmp_path / "absent.sock"
     assert unhealthy(capsys, "--socket", str(sock)) == (
-        f"payloadd health: no daemon: {sock} does not exist"
+        f"payloadd health: no payloadd listening on {sock}: is `payloadd serve` running?"
     )
 
 
@@ -90,7 +104,7 @@ def test_stale_socket_nobody_listens_on(tmp_path: Path, capsys: pytest.CaptureFi
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.bind(str(sock))  # bound, never listening: what a killed daemon leaves
         line = unhealthy(capsys, "--socket", str(sock))
-    assert f"no daemon listens on {sock} (connection refused: a stale socket)" in line
+    assert line == f"payloadd health: no payloadd listening on {sock}: is `payloadd serve` running?"
 
 
 def test_path_that_is_not_a_socket(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -229,6 +243,9 @@ def test_no_answer_in_time(
         (["--timeout", "inf"], "must be a number of seconds > 0"),
         (["--timeout", "1e300"], "and <= 86400, got 1e300"),  # a socket timeout overflows
         (["--timeout", "soon"], "not a number of seconds: 'soon'"),
+        (["--wait", "-1"], "must be a number of seconds >= 0 and <= 86400, got -1"),
+        (["--wait", "nan"], "must be a number of seconds >= 0"),
+        (["--wait", "1e300"], "and <= 86400, got 1e300"),
         (["--sock", "/x"], "unrecognized arguments"),
         (["extra"], "unrecognized arguments"),
     ],
@@ -257,3 +274,120 @@ def test_health_imports_none_of_the_heavy_modules(tmp_path: Path) -> None:
     heavy = {"numpy", "httpx", "msgspec", "pydantic", "pydantic_settings", "fastapi", "uvicorn"}
     assert loaded & (heavy | {"payload_client", "asyncio"}) == set()
     assert "payloadd" in loaded and "http" in loaded  # it did import what it runs on
+
+
+# -- --wait: a script that has just started a daemon ----------------------------------------
+
+
+def test_wait_for_a_daemon_that_starts_later(tmp_path: Path) -> None:
+    sock = tmp_path / "late.sock"
+    started = time.monotonic()
+    waiting = subprocess.Popen(
+        [*PAYLOADD, "health", "--socket", str(sock), "--wait", "60"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        time.sleep(1.0)  # it finds no socket, then a socket nobody listens on yet
+        assert waiting.poll() is None
+        with start_daemon(tmp_path / "root", sock, "--node", "late"):
+            out, err = waiting.communicate(timeout=60)
+    finally:
+        if waiting.poll() is None:
+            waiting.kill()
+            waiting.wait()
+    assert waiting.returncode == 0, err
+    assert out == f"payloadd health: ok: node late, payloadd 0.1.0, on {sock}\n" and err == ""
+    assert time.monotonic() - started < 60
+
+
+@pytest.mark.parametrize("stale", [False, True], ids=["absent", "stale"])
+def test_wait_ends_with_the_no_daemon_message(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], stale: bool
+) -> None:
+    sock = tmp_path / "never.sock"
+    with contextlib.ExitStack() as stack:
+        if stale:
+            s = stack.enter_context(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
+            s.bind(str(sock))
+        t0 = time.monotonic()
+        line = unhealthy(capsys, "--socket", str(sock), "--wait", "1.5")
+        took = time.monotonic() - t0
+    assert line == (
+        f"payloadd health: no payloadd listening on {sock}: is `payloadd serve` running? "
+        "(waited 1.5 s)"
+    )
+    assert 1.5 <= took < 10
+
+
+def test_wait_asks_until_the_answer_is_ok(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    answers = [
+        http_answer(b"HTTP/1.1 503 Service Unavailable", b"{}"),
+        http_answer(b"HTTP/1.1 200 OK", b'{"status": "degraded", "data_plane": "stopped"}'),
+        http_answer(b"HTTP/1.1 200 OK", b'{"status":"ok","node":"n2","version":"9"}'),
+    ]
+
+    def answer(conn: socket.socket) -> None:
+        (answers.pop(0) if len(answers) > 1 else answers[0])(conn)
+
+    sock = tmp_path / "warming.sock"
+    with fake_server(sock, answer):
+        assert main(["health", "--socket", str(sock), "--wait", "30"]) == 0
+    assert capsys.readouterr().out == f"payloadd health: ok: node n2, payloadd 9, on {sock}\n"
+
+
+def test_wait_gives_up_at_once_on_what_waiting_would_not_change(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "file"
+    path.write_text("x")
+    t0 = time.monotonic()
+    assert unhealthy(capsys, "--socket", str(path), "--wait", "60").endswith("is not a socket")
+    sock = tmp_path / "other.sock"
+    with fake_server(sock, not_http):
+        line = unhealthy(capsys, "--socket", str(sock), "--wait", "60")
+    assert "did not answer as HTTP" in line and "waited" not in line
+    assert time.monotonic() - t0 < 20
+
+
+def test_wait_keeps_each_check_within_the_time_left(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    gone = threading.Event()
+    sock = tmp_path / "mute.sock"
+
+    def mute(conn: socket.socket) -> None:
+        gone.wait(10)
+
+    with fake_server(sock, mute):
+        t0 = time.monotonic()
+        try:
+            line = unhealthy(capsys, "--socket", str(sock), "--timeout", "60", "--wait", "1")
+        finally:
+            gone.set()
+        took = time.monotonic() - t0
+    assert line == f"payloadd health: no answer from {sock} within 1 s (waited 1 s)"
+    assert took < 5
+
+
+@pytest.mark.parametrize("command", ["stat", "gc", "inspect"])
+def test_the_other_commands_say_the_same_when_no_daemon_listens(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str
+) -> None:
+    sock = tmp_path / "absent.sock"
+    url = f"http://127.0.0.1:{free_port()}"
+    segments = tmp_path / "segments.json"
+    segments.write_text('[["routed_experts", "n/r/0/f.bin", 0, 0, 1, "uint8", [8]]]')
+    args = {
+        "stat": (["stat", "--socket", str(sock), "--interval", "0"], sock),
+        "gc": (["gc", "--base-url", url, "--dry-run"], url),
+        "inspect": (["inspect", "--socket", str(sock), str(segments)], sock),
+    }
+    argv, where = args[command]
+    assert main(argv) == 1
+    out = capsys.readouterr()  # inspect shows each segment's error on stdout, then fails
+    said = out.err if command != "inspect" else out.out
+    assert f"no payloadd listening on {where}: is `payloadd serve` running?" in said, out

@@ -22,7 +22,13 @@ import msgspec
 import numpy as np
 import pytest
 
-from payload_client import FileGoneError, PayloadClient, PayloadSegment, StorageFullError
+from payload_client import (
+    FileGoneError,
+    PayloadClient,
+    PayloadSegment,
+    StepCollectedError,
+    StorageFullError,
+)
 from payload_client._dataplane_wire import DATA_SOCKET_SUFFIX, FieldsReply, FieldsRequest
 from payload_client._transports import _descriptors
 from payload_client._transports._dataplane_appends import _removed
@@ -57,18 +63,35 @@ def read(c: PayloadClient, seg: PayloadSegment) -> np.ndarray:
     return out
 
 
-def test_an_append_after_a_collection_of_its_lease_file_writes_a_new_file(
+def test_an_append_after_a_deletion_of_its_lease_file_writes_a_new_file(
     daemon: Daemon,
 ) -> None:
     run = unique_run()
     with PayloadClient(daemon.socket) as c:
         (first,) = c.append(R, rows(1), 0, run=run, step=0)
-        assert c.gc(run, 0).files == 1  # the lease's file goes; the client still holds it
+        assert c.delete_run(run).files == 1  # the lease's file goes; the client still holds it
         (second,) = c.append(R, rows(2), 0, run=run, step=0)  # same key, room left in the lease
         assert second.file != first.file  # not into the removed file: a new lease
         np.testing.assert_array_equal(read(c, second), rows(2))
         with pytest.raises(FileGoneError):
             read(c, first)
+
+
+def test_an_append_into_a_lease_of_a_collected_step_is_refused(daemon: Daemon) -> None:
+    run = unique_run()
+    with PayloadClient(daemon.socket) as c:
+        (first,) = c.append(R, rows(1), 0, run=run, step=0)
+        assert c.gc(run, 0).files == 1  # the lease's file goes; the client still holds it
+        before = c.stats()
+        with pytest.raises(StepCollectedError, match="through step 0"):  # room left in it
+            c.append(R, rows(2), 0, run=run, step=0)
+        after = c.stats()
+        assert (after.appends, after.bytes_appended) == (before.appends, before.bytes_appended)
+        assert not (daemon.root / "test" / run / "0").exists()  # no new file
+        with pytest.raises(FileGoneError):
+            read(c, first)
+        (later,) = c.append(R, rows(3), 0, run=run, step=1)
+        np.testing.assert_array_equal(read(c, later), rows(3))
 
 
 def test_appends_racing_collections_never_return_rows_of_a_removed_file(daemon: Daemon) -> None:
@@ -97,7 +120,7 @@ def test_appends_racing_collections_never_return_rows_of_a_removed_file(daemon: 
                 deadline = time.monotonic() + 20
                 # collections that removed lease files while the appends went on
                 while sum(1 for n in removed if n) < 10 and time.monotonic() < deadline:
-                    removed.append(admin.gc(run, 0).files)
+                    removed.append(admin.delete_run(run).files)  # no watermark: appends go on
             except BaseException as exc:  # pragma: no cover - reported below
                 errors.append(exc)
             finally:
@@ -111,20 +134,24 @@ def test_appends_racing_collections_never_return_rows_of_a_removed_file(daemon: 
             w.join(60)
         assert not errors, errors
         assert sum(1 for n in removed if n) == 10
-        admin.gc(run, 0)  # every file the client holds a lease of goes now
+        admin.delete_run(run)  # every file the client holds a lease of goes now
         last = []
         for t in range(threads):  # ... and the next appends land in a new one
             value = 10_000 + t
             (seg,) = c.append(R, rows(value, 1), value, run=run, step=0)
             last.append((seg, value))
+        admin.gc(run, 0)  # the step collected for good: appends into it are refused now
+        with pytest.raises(StepCollectedError):
+            c.append(R, rows(1, 1), 0, run=run, step=0)
         for segs in done:  # each acknowledged row is its own, or collected after it was
             for seg, value in segs[:: max(1, len(segs) // 200)]:
                 try:
                     np.testing.assert_array_equal(read(c, seg), rows(value, 1))
                 except FileGoneError:
                     continue
-        for seg, value in last:  # appended after the last collection: all there
-            np.testing.assert_array_equal(read(admin, seg), rows(value, 1))
+        for seg, _ in last:  # appended after the last deletion, collected with its step
+            with pytest.raises(FileGoneError):
+                read(admin, seg)
 
 
 def test_a_new_step_leases_the_fields_of_the_step_before_in_one_round_trip(
@@ -141,7 +168,8 @@ def test_a_new_step_leases_the_fields_of_the_step_before_in_one_round_trip(
         after = c.stats()
         assert after.data_plane_requests - before.data_plane_requests == 2  # lease, note
         assert after.leases - before.leases == 2
-        # an append of fields new to the run: every one of them in the same round trip
+        # an append of fields new to the run: every one of them in the same round trip, their
+        # row shapes with them
         segs = c.append_many(
             [("a", rows(3), 0), ("b", rows(4), 0), ("c", rows(5), 0)], run=run, step=1
         )
@@ -223,7 +251,7 @@ def test_after_a_restart_the_new_daemon_s_removals_are_seen(tmp_path: Path) -> N
         with start_daemon(root, sock, "--node", "n"):
             (first,) = c.append(R, rows(2), 2, run=run, step=0)  # a new connection, page, lease
             assert first.file != old.file
-            assert c.gc(run, 0).files == 2  # both daemons' files
+            assert c.delete_run(run).files == 2  # both daemons' files
             (second,) = c.append(R, rows(3), 4, run=run, step=0)
             assert second.file not in (old.file, first.file)
             np.testing.assert_array_equal(read(c, second), rows(3))

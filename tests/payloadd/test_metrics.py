@@ -32,7 +32,8 @@ Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 @dataclass(frozen=True)
 class Observed:
-    """A daemon with JSON logs, the access log, a token and a TCP listener on loopback."""
+    """A daemon with JSON logs, the access log, a token, a TCP listener on loopback, and
+    unknown fields allowed."""
 
     root: Path
     socket: Path
@@ -56,6 +57,7 @@ def observed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Observed]:
     flags = (
         "--node", "obs", "--tcp-port", str(port), "--log-format", "json",
         "--access-log", "true", "--max-file-bytes", str(1 << 20), "--gc-interval-s", "3600",
+        "--unknown-fields", "allow",  # a field outside the table: counted, under one label
     )  # fmt: skip
     env = {**os.environ, "PAYLOADD_ADMIN_TOKEN": TOKEN}
     with (

@@ -1,7 +1,7 @@
-"""What a new user trips on (issue 17), against a real daemon on both transports: a field name
-one typo away from the table's, a field absent from every segment, a closed client, the
-data-plane socket given as the daemon's, rows of a dtype payloadd does not store, results of
-`read_many` that need a cast."""
+"""What a new user trips on (mistakes a first user makes), against a real daemon on both
+transports: a field name one typo away from the table's, a field absent from every segment, a
+closed client, the data-plane socket given as the daemon's, rows of a dtype payloadd does not
+store, results of `read_many` that need a cast."""
 
 from __future__ import annotations
 
@@ -9,6 +9,9 @@ import asyncio
 import re
 import subprocess
 import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
 from typing import assert_type
 
 import numpy as np
@@ -23,37 +26,75 @@ from payload_client import (
     ReadResult,
     Window,
 )
-from tests.conftest import Daemon
+from payloadd.bench._daemon_process import start_daemon
+from tests.conftest import Daemon, default_env
 
 ROWS = np.zeros((4, 48, 8), np.uint8)
+
+
+@pytest.fixture(scope="module")
+def lax_socket(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A daemon with the default fields table that allows unknown fields: its socket."""
+    tmp = tmp_path_factory.mktemp("lax")
+    sock = tmp / "payloadd.sock"
+    flags = ("--node", "lax", "--unknown-fields", "allow")
+    with start_daemon(tmp / "root", sock, *flags, env=default_env()):
+        yield sock
+
+
+@pytest.fixture
+def lax(lax_socket: Path, request: pytest.FixtureRequest) -> Iterator[PayloadClient]:
+    """A client of the `lax_socket` daemon, on the transport of the test's `client`."""
+    data_plane = request.node.callspec.params["client"] == "data-plane"
+    with PayloadClient(lax_socket, data_plane=data_plane) as c:
+        yield c
 
 
 @pytest.mark.parametrize(
     "typo", ["routed_expert", "rotued_experts", "routed_experts_", "sampling_masks"]
 )
 def test_a_field_one_typo_away_is_refused_naming_the_field_meant(
-    client: PayloadClient, typo: str
+    client: PayloadClient, lax: PayloadClient, lax_socket: Path, typo: str
 ) -> None:
+    run = f"typo-{uuid.uuid4().hex[:8]}"
     meant = "sampling_mask" if typo.startswith("sampling") else "routed_experts"
     rows = np.zeros((4, 3), np.int32) if meant == "sampling_mask" else ROWS
+    far = np.zeros((4, 1), np.float32)
+    # unknown fields refused (the default): the typo names the field meant, and a name far
+    # from the table's is refused too, saying how to declare it
     with pytest.raises(
         InvalidRequestError, match=f"unknown field '{typo}': did you mean '{meant}'"
     ):
-        client.append(typo, rows, 0, run="typo", step=0)
-    # nothing was written, and names far from the table's stay allowed
-    segs = client.append("logprobs_custom", np.zeros((4, 1), np.float32), 0, run="typo", step=0)
+        client.append(typo, rows, 0, run=run, step=0)
+    with pytest.raises(InvalidRequestError, match="unknown field 'logprobs_custom': this "
+                       r"daemon's fields are \[.*\]; to use another, declare it"):  # fmt: skip
+        client.append("logprobs_custom", far, 0, run=run, step=0)
+    # unknown fields allowed: the typo is still refused, naming the field meant; a name far
+    # from the table's is stored
+    with pytest.raises(InvalidRequestError, match=f"unknown field '{typo}': did you mean "
+                       f"'{meant}'\\? A name this close .* is refused as a typo"):  # fmt: skip
+        lax.append(typo, rows, 0, run=run, step=0)
+    assert not (lax_socket.parent / "root" / "lax" / run).exists()  # nothing was written
+    segs = lax.append("logprobs_custom", far, 0, run=run, step=0)
     assert segs[0].field == "logprobs_custom"
+    got = lax.read_field(segs, "logprobs_custom", 0, 4, 0.0)
+    assert got is not None and got.dtype == np.float32 and (got == 0).all()
 
 
 def test_required_raises_for_a_field_no_segment_has(client: PayloadClient) -> None:
     segs = client.append("routed_experts", ROWS, 0, run="req", step=0)
-    assert client.read_field(segs, "sampling_mask", 0, 4, -1) is None  # as DESIGN §4 says
+    # docs/contract.md, "Reading a window": a field of the table with no segment reads as None
+    assert client.read_field(segs, "sampling_mask", 0, 4, -1) is None
     with pytest.raises(InvalidRequestError, match=r"no segment of field 'sampling_mask' in the"
                        r" list \(its fields: \['routed_experts'\]\)"):  # fmt: skip
         client.read_field(segs, "sampling_mask", 0, 4, -1, required=True)
-    with pytest.raises(InvalidRequestError, match="window 1: no segment of field 'x'"):
+    with pytest.raises(InvalidRequestError, match="window 1: no segment of field 'weights'"):
         client.read_many([Window(segs, "routed_experts", 0, 4, 0),
-                          Window(segs, "x", 0, 4, 0, required=True)])  # fmt: skip
+                          Window(segs, "weights", 0, 4, 0.0, required=True)])  # fmt: skip
+    # a field in no table is refused, required or not (it would read as None)
+    with pytest.raises(InvalidRequestError, match="window 1: unknown field 'x': did you mean"):
+        client.read_many([Window(segs, "routed_experts", 0, 4, 0),
+                          Window(segs, "x", 0, 4, 0)])  # fmt: skip
     got = client.read_field(segs, "routed_experts", 0, 4, 0, required=True)
     assert got is not None and got.shape == (4, 48, 8)
 

@@ -1,4 +1,4 @@
-"""By-handle reads through a real daemon equal the inline path bit for bit (seed 000, DESIGN §4).
+"""By-handle reads through a real daemon equal the inline path bit for bit (docs/contract.md, "Context-parallel windows").
 
 24 random samples carry router-replay ids and ragged sampling masks inline, and the same rows
 by handle. An orchestrator emulated here (independently of ``payloadd.bench._demo``) truncates them

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -22,8 +23,10 @@ from payload_client import (
     InvalidRequestError,
     PayloadClient,
     PayloadSegment,
+    StepCollectedError,
     UnauthorizedError,
 )
+from payload_client.protocol import format_size
 from payloadd.bench._daemon_process import start_daemon
 from payloadd.cli._main import main
 from payloadd.cli._stat import rates
@@ -167,9 +170,9 @@ def test_usage_is_an_admin_call(tmp_path: Path, capsys: pytest.CaptureFixture[st
 class Writer(threading.Thread):
     """Appends and reads over HTTP (counted by the daemon at once) until stopped."""
 
-    def __init__(self, socket: Path, run: str) -> None:
+    def __init__(self, socket: Path, run: str, step: int) -> None:
         super().__init__(daemon=True)
-        self.socket, self.run_name = socket, run
+        self.socket, self.run_name, self.step = socket, run, step
         self.stop = threading.Event()
         self.started_writing = threading.Event()
         self.error: BaseException | None = None
@@ -178,7 +181,9 @@ class Writer(threading.Thread):
         try:
             with PayloadClient(self.socket, data_plane=False) as c:
                 while not self.stop.is_set():
-                    segs = c.append("routed_experts", routed(4, 1), 0, run=self.run_name, step=0)
+                    segs = c.append(
+                        "routed_experts", routed(4, 1), 0, run=self.run_name, step=self.step
+                    )
                     c.read_field(segs, "routed_experts", 0, 4, 0)
                     self.started_writing.set()
         except BaseException as exc:
@@ -193,7 +198,9 @@ def test_stat_shows_runs_steps_ledger_and_rates_under_traffic(own: Daemon) -> No
             c.append("routed_experts", routed(2, step), 0, run=run, step=step)
         c.append("routed_experts", routed(2, 0), 0, run=run, step=1)
         c.gc(run=run, through_step=1)
-    writer = Writer(own.socket, run)
+        with pytest.raises(StepCollectedError, match=f"step 0 of run '{run}' is refused"):
+            c.append("routed_experts", routed(4, 1), 0, run=run, step=0)  # below the watermark
+    writer = Writer(own.socket, run, 2)  # the next step: above the watermark
     writer.start()
     try:
         assert writer.started_writing.wait(60) and writer.error is None
@@ -212,7 +219,7 @@ def test_stat_shows_runs_steps_ledger_and_rates_under_traffic(own: Daemon) -> No
         assert r[name] > 0, name
     assert doc["stats"]["node"] == "st" and doc["usage"]["node"] == "st"
     (mine,) = [x for x in doc["usage"]["runs"] if x["run"] == run]
-    assert [s["step"] for s in mine["steps"]] == [0, 3, 4]
+    assert [s["step"] for s in mine["steps"]] == [2, 3, 4]  # no step 0: nothing stored
     assert doc["usage"]["ledger"][-1]["run"] == run
     assert doc["usage"]["ledger"][-1]["steps"] == [1]
     assert text.returncode == 0, text.stderr
@@ -220,16 +227,54 @@ def test_stat_shows_runs_steps_ledger_and_rates_under_traffic(own: Daemon) -> No
     assert lines[0].startswith("daemon  node st on ") and "fsync never" in lines[0]
     rates = next(ln for ln in lines if ln.startswith("rates"))
     assert "appends/s" in rates and not rates.split(": ")[1].startswith("0.0 appends/s")
+    unit = r"(B|KiB|MiB|GiB)/s"  # as every size: binary units, no MB/s
+    assert re.search(rf"rows/s, [\d.]+ {unit} appended$", rates), rates
+    assert re.search(rf"HTTP reads [\d.]+/s, [\d.]+ {unit};", text.stdout), text.stdout
+    assert re.search(rf"on disk [+-][\d.]+ {unit}$", text.stdout, re.M), text.stdout
+    assert "cap none;" in text.stdout and "floor 1 GiB (1073741824 bytes);" in text.stdout
     header = next(i for i, ln in enumerate(lines) if ln.startswith("RUN "))
     assert lines[header].split() == ["RUN", "STEP", "FILES", "BYTES", "ON", "DISK", "AGE"]
     at = next(i for i, ln in enumerate(lines) if ln.split()[:2] == [run, "all"])
     step_rows = [ln.split() for ln in lines[at + 1 : at + 4]]
-    assert [row[0] for row in step_rows] == ["0", "3", "4"]
-    assert step_rows[1][1:3] == ["1", "768"]  # one file of 2 rows of 384 bytes, over HTTP or not
+    assert [row[0] for row in step_rows] == ["2", "3", "4"]
+    assert step_rows[1][1:4] == ["1", "768", "B"]  # one file of 2 rows of 384 bytes
     gc_line = next(ln for ln in lines if ln.startswith("GC ledger: "))
     assert "collection" in gc_line
     last = lines[-1].split()
     assert last[2:6] == ["watermark", run, "1", "1"]
+
+
+@pytest.mark.parametrize(
+    ("n", "text", "exact"),
+    [
+        (0, "0 B", "0 B"), (512, "512 B", "512 B"), (1023, "1023 B", "1023 B"),
+        (1024, "1 KiB", "1 KiB (1024 bytes)"), (1536, "1.5 KiB", "1.5 KiB (1536 bytes)"),
+        (64 << 10, "64 KiB", "64 KiB (65536 bytes)"),
+        (512 << 20, "512 MiB", "512 MiB (536870912 bytes)"),
+        (1 << 30, "1 GiB", "1 GiB (1073741824 bytes)"),
+        (3 << 29, "1.5 GiB", "1.5 GiB (1610612736 bytes)"),
+        ((1 << 20) - 1, "1 MiB", "1 MiB (1048575 bytes)"),  # rounded up to the next unit
+        (4 << 60, "4 EiB", "4 EiB (4611686018427387904 bytes)"),
+        (-5e6, "-4.8 MiB", "-4.8 MiB"), (-0.2, "0 B", "0 B"), (20.21e6, "19.3 MiB", "19.3 MiB"),
+    ],
+)  # fmt: skip
+def test_every_size_is_written_by_format_size(n: float, text: str, exact: str) -> None:
+    assert format_size(n) == text
+    assert format_size(n, exact=True) == exact
+
+
+def test_stat_writes_the_limits_with_units_and_exact_bytes(tmp_path: Path) -> None:
+    root, sock = tmp_path / "root", tmp_path / "s.sock"
+    limits = ("--max-root-bytes", "1.5GiB", "--min-free-bytes", "64KiB")
+    with start_daemon(root, sock, "--node", "n", *limits), PayloadClient(sock) as c:
+        c.append("routed_experts", routed(4, 0), 0, run="r", step=0)  # 1536 bytes
+        out = run_cli("stat", "--socket", str(sock), "--interval", "0")
+    assert out.returncode == 0, out.stderr
+    disk = out.stdout.split("disk    ", 1)[1].split("rates", 1)[0]
+    assert "cap 1.5 GiB (1610612736 bytes); " in disk and "floor 64 KiB (65536 bytes);" in disk
+    assert re.search(r"free [\d.]+ (KiB|MiB|GiB|TiB), ", disk), disk
+    (row,) = [ln.split() for ln in out.stdout.splitlines() if ln.split()[:1] == ["0"]]
+    assert row[:4] == ["0", "1", "1.5", "KiB"], row  # the step's one file
 
 
 def test_stat_with_one_sample_has_no_rates_and_refuses_bad_flags(

@@ -23,7 +23,7 @@ from ._base import (
 from ._call import Call, Target
 from ._dataplane import AsyncDataPlane, SyncDataPlane
 from ._dataplane_appends import append_steps
-from ._dataplane_steps import MAX_FDS, note_steps, read_steps
+from ._dataplane_steps import MAX_FDS, note_steps, read_steps, table_steps
 from ._descriptors import LEASES
 from ._http import AsyncHTTPTransport, HTTPTransport
 from ._peer import AsyncPeerTransport, SyncPeerTransport
@@ -48,4 +48,5 @@ __all__ = [
     "drive_async",
     "note_steps",
     "read_steps",
+    "table_steps",
 ]

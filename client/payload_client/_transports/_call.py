@@ -57,6 +57,10 @@ class Call(Generic[T]):
     peer_extents : callable, optional
         The same exchange on a daemon's peer port (a read): gives the extents whose bytes
         the answer is, in order, received into ``targets``; ``None``: not a read.
+    timeout : float, optional
+        Over HTTP, at most this many seconds for connecting, each read and write and
+        waiting for a pooled connection, where the client's own limits are longer (a
+        deadline of the caller's, as `PayloadClient.wait_ready` has); ``None``: the client's.
     """
 
     method: str
@@ -70,6 +74,7 @@ class Call(Generic[T]):
     targets: Callable[[], list[Target]] | None = None
     idempotent: bool = False
     peer_extents: Callable[[], list[Extent]] | None = None
+    timeout: float | None = None
 
     def http_body(self) -> tuple[dict[str, str], list[Any]]:
         """The request headers and body chunks for HTTP (built only when HTTP is used)."""

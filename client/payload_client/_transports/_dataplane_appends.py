@@ -27,6 +27,7 @@ from .._dataplane_wire import (
     LeaseRequest,
     ReserveReply,
     ReserveRequest,
+    ShapesRequest,
 )
 from .._errors import (
     AppendInDoubtError,
@@ -35,7 +36,7 @@ from .._errors import (
     StorageFullError,
     TransportError,
 )
-from .._fields import check_item
+from .._fields import check_item, check_together, is_ragged, row_pattern
 from .._segment import PayloadSegment
 from .._wire import AppendItem
 from ._base import DataPlaneDownError
@@ -117,6 +118,53 @@ def reserve_steps(
     return done.segments
 
 
+def _pattern(leases: LeaseCache, item: AppendItem) -> tuple[int, ...]:
+    """The row pattern of ``item`` under the daemon's table (`row_pattern`)."""
+    table = leases.fields
+    assert table is not None
+    return row_pattern(item.shape, is_ragged(table.fields.get(item.field)))
+
+
+def _taken(leases: LeaseCache, items: Sequence[AppendItem]) -> bool:
+    """Whether the daemon took the row shape of every item for its run and field."""
+    for it in items:
+        have = leases.shapes.get((it.run, it.field))
+        if have is None or have[0] != _pattern(leases, it):
+            return False
+    return True
+
+
+def declare_steps(
+    items: Sequence[AppendItem], sizes: Sequence[int], leases: LeaseCache
+) -> Steps[None]:
+    """Ask the daemon about row shapes of ``items`` that no lease request will carry: a
+    shape other than the one it took for the item's run and field (after a run was deleted
+    the daemon fixes it anew), or none taken where the item's lease has room (a lease
+    request carries the shapes of the keys it asks for: `_lease_request`). Usually nothing:
+    no round trip.
+
+    Raises
+    ------
+    InvalidRequestError
+        A shape other than the one the run's first append of the field fixed (nothing is
+        written then).
+    """
+    todo: dict[tuple[str, str, tuple[int, ...]], list[int]] = {}
+    for it, n in zip(items, sizes, strict=True):
+        have = leases.shapes.get((it.run, it.field))
+        pattern = _pattern(leases, it)
+        if have is not None and have[0] == pattern:
+            continue
+        if have is not None or leases.has_room((it.run, it.step, it.field), n):
+            todo.setdefault((it.run, it.field, pattern), list(it.shape))
+    if not todo:
+        return
+    reply, fds = yield Exchange(ShapesRequest([(r, f, s) for (r, f, _), s in todo.items()]))
+    raise_for(reply, fds, CommitReply)
+    for (run, fld, pattern), shape in todo.items():
+        leases.shapes[(run, fld)] = (pattern, shape)
+
+
 Place = tuple[tuple[str, int, str], LeasedRange, int]
 """Where one item of an append goes: its key, its lease, the offset in the lease's file."""
 
@@ -186,7 +234,28 @@ def _lease_request(
         if other != key and other not in want and not leases.holds(other):
             want[other] = 0
     more = [(r, s, f, size) for (r, s, f), size in want.items()][:LEASE_ALONG]
-    return LeaseRequest(run, step, key[2], n, more, leases.finish(key))
+    return LeaseRequest(
+        run, step, key[2], n, more, leases.finish(key), _shapes(key, more, items, leases)
+    )
+
+
+def _shapes(
+    key: tuple[str, int, str],
+    more: list[tuple[str, int, str, int]],
+    items: Sequence[AppendItem],
+    leases: LeaseCache,
+) -> list[tuple[str, str, list[int]]]:
+    """The row shape of each ``(run, field)`` a lease request asks for: an item's, or the
+    one the daemon took before (a key asked ahead of need); none for a key of neither."""
+    mine = {(it.run, it.field): list(it.shape) for it in reversed(items)}  # the first wins
+    out: dict[tuple[str, str], list[int]] = {}
+    for run, _, fld in [key, *((r, s, f) for r, s, f, _ in more)]:
+        shape = mine.get((run, fld))
+        if shape is None and (have := leases.shapes.get((run, fld))) is not None:
+            shape = have[1]
+        if shape is not None:
+            out.setdefault((run, fld), shape)
+    return [(run, fld, shape) for (run, fld), shape in out.items()]
 
 
 class _LeaseAsk:
@@ -253,6 +322,10 @@ def _take_leases(
         grants.append(((run, step, fld), g.file, g.offset, g.nbytes))
     for (key, file, offset, nbytes), fd in zip(grants, fds, strict=True):
         leases.put(key, LeasedRange(file, fd, offset, offset + nbytes, reply.fsync, offset, seen))
+    table = leases.fields
+    for run, fld, shape in request.shapes:  # granted: the daemon took these shapes
+        spec = None if table is None else table.fields.get(fld)
+        leases.shapes[(run, fld)] = (row_pattern(shape, is_ragged(spec)), shape)
 
 
 def append_leased(
@@ -274,6 +347,8 @@ def append_leased(
         return None
     for i, item in enumerate(items):  # the daemon never sees these rows: check them here
         check_item(fields, item, i)
+    if not _taken(leases, items):  # a run and field's first shape goes with its lease
+        return None
     sizes = [b.nbytes for b in bodies]
     places = leases.claim_all(items, sizes)  # and begun: no descriptor of them closes
     if places is None:
@@ -310,7 +385,9 @@ def append_steps(
     """Place each item in the client's lease of its ``(run, step, field)`` and pwrite it.
 
     The items are checked against the daemon's fields table first (fetched once per daemon
-    connection, with the daemon's removal generation, `GenerationPage`). No round trip
+    connection, with the daemon's removal generation, `GenerationPage`); their row shapes
+    go with the lease requests (`_lease_request`), or in a request of their own where no
+    lease is asked for (`declare_steps`). No round trip
     while the leases have room; a new lease costs one, which also leases every other key of
     the append without one and, ahead of need, the fields the client appended to in the
     run's step before (`_lease_request`). Items the daemon will not lease (larger than its
@@ -322,7 +399,9 @@ def append_steps(
     assert leases.fields is not None
     for i, item in enumerate(items):  # the daemon never sees these rows: check them here
         check_item(leases.fields, item, i)
+    check_together(items, leases.fields)
     sizes = [b.nbytes for b in bodies]
+    yield from declare_steps(items, sizes, leases)
     while True:
         places: list[Place] = []
         too_large = False

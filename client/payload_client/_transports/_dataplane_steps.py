@@ -57,6 +57,7 @@ __all__ = [
     "Fresh",
     "Steps",
     "fields_steps",
+    "table_steps",
     "note_steps",
     "pwrite_all",
     "raise_for",
@@ -165,6 +166,15 @@ def note_steps(leases: LeaseCache, ack: bool) -> Steps[None]:
         reply = yield Exchange(note, reply=ack)
         if ack:
             raise_for(reply[0], reply[1], CommitReply)
+
+
+def table_steps(leases: LeaseCache) -> Steps[FieldsTable]:
+    """The daemon's fields table, as this connection fetched it (`fields_steps`, once)."""
+    yield Fresh()
+    if leases.fields is None:
+        yield from fields_steps(leases)
+    assert leases.fields is not None
+    return leases.fields
 
 
 def fields_steps(leases: LeaseCache) -> Steps[None]:

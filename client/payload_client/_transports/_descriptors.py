@@ -237,6 +237,8 @@ class LeaseCache(_Cache[tuple[str, int, str], LeasedRange]):
         self.generation: GenerationPage | None = None  # passed with the fields table
         # run -> its two latest steps leased in -> field -> lease (for `fields_before`)
         self.recent: dict[str, dict[int, dict[str, LeasedRange]]] = {}
+        # (run, field) -> the row pattern the daemon took for it, and a shape of it
+        self.shapes: dict[tuple[str, str], tuple[tuple[int, ...], list[int]]] = {}
 
     def note(
         self, items: Sequence[AppendItem], sizes: Sequence[int], every: int = NOTE_EVERY
@@ -274,6 +276,7 @@ class LeaseCache(_Cache[tuple[str, int, str], LeasedRange]):
             self.fields = None  # a restarted daemon may have other settings
             self.generation = None  # its page is another (this mapping closes once unused)
             self.recent = {}
+            self.shapes = {}
         super().clear()
 
     def suspect(self) -> None:

@@ -17,12 +17,14 @@ from typing import Any, TypeVar
 import httpx
 
 from .._errors import (
+    NO_DAEMON,
     AppendInDoubtError,
     ConnectError,
     ConnectionLostError,
     ProtocolError,
     TimeoutError,
     TransportError,
+    nobody_listens,
 )
 from .._timeout import Timeout
 from ._base import AsyncTransport, AttemptError, Transport
@@ -106,12 +108,17 @@ def translate(
     Returns
     -------
     TransportError
-        `ConnectError`, `TimeoutError`, `ConnectionLostError`, `AppendInDoubtError`,
-        `ProtocolError`, or `TransportError` itself for anything else.
+        `ConnectError` (`NO_DAEMON`'s message when nothing listens at ``where``),
+        `TimeoutError`, `ConnectionLostError`, `AppendInDoubtError`, `ProtocolError`, or
+        `TransportError` itself for anything else.
     """
     in_doubt = not idempotent and sent
     fate = "" if idempotent else f"; {_NOT_STORED}"
     if isinstance(exc, httpx.ConnectError):
+        if nobody_listens(exc):
+            return ConnectError(
+                NO_DAEMON.format(where=where) + ("" if idempotent else f" ({_NOT_STORED})")
+            )
         return ConnectError(f"cannot connect to {where}: {exc}{fate}")
     if in_doubt and isinstance(exc, (httpx.ReadTimeout, *_DROPPED)):
         what = "timed out waiting for" if isinstance(exc, httpx.ReadTimeout) else "lost"
@@ -165,6 +172,17 @@ def _peer_port(r: httpx.Response) -> int:
     """The peer port an answer names (`PEER_PORT_HEADER`), 0 when none."""
     value = r.headers.get("payloadd-peer-port", "")
     return int(value) if value.isdigit() and 0 < int(value) < 65536 else 0
+
+
+def _limits(client: httpx.Client | httpx.AsyncClient, cap: float | None) -> Any:
+    """The time limits of a request: the client's, none longer than ``cap`` seconds
+    (`Call.timeout`); ``None``: the client's as they are."""
+    if cap is None:
+        return httpx.USE_CLIENT_DEFAULT
+    own = client.timeout
+    limits = [own.connect, own.read, own.write, own.pool]
+    connect, read, write, pool = (cap if t is None else min(t, cap) for t in limits)
+    return httpx.Timeout(connect=connect, read=read, write=write, pool=pool)
 
 
 def _httpx_settings(
@@ -225,7 +243,11 @@ class HTTPTransport(Transport):
         body = Body(chunks)
         try:
             with self.client.stream(
-                call.method, call.path, headers=headers, content=body.sync()
+                call.method,
+                call.path,
+                headers=headers,
+                content=body.sync(),
+                timeout=_limits(self.client, call.timeout),
             ) as r:
                 self.peer_port = _peer_port(r)
                 if r.status_code >= 400:
@@ -280,7 +302,11 @@ class AsyncHTTPTransport(AsyncTransport):
         body = Body(chunks)
         try:
             async with self.client.stream(
-                call.method, call.path, headers=headers, content=body.async_()
+                call.method,
+                call.path,
+                headers=headers,
+                content=body.async_(),
+                timeout=_limits(self.client, call.timeout),
             ) as r:
                 self.peer_port = _peer_port(r)
                 if r.status_code >= 400:
