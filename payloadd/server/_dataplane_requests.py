@@ -17,7 +17,7 @@ import secrets
 import socket
 import time
 from collections.abc import Callable
-from typing import Any, NamedTuple, overload
+from typing import Any, NamedTuple
 
 import msgspec
 
@@ -55,6 +55,7 @@ from payloadd.server._metrics import Metrics
 from payloadd.store._appends import LeasedRange, PendingAppend
 from payloadd.store._budget import Descriptors, out_of_descriptors
 from payloadd.store._counts import DATA_PLANE
+from payloadd.store._shapes import check_shapes
 from payloadd.store._store import Store
 
 __all__ = ["FIRST_LEASE", "LEASE_ALONG", "Answer", "Connection", "DataPlaneRequests"]
@@ -273,7 +274,8 @@ class DataPlaneRequests:
         return ErrorReply(wire.error, wire.message)
 
     def _lease(self, conn: Connection, req: LeaseRequest, passing: _Passing) -> DataReply:
-        self.store.declare_shapes(req.shapes)  # the rows' shapes, before anything is granted
+        check_shapes(self.store.fields, req.shapes)
+        shapes = {(run, fld): shape for run, fld, shape in req.shapes}  # checked with each lease
         key = (req.run, req.step, req.field)
         last = conn.leases.get(key)  # a key renewed: its next range twice the last one
         size = self.first_lease if last is None else min(2 * last.nbytes, self.lease_bytes)
@@ -286,10 +288,12 @@ class DataPlaneRequests:
             more = []
         passing.taken = 1 + len(more)
         with self.store.syncs_together():  # fsync="always": each new directory entry once
-            lease, fd = self._lease_file(conn, key, req.nbytes, size)
+            got = self._lease_file(conn, key, req.nbytes, size, False, shapes)
+            assert got is not None  # not ahead: granted or raised
+            lease, fd = got
             passing.fds.append(fd)
             self._hold(conn, key, lease, passing)
-            grants = self._lease_more(conn, more, key, passing)
+            grants = self._lease_more(conn, more, key, passing, shapes)
         self.fds.give(passing.taken - len(passing.fds))  # those of keys left out
         passing.taken = len(passing.fds)
         files = [lease.file, *(g.file for g in grants)]
@@ -303,6 +307,7 @@ class DataPlaneRequests:
         more: list[tuple[str, int, str, int]],
         key: tuple[str, int, str],
         passing: _Passing,
+        shapes: dict[tuple[str, str], list[int]],
     ) -> list[LeaseGrant]:
         """The leases of a request's ``more`` (besides ``key``), as many as can be had."""
         grants: list[LeaseGrant] = []
@@ -310,10 +315,8 @@ class DataPlaneRequests:
             other = (run, step, fld)
             if other == key or other in conn.leases:
                 continue  # the client holds it (or asked twice)
-            if nbytes == 0 and self.store.shapes.fixed(run, fld) is None:
-                continue  # ahead of need, of a run and field no shape was taken for
             try:
-                got = self._lease_file(conn, other, nbytes, self.first_lease, nbytes == 0)
+                got = self._lease_file(conn, other, nbytes, self.first_lease, nbytes == 0, shapes)
             except (PayloadError, OSError) as exc:  # left out: asked again when needed
                 log.debug("data plane: a lease asked along was left out: %s", exc)
                 continue
@@ -391,7 +394,7 @@ class DataPlaneRequests:
         return FieldsReply(self.store.fields, generation=True)
 
     def _shapes(self, conn: Connection, req: ShapesRequest, passing: _Passing) -> DataReply:
-        self.store.declare_shapes(req.shapes)
+        self.store.declare_shapes(req.shapes)  # a client's rows of another shape, lease held
         return CommitReply([])
 
     def _open(self, conn: Connection, req: OpenRequest, passing: _Passing) -> DataReply:
@@ -482,41 +485,35 @@ class DataPlaneRequests:
                 raise busy from exc
             raise
 
-    @overload
-    def _lease_file(
-        self, conn: Connection, key: tuple[str, int, str], nbytes: int, size: int
-    ) -> tuple[LeasedRange, int]: ...
-
-    @overload
-    def _lease_file(
-        self, conn: Connection, key: tuple[str, int, str], nbytes: int, size: int, ahead: bool
-    ) -> tuple[LeasedRange, int] | None: ...
-
     def _lease_file(
         self,
         conn: Connection,
         key: tuple[str, int, str],
         nbytes: int,
         size: int,
-        ahead: bool = False,
+        ahead: bool,
+        shapes: dict[tuple[str, str], list[int]],
     ) -> tuple[LeasedRange, int] | None:
         """A lease of ``key`` (at least ``nbytes``, ``size`` where the limits allow) in a
         file of this connection's, and the client's descriptor (``ahead``: of need,
-        `Store.lease_ahead`: ``None`` near a disk limit).
+        `Store.lease_ahead`: ``None`` near a disk limit, or for a shape the run has not
+        taken). ``shapes``: the rows' shape of each ``(run, field)`` the request names,
+        checked (and fixed where first) as the lease is granted.
 
         A new file's descriptor is the one the store created it with (`LeasedRange.writer`),
         else one of the client's own is opened. Garbage collection may remove a leased file
         at any time, also before its descriptor is handed out here: then the range is given
         up and a new one leased (in a new file).
         """
+        shape = shapes.get((key[0], key[2]))
         for _ in range(8):
             if ahead:
-                got = self.store.lease_ahead(*key, nbytes, size, owner=conn.owner)
+                got = self.store.lease_ahead(*key, nbytes, size, conn.owner, shape)
                 if got is None:
                     return None
                 lease = got
             else:
-                lease = self.store.lease(*key, nbytes, size, owner=conn.owner)
+                lease = self.store.lease(*key, nbytes, size, conn.owner, shape)
             try:
                 writer = lease.writer()
                 if writer < 0:

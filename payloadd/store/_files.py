@@ -28,7 +28,7 @@ from payloadd.store._durability import DirtyFiles
 from payloadd.store._generation import GenerationPage
 from payloadd.store._records import AppendFile, Placement, os_errors
 
-__all__ = ["DIR_MODE", "FILE_MODE", "FileTable", "files_needed", "unwritten"]
+__all__ = ["DIR_MODE", "FILE_MODE", "FileTable", "check_root", "files_needed", "unwritten"]
 
 DIR_MODE = 0o750
 FILE_MODE = 0o640
@@ -525,3 +525,34 @@ def unwritten(file: tuple[str, int, tuple[int, int]]) -> int:
     except OSError:
         return 0
     return max(0, size - st.st_size) if (st.st_dev, st.st_ino) == ino else 0
+
+
+def check_root(root: str | os.PathLike[str], node: str | None = None) -> Path:
+    """Create the payload root (mode 0750) if missing; return its real path.
+
+    With ``node``, also check the node prefix ``<root>/<node>``: when it exists it must
+    be a directory, not a symlink (reads refuse files reached through a symlink, so the
+    daemon would write rows it could not serve).
+
+    Raises
+    ------
+    OSError
+        When it cannot be created, is not a directory, or is not writable; when the node
+        prefix is a symlink or not a directory.
+    """
+    if node is not None:
+        prefix = os.path.join(root, node)
+        if os.path.islink(prefix) or (os.path.lexists(prefix) and not os.path.isdir(prefix)):
+            raise NotADirectoryError(
+                f"node prefix {prefix} is a symlink or not a directory: the daemon writes "
+                "only into a directory of the payload root"
+            )
+    if os.path.lexists(root) and not os.path.isdir(root):
+        raise NotADirectoryError(f"payload root {root} exists and is not a directory")
+    if not os.path.lexists(root):
+        os.makedirs(root, mode=DIR_MODE, exist_ok=True)
+        os.chmod(root, DIR_MODE)  # a root we create is 0750; an existing one keeps its mode
+    real = Path(os.path.realpath(root))
+    if not os.access(real, os.W_OK | os.X_OK):
+        raise PermissionError(f"payload root {root} is not writable by this user")
+    return real

@@ -80,10 +80,11 @@ class GarbageCollector:
         with self._lock:
             if req.run is not None and req.through_step is not None:
                 run = check_name(req.run, "run")
+                if not req.dry_run:  # first: what is placed after it is refused
+                    self._raise_mark(run, req.through_step, node)
                 runs = self.store.runs(node)
                 steps = [s for s in runs.get(run, []) if s <= req.through_step]
-                self._remove(report, "watermark", [(run, steps)], node=node,
-                             through=req.through_step)  # fmt: skip
+                self._remove(report, "watermark", [(run, steps)], node=node)
                 report.note = _no_run(run, runs, node or self.store.node)
             default = self.ttl_s if node is None else 0.0  # another node: only when asked
             ttl = req.ttl_s if req.ttl_s is not None else default
@@ -132,6 +133,8 @@ class GarbageCollector:
         run = check_name(run, "run")
         other = self._other(node)
         report = GcReport(dry_run=dry_run)
+        if not dry_run:  # first: a lease granted from now on fixes its shape anew
+            self.store.forget_shapes(run, other)
         with self._lock:
             runs = self.store.runs(other)
             steps = runs.get(run, [])
@@ -139,8 +142,6 @@ class GarbageCollector:
             report.note = _no_run(run, runs, other or self.store.node)
             if not dry_run:
                 report.dirs += self.store.remove_run_dir(run, other)
-                if other is None:  # a new run of its name fixes its row shapes anew
-                    self.store.shapes.forget(run)
             self.store.ledger().keep_reserve()
         return report
 
@@ -170,22 +171,12 @@ class GarbageCollector:
         targets: Iterable[tuple[str, Iterable[int]]],
         idle_since: float | None = None,
         node: str | None = None,
-        through: int | None = None,
     ) -> None:
         """Collect the steps of ``targets`` (``(run, steps)``): plan every step (what is in
         use stays, and what is planned takes no more appends), write one ledger line per run
-        of exactly the files planned, wait the grace once, then remove them.
-
-        ``through``: the watermark of a watermark collection, written in its line (a line
-        with no file when the watermark rises over steps with none): appends at or below it
-        are refused from then on (`payloadd.store._watermarks`)."""
+        of exactly the files planned, wait the grace once, then remove them."""
         planned: list[tuple[str, int, Removal]] = []
-        marks: dict[str, int] = {}
         for run, steps in targets:
-            if through is not None:
-                mark = self.store.ledger(node).mark(run, load=True)
-                if mark is None or through > mark:
-                    marks[run] = through
             for step in steps:
                 rels = [r for r in self.store.step_files(run, step, node) if r not in self._planned]
                 plan = self.store.plan_step(
@@ -193,24 +184,20 @@ class GarbageCollector:
                 )
                 planned.append((run, step, plan))
         if not report.dry_run:
-            by_run: dict[str, list[tuple[str, int]]] = {run: [] for run in marks}
+            by_run: dict[str, list[tuple[str, int]]] = {}
             for run, _, plan in planned:
                 by_run.setdefault(run, []).extend(plan.files)
                 self._planned.update(rel for rel, _ in plan.files)
             lines = 0
             try:
                 for run, files in by_run.items():
-                    if not files and run not in marks:  # nothing to say: no line
+                    if not files:  # nothing to remove: no line (the ledger stays small)
                         continue
                     with os_errors(self.store.root):  # a full disk: 507, nothing is removed
                         self.store.ledger(node).record(
-                            run,
-                            reason,
-                            [rel for rel, _ in files],
-                            sum(n for _, n in files),
-                            through,
+                            run, reason, [rel for rel, _ in files], sum(n for _, n in files)
                         )  # before any of them goes
-                    lines += bool(files)
+                    lines += 1
             except BaseException:
                 for files in by_run.values():  # a later collection plans them again
                     self._planned.difference_update(rel for rel, _ in files)
@@ -237,6 +224,16 @@ class GarbageCollector:
             log.info(
                 "gc %s: run %s%s, steps %s..%s%s", reason, run, where, steps[0], steps[-1], dry
             )
+
+    def _raise_mark(self, run: str, through: int, node: str | None) -> None:
+        """Write the watermark ``through`` of ``run`` into the ledger when it rises, before
+        the collection plans anything: from then on appends and leases at or below it are
+        refused, and those that came before have their files planned with the step."""
+        ledger = self.store.ledger(node)
+        mark = ledger.mark(run, load=True)
+        if mark is None or through > mark:
+            with os_errors(self.store.root):  # a full disk: 507, nothing is removed
+                ledger.record(run, "watermark", [], 0, through)
 
     @staticmethod
     def _add(report: GcReport, reason: str, removal: Removal) -> None:

@@ -11,12 +11,15 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from collections.abc import Sequence
 
 from payload_client import PayloadTooLargeError
 from payload_client.protocol import FieldsTable, check_field, check_name
 from payloadd.store._appends import LeasedRange
 from payloadd.store._files import FileTable
 from payloadd.store._records import os_errors
+from payloadd.store._shapes import RunShapes
+from payloadd.store._watermarks import Watermarks
 
 __all__ = ["AHEAD_ROOM", "ROOM_SHARE", "Leases"]
 
@@ -43,6 +46,10 @@ class Leases:
         The rotation size: no lease crosses it.
     last_used : dict
         Run -> monotonic time of its last use (a lease is one).
+    shapes : RunShapes
+        The row shapes fixed per run (a lease's rows are checked, and fix the first).
+    watermarks : Watermarks
+        The collected watermarks (no lease at or below one).
     """
 
     def __init__(
@@ -51,9 +58,12 @@ class Leases:
         fields: FieldsTable,
         max_file_bytes: int,
         last_used: dict[str, float],
+        shapes: RunShapes,
+        watermarks: Watermarks,
     ) -> None:
         self.table, self.fields, self.max_file_bytes = table, fields, max_file_bytes
         self.last_used = last_used
+        self.shapes, self.watermarks = shapes, watermarks
 
     def lease(
         self,
@@ -65,9 +75,13 @@ class Leases:
         owner: int,
         *,
         ahead: bool = False,
+        shape: Sequence[int] | None = None,
     ) -> LeasedRange | None:
         """`payloadd.store._store.Store.lease`; with ``ahead``, ``None`` (nothing reserved)
-        unless the disk limits leave `AHEAD_ROOM` leases of ``size`` bytes."""
+        unless the disk limits leave `AHEAD_ROOM` leases of ``size`` bytes, the step is not
+        collected and ``shape`` is the one the run took. The watermark, the room and the
+        shape are checked under the lock a collection plans under: a lease either comes
+        before the collection (its file is planned with the step) or is refused."""
         check_name(run, "run")
         check_name(field, "field")
         check_field(self.fields, field)
@@ -80,11 +94,15 @@ class Leases:
         t = self.table
         with t.lock, os_errors(t.root):
             if ahead:
+                mark = self.watermarks.mark(run)
                 room = t.budget.spare()
-                if room < AHEAD_ROOM * max(size, nbytes):
+                if (mark is not None and step <= mark) or room < AHEAD_ROOM * max(size, nbytes):
                     return None
             else:
+                self.watermarks.check([(run, step)])
                 room = t.budget.room(nbytes)
+            if shape is not None and not self.shapes.lease(run, field, shape, fix=not ahead):
+                return None  # ahead of need, of a shape the run has not taken
             f = t.leased.get(key)
             if f is None or t.removed(f) or (f.size + nbytes > cap and f.size > 0):
                 f = t.new_file(run, step, field, owner)  # its descriptor: for the client

@@ -8,6 +8,12 @@ the answer survives restarts and a crash in the middle of a GC:
     {"run": "r1", "reason": "watermark", "at": 1764412800.0,
      "files": ["node0/r1/3/routed_experts-1a2b3c4d-000007.bin", ...], "bytes": 1536}
 
+A watermark collection that raises its run's watermark writes a line of it first, before it
+plans anything (appends at or below it are refused from then on, `payloadd.store._watermarks`):
+
+    {"run": "r1", "reason": "watermark", "at": 1764412800.0, "files": [], "bytes": 0,
+     "through": 3}
+
 A file is listed only when the collection removes it (a file that never existed stays 404,
 even in a collected step). The file is ``<root>/<node>/@gc-ledger.jsonl``: ``@`` is outside
 the run-name alphabet, so no run directory can ever have its name. A torn last line (a crash
@@ -39,6 +45,8 @@ from array import array
 from pathlib import Path
 
 import msgspec
+
+from payloadd.store._lines import append_line, make_node_dir
 
 __all__ = ["LEDGER_NAME", "RESERVE_BYTES", "RESERVE_NAME", "Collected", "Ledger"]
 
@@ -108,6 +116,7 @@ class Ledger:
         self._starts = array("q")  # byte offset of each line (collection), in file order
         self._ends = array("q")
         self._marks: dict[str, int] = {}  # run -> its collected watermark
+        self._removals = array("q")  # the lines that removed files (not a watermark alone)
 
     def _load(self) -> None:
         """Index what was appended since the last look (another node's daemon may append
@@ -146,6 +155,8 @@ class Ledger:
         except msgspec.DecodeError:
             return  # a torn line
         n = len(self._starts)
+        if c.files:
+            self._removals.append(n)
         self._starts.append(at)
         self._ends.append(at + len(line))
         for key in {tuple(f.split("/")[1:3]) for f in c.files}:
@@ -208,35 +219,10 @@ class Ledger:
         return c
 
     def _mkdir(self) -> None:
-        """Create the node's directory if missing, mode 0750 whatever the umask (as the
-        store creates it)."""
-        try:
-            os.mkdir(self.path.parent, 0o750)
-        except FileExistsError:
-            return
-        os.chmod(self.path.parent, 0o750)
+        make_node_dir(self.path.parent)
 
     def _append(self, line: bytes) -> None:
-        self._mkdir()
-        new = not os.path.lexists(self.path)
-        fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o640)
-        try:
-            os.fchmod(fd, 0o640)  # whatever the umask
-            end = os.fstat(fd).st_size
-            if end and os.pread(fd, 1, end - 1) != b"\n":
-                line = b"\n" + line  # after a torn line: never glued to it
-            view = memoryview(line)
-            while view.nbytes:
-                view = view[os.write(fd, view) :]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        if new:  # the ledger's own name must survive a node crash too
-            dfd = os.open(self.path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-            try:
-                os.fsync(dfd)
-            finally:
-                os.close(dfd)
+        append_line(self.path, line)
 
     def _spend_reserve(self) -> bool:
         try:
@@ -276,11 +262,12 @@ class Ledger:
         return self._marks.get(run)
 
     def recent(self, n: int) -> tuple[list[Collected], int]:
-        """The last ``n`` collections, oldest first, and the number of collections in all."""
+        """The last ``n`` collections that removed files, oldest first, and the number of
+        them in all (a line that only raised a watermark is no collection of files)."""
         with self._lock:
             self._load()
-            total = len(self._starts)
-            return self._read(list(range(max(0, total - n), total))), total
+            total = len(self._removals)
+            return self._read(list(self._removals[max(0, total - n) :])), total
 
     def find(self, rel: str) -> Collected | None:
         """The collection that removed file ``rel``, or ``None``."""

@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import os
 import re
 import secrets
 import time
 from collections.abc import Collection, Sequence
-from pathlib import Path
 from typing import Any, Literal
 
 from payload_client import (
@@ -47,7 +47,7 @@ from payloadd.store._appends import LeasedRange, PendingAppend, item_nbytes
 from payloadd.store._budget import APPEND_FILES, READ_CACHE
 from payloadd.store._counts import HTTP, Counts
 from payloadd.store._disk_limits import DiskBudget, tree_sizes
-from payloadd.store._files import DIR_MODE, FileTable, files_needed, unwritten
+from payloadd.store._files import FileTable, check_root, files_needed, unwritten
 from payloadd.store._fs_kind import RootPolicy, detect
 from payloadd.store._generation import GenerationPage
 from payloadd.store._leases import Leases
@@ -60,6 +60,8 @@ from payloadd.store._shapes import SHAPES_NAME, RunShapes
 from payloadd.store._watermarks import Watermarks
 
 __all__ = ["Store"]
+
+log = logging.getLogger("payloadd.store")
 
 
 class Store:
@@ -161,7 +163,6 @@ class Store:
         self._table.one_writer = self.policy.one_writer
         self._owners = itertools.count(1)
         self.last_used: dict[str, float] = {}
-        self._leases = Leases(self._table, self.fields, max_file_bytes, self.last_used)
         self.counts = Counts(self.fields.fields)
         self.reads = Readers(
             self.root, self.node, max_read_bytes, self.touch, self.policy, read_cache,
@@ -171,37 +172,12 @@ class Store:
         self.prefetcher = Prefetcher(self.reads, self.counts, max_read_bytes)
         self.shapes = RunShapes(self.root / node / SHAPES_NAME, self.fields)
         self.watermarks = Watermarks(self.reads)
+        self._leases = Leases(
+            self._table, self.fields, max_file_bytes, self.last_used, self.shapes,
+            self.watermarks,
+        )  # fmt: skip
 
-    @staticmethod
-    def check_root(root: str | os.PathLike[str], node: str | None = None) -> Path:
-        """Create the payload root (mode 0750) if missing; return its real path.
-
-        With ``node``, also check the node prefix ``<root>/<node>``: when it exists it must
-        be a directory, not a symlink (reads refuse files reached through a symlink, so the
-        daemon would write rows it could not serve).
-
-        Raises
-        ------
-        OSError
-            When it cannot be created, is not a directory, or is not writable; when the node
-            prefix is a symlink or not a directory.
-        """
-        if node is not None:
-            prefix = os.path.join(root, node)
-            if os.path.islink(prefix) or (os.path.lexists(prefix) and not os.path.isdir(prefix)):
-                raise NotADirectoryError(
-                    f"node prefix {prefix} is a symlink or not a directory: the daemon writes "
-                    "only into a directory of the payload root"
-                )
-        if os.path.lexists(root) and not os.path.isdir(root):
-            raise NotADirectoryError(f"payload root {root} exists and is not a directory")
-        if not os.path.lexists(root):
-            os.makedirs(root, mode=DIR_MODE, exist_ok=True)
-            os.chmod(root, DIR_MODE)  # a root we create is 0750; an existing one keeps its mode
-        real = Path(os.path.realpath(root))
-        if not os.access(real, os.W_OK | os.X_OK):
-            raise PermissionError(f"payload root {root} is not writable by this user")
-        return real
+    check_root = staticmethod(check_root)
 
     # -- appends ------------------------------------------------------------------------
 
@@ -262,7 +238,7 @@ class Store:
         sizes = [item_nbytes(item, i) for i, item in enumerate(items)]
         for i, item in enumerate(items):
             check_item(self.fields, item, i)
-        self.watermarks.check((it.run, it.step) for it in items)
+        self.watermarks.refresh_if_due()  # I/O: before the lock
         total = sum(n for _, n in sizes)
         if total > self.max_append_bytes:
             raise PayloadTooLargeError(
@@ -295,7 +271,8 @@ class Store:
             t.shared.move_to_end(key)
             return f
 
-        with t.lock, os_errors(self.root):
+        with t.lock, os_errors(self.root):  # a collection plans under this lock too
+            self.watermarks.check((it.run, it.step) for it in items)
             t.budget.room(total)
             self.shapes.take((i, it.run, it.field, it.shape) for i, it in enumerate(items))
             try:
@@ -312,7 +289,14 @@ class Store:
         return PendingAppend(t, self.counts, items, placements, files, private, transport)
 
     def lease(
-        self, run: str, step: int, field: str, nbytes: int, size: int, owner: int
+        self,
+        run: str,
+        step: int,
+        field: str,
+        nbytes: int,
+        size: int,
+        owner: int,
+        shape: Sequence[int] | None = None,
     ) -> LeasedRange:
         """Reserve a byte range of the file of ``(run, step, field)`` private to ``owner``.
 
@@ -337,22 +321,32 @@ class Store:
             is closed (then an unused tail at the file's end stops counting).
         StepCollectedError
             ``step`` is at or below the run's collected watermark.
+
+        ``shape``: the row shape of the rows the client places in the lease (a data-plane
+        client's), checked and fixed where first as an append's (`RunShapes.lease`), once
+        every other check passed; ``None``: not checked (a client older than it).
         """
-        self.watermarks.check([(run, step)])
-        got = self._leases.lease(run, step, field, nbytes, size, owner)
+        self.watermarks.refresh_if_due()
+        got = self._leases.lease(run, step, field, nbytes, size, owner, shape=shape)
         assert got is not None
         return got
 
     def lease_ahead(
-        self, run: str, step: int, field: str, nbytes: int, size: int, owner: int
+        self,
+        run: str,
+        step: int,
+        field: str,
+        nbytes: int,
+        size: int,
+        owner: int,
+        shape: Sequence[int] | None = None,
     ) -> LeasedRange | None:
         """`lease`, for a key a client has not appended to yet (it asks ahead, to save a
         round trip later): ``None``, nothing reserved, unless the disk limits leave room for
-        `payloadd.store._leases.AHEAD_ROOM` such leases, or ``step`` is collected already."""
-        mark = self.watermarks.mark(run)
-        if mark is not None and step <= mark:
-            return None
-        return self._leases.lease(run, step, field, nbytes, size, owner, ahead=True)
+        `payloadd.store._leases.AHEAD_ROOM` such leases, ``step`` is not collected, and the
+        run took ``shape`` for ``field`` already (a lease ahead fixes no shape)."""
+        self.watermarks.refresh_if_due()
+        return self._leases.lease(run, step, field, nbytes, size, owner, ahead=True, shape=shape)
 
     def declare_shapes(self, shapes: Sequence[tuple[str, str, list[int]]]) -> None:
         """Check (and fix, where first) the row shapes ``(run, field, shape)`` a data-plane
@@ -366,6 +360,20 @@ class Store:
         """
         with os_errors(self.root):
             self.shapes.declare(shapes)
+
+    def forget_shapes(self, run: str, node: str | None = None) -> None:
+        """Forget the row shapes ``run`` fixed on this node, or on ``node``'s prefix (whose
+        daemon reads them at its next start), as its deletion begins: under the lock leases
+        are granted under, so that a lease granted after fixes its shape anew. An error of
+        the file is logged: the shapes then stay fixed (a new run of the name takes them)."""
+        shapes = self.shapes
+        if node is not None and node != self.node:
+            shapes = RunShapes(self.root / node / SHAPES_NAME, self.fields)
+        try:
+            with self._table.lock:
+                shapes.forget(run)
+        except OSError as exc:
+            log.warning("the row shapes of deleted run %r stay fixed: %s", run, exc)
 
     def syncs_together(self) -> contextlib.AbstractContextManager[None]:
         """A block whose new files' directories are fsync'd once each at its end, under

@@ -60,19 +60,25 @@ class Watermarks:
             led.mark("", load=True)
         self._ledgers = found
 
-    def mark(self, run: str) -> int | None:
-        """The watermark of ``run`` over every node's ledger (``None``: never collected)."""
-        now = time.monotonic()
-        if now >= self._next:
+    def refresh_if_due(self) -> None:
+        """Read the nodes' ledgers again when `refresh_s` passed since the last look (I/O:
+        call it before taking the lock `check` is called under)."""
+        if time.monotonic() >= self._next:
             with self._lock:
-                if now >= self._next:
+                if time.monotonic() >= self._next:
                     self._refresh()
                     self._next = time.monotonic() + self.refresh_s
+
+    def mark(self, run: str) -> int | None:
+        """The watermark of ``run`` over every node's ledger as last read (``None``: never
+        collected); no I/O. This daemon's own collections count at once."""
         marks = [m for led in self._ledgers if (m := led.mark(run)) is not None]
         return max(marks, default=None)
 
     def check(self, keys: Iterable[tuple[str, int]], what: str = "an append") -> None:
-        """Refuse ``what`` into any ``(run, step)`` of ``keys`` at or below its run's watermark.
+        """Refuse ``what`` into any ``(run, step)`` of ``keys`` at or below its run's watermark
+        (`mark`: no I/O, so that it can run under the lock appends are placed under, which
+        a collection plans under too).
 
         Raises
         ------

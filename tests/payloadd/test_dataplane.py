@@ -10,6 +10,7 @@ import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -365,9 +366,9 @@ def test_a_lease_whose_file_gc_removes_at_once_is_placed_again(
     leased: list[str] = []
 
     def lease_then_gc(
-        run: str, step: int, field: str, nbytes: int, size: int, owner: int
+        run: str, step: int, field: str, nbytes: int, size: int, owner: int, shape: Any = None
     ) -> LeasedRange:
-        got = lease(run, step, field, nbytes, size, owner)
+        got = lease(run, step, field, nbytes, size, owner, shape)
         leased.append(got.file)
         if not raced:  # a collection lands between the lease and the client's descriptor
             if rule == "run":

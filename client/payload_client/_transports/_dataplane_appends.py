@@ -323,9 +323,11 @@ def _take_leases(
     for (key, file, offset, nbytes), fd in zip(grants, fds, strict=True):
         leases.put(key, LeasedRange(file, fd, offset, offset + nbytes, reply.fsync, offset, seen))
     table = leases.fields
-    for run, fld, shape in request.shapes:  # granted: the daemon took these shapes
-        spec = None if table is None else table.fields.get(fld)
-        leases.shapes[(run, fld)] = (row_pattern(shape, is_ragged(spec)), shape)
+    granted = {(key[0], key[2]) for key, *_ in grants}
+    for run, fld, shape in request.shapes:  # the daemon took the shapes of leases granted
+        if (run, fld) in granted:
+            spec = None if table is None else table.fields.get(fld)
+            leases.shapes[(run, fld)] = (row_pattern(shape, is_ragged(spec)), shape)
 
 
 def append_leased(
@@ -402,6 +404,7 @@ def append_steps(
     check_together(items, leases.fields)
     sizes = [b.nbytes for b in bodies]
     yield from declare_steps(items, sizes, leases)
+    asked_shapes = False
     while True:
         places: list[Place] = []
         too_large = False
@@ -429,6 +432,13 @@ def append_steps(
             if too_large:
                 leases.unclaim(_claims(places, sizes))
                 return (yield from reserve_steps(items, bodies))
+            if not _taken(leases, items):  # another thread's lease, of another shape
+                leases.unclaim(_claims(places, sizes))
+                if asked_shapes:
+                    raise ProtocolError("the daemon took a row shape and then another")
+                asked_shapes = True
+                yield from declare_steps(items, sizes, leases)  # refused, or taken now
+                continue  # (the finally below ends this round's claims)
 
             write = functools.partial(_write_leased, places, bodies, leases.generation)
             try:
