@@ -129,8 +129,8 @@ def _taken(leases: LeaseCache, items: Sequence[AppendItem]) -> bool:
     """Whether the daemon took the row shape of every item for its run and field."""
     for it in items:
         have = leases.shapes.get((it.run, it.field))
-        if have is None or have[0] != _pattern(leases, it):
-            return False
+        if have is None or (have[1] != it.shape and have[0] != _pattern(leases, it)):
+            return False  # (the shape taken itself: no pattern to work out)
     return True
 
 
