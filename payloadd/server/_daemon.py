@@ -124,6 +124,9 @@ class Daemon:
         log.info("payloadd %s: root %s, node %s", __version__, self.store.root, self.store.node)
         # the GC rules over the store (its ledger keeps room for a line on a full disk)
         self.collector = GarbageCollector(self.store, s.ttl_s)  # its grace: the policy's
+        # a collection a crash cut is finished before anything is served: its line says
+        # its files go, so none of them may be read again
+        self.collector.finish_interrupted()
 
     def _root_policy(self) -> RootPolicy:
         """The rules for other nodes' files and shared appends on the root's file system:

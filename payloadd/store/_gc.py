@@ -9,12 +9,14 @@ never removed, and collections of another node's prefix: docs/operations.md, sec
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import logging
 import os
 import threading
 import time
 from collections.abc import Iterable
+from pathlib import Path
 
 from payload_client import InvalidRequestError
 from payload_client.protocol import GcCount, GcReport, GcRequest, check_name
@@ -188,16 +190,17 @@ class GarbageCollector:
             for run, _, plan in planned:
                 by_run.setdefault(run, []).extend(plan.files)
                 self._planned.update(rel for rel, _ in plan.files)
-            lines = 0
+            lines: list[int] = []  # their offsets, said done once the removals happened
             try:
                 for run, files in by_run.items():
                     if not files:  # nothing to remove: no line (the ledger stays small)
                         continue
                     with os_errors(self.store.root):  # a full disk: 507, nothing is removed
-                        self.store.ledger(node).record(
-                            run, reason, [rel for rel, _ in files], sum(n for _, n in files)
+                        lines.append(
+                            self.store.ledger(node).begin(
+                                run, reason, [rel for rel, _ in files], sum(n for _, n in files)
+                            )
                         )  # before any of them goes
-                    lines += 1
             except BaseException:
                 for files in by_run.values():  # a later collection plans them again
                     self._planned.difference_update(rel for rel, _ in files)
@@ -216,6 +219,8 @@ class GarbageCollector:
             if removal.files or removal.dirs:
                 report.steps.append((run, step))
             runs.setdefault(run, []).append(step)
+        if not report.dry_run:
+            self._finish(lines, node)
         for run, steps in runs.items():
             if node is not None and not report.dry_run:  # no orphan pass there
                 report.dirs += self.store.remove_run_dir(run, node)
@@ -224,6 +229,54 @@ class GarbageCollector:
             log.info(
                 "gc %s: run %s%s, steps %s..%s%s", reason, run, where, steps[0], steps[-1], dry
             )
+
+    def _finish(self, lines: list[int], node: str | None) -> None:
+        """Say in the ledger that the collections at ``lines`` removed their files; an error
+        is logged (the next start finds nothing left to remove, and says it then)."""
+        for at in lines:
+            try:
+                self.store.ledger(node).finish(at)
+            except OSError as exc:
+                log.warning("gc: the end of a collection not written to the ledger: %s", exc)
+
+    def finish_interrupted(self) -> int:
+        """Finish the collections of this node's ledger that a crash cut: remove the files
+        their lines list that are still there (a line says its files go), then say them
+        done; at start, before the daemon serves (no client holds anything yet). Returns
+        the files removed.
+
+        Raises
+        ------
+        StorageFullError
+            When the ledger cannot be written.
+        """
+        removed = 0
+        ledger = self.store.ledger()
+        for at, c in ledger.unfinished():
+            dirs: set[Path] = set()
+            left = 0
+            for rel in c.files:
+                path = self.store.root / rel
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    continue
+                left += 1
+                dirs.add(path.parent)
+            removed += left
+            for d in sorted(dirs, reverse=True):  # the step, then the run, when empty
+                for empty in (d, d.parent):
+                    with contextlib.suppress(OSError):
+                        empty.rmdir()
+            with os_errors(self.store.root):
+                ledger.finish(at)
+            log.warning(
+                "gc: finished a %s collection of run %s a crash cut: %d of its %d files "
+                "were still there", c.reason, c.run, left, len(c.files)
+            )  # fmt: skip
+        if removed:
+            self.store.recount()
+        return removed
 
     def _raise_mark(self, run: str, through: int, node: str | None) -> None:
         """Write the watermark ``through`` of ``run`` into the ledger when it rises, before

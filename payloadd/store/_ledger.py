@@ -59,7 +59,7 @@ that the ledger line of the collection that makes room can still be written."""
 log = logging.getLogger("payloadd.gc")
 
 
-class Collected(msgspec.Struct, forbid_unknown_fields=False):
+class Collected(msgspec.Struct, forbid_unknown_fields=False, omit_defaults=True):
     """One collection: the files of ``run`` it removed.
 
     Attributes
@@ -79,6 +79,12 @@ class Collected(msgspec.Struct, forbid_unknown_fields=False):
         The watermark of a ``watermark`` collection: steps ``<= through`` of ``run`` are
         gone, and appends into them are refused. ``None`` in other lines (and in lines
         written before this was recorded: their files' steps stand for it).
+    tracked : bool
+        Its removals are followed by a ``done`` line when they all happened: a line with
+        files and no ``done`` line after it was cut (a crash), and the daemon's next start
+        finishes it (`Ledger.unfinished`). ``False`` in lines written before this.
+    done : int or None
+        On a ``done`` line: the byte offset of the line whose removals all happened.
     """
 
     run: str
@@ -87,6 +93,8 @@ class Collected(msgspec.Struct, forbid_unknown_fields=False):
     files: list[str]
     bytes: int | None = None
     through: int | None = None
+    tracked: bool = False
+    done: int | None = None
 
 
 _decoder = msgspec.json.Decoder(Collected)
@@ -117,6 +125,7 @@ class Ledger:
         self._ends = array("q")
         self._marks: dict[str, int] = {}  # run -> its collected watermark
         self._removals = array("q")  # the lines that removed files (not a watermark alone)
+        self._unfinished: dict[int, int] = {}  # offset -> line number, of lines not done
 
     def _load(self) -> None:
         """Index what was appended since the last look (another node's daemon may append
@@ -157,6 +166,10 @@ class Ledger:
         n = len(self._starts)
         if c.files:
             self._removals.append(n)
+            if c.tracked:
+                self._unfinished[at] = n
+        if c.done is not None:
+            self._unfinished.pop(c.done, None)
         self._starts.append(at)
         self._ends.append(at + len(line))
         for key in {tuple(f.split("/")[1:3]) for f in c.files}:
@@ -207,22 +220,60 @@ class Ledger:
             When the ledger cannot be written (the caller then removes nothing).
         """
         c = Collected(run, reason, time.time(), files, nbytes, through)
+        self._write(c)
+        return c
+
+    def begin(self, run: str, reason: str, files: list[str], nbytes: int) -> int:
+        """`record` a collection of ``files`` whose removals `finish` will say happened;
+        return the offset of its line (for `finish`).
+
+        Raises
+        ------
+        OSError
+            When the ledger cannot be written (the caller then removes nothing).
+        """
+        return self._write(Collected(run, reason, time.time(), files, nbytes, tracked=True))
+
+    def finish(self, offset: int) -> None:
+        """Say that every removal of the collection at ``offset`` (`begin`) happened.
+
+        Raises
+        ------
+        OSError
+            When the ledger cannot be written (the next start then removes what is left,
+            nothing, and says it).
+        """
+        self._write(Collected("", "done", time.time(), [], None, done=offset))
+
+    def unfinished(self) -> list[tuple[int, Collected]]:
+        """The collections begun and not finished (cut by a crash), oldest first, with the
+        offsets of their lines."""
+        with self._lock:
+            self._load()
+            items = sorted(self._unfinished.items())
+            return list(
+                zip((at for at, _ in items), self._read([n for _, n in items]), strict=False)
+            )
+
+    def _write(self, c: Collected) -> int:
+        """Append line ``c`` (on a full file system, after the spare file is removed); index
+        it; return its offset."""
         line = _encoder.encode(c) + b"\n"
         with self._lock:
             try:
-                self._append(line)
+                at = self._append(line)
             except OSError as exc:
                 if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or not self._spend_reserve():
                     raise
-                self._append(line)
+                at = self._append(line)
             self._load()
-        return c
+        return at
 
     def _mkdir(self) -> None:
         make_node_dir(self.path.parent)
 
-    def _append(self, line: bytes) -> None:
-        append_line(self.path, line)
+    def _append(self, line: bytes) -> int:
+        return append_line(self.path, line)
 
     def _spend_reserve(self) -> bool:
         try:

@@ -23,9 +23,10 @@ def make_node_dir(path: Path) -> None:
     os.chmod(path, 0o750)
 
 
-def append_line(path: Path, data: bytes) -> None:
+def append_line(path: Path, data: bytes) -> int:
     """Append ``data`` (whole lines, each ending in a newline) to ``path`` and fsync it; the
     file is created with mode 0640, and its name fsync'd into its directory when new.
+    Returns the byte offset of ``data`` in the file.
 
     Raises
     ------
@@ -40,6 +41,7 @@ def append_line(path: Path, data: bytes) -> None:
         end = os.fstat(fd).st_size
         if end and os.pread(fd, 1, end - 1) != b"\n":
             data = b"\n" + data  # after a torn line: never glued to it
+            end += 1
         view = memoryview(data)
         while view.nbytes:
             view = view[os.write(fd, view) :]
@@ -52,3 +54,4 @@ def append_line(path: Path, data: bytes) -> None:
             os.fsync(dfd)
         finally:
             os.close(dfd)
+    return end

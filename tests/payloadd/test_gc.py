@@ -291,8 +291,9 @@ def test_a_collection_that_removes_nothing_adds_no_ledger_line(tmp_path: Path) -
     c.collect(GcRequest(run="r", through_step=0))
     c.collect(GcRequest(run="never", through_step=9))  # a watermark over no step: one line
     ledger = (tmp_path / "n" / LEDGER_NAME).read_bytes()
-    # r: its watermark (written first), then the files it removed; never: its watermark
-    assert ledger.count(b"\n") == 3 and b'"through":9' in ledger
+    # r: its watermark (written first), the files it removed, that they went; never: its
+    # watermark
+    assert ledger.count(b"\n") == 4 and b'"through":9' in ledger
     for _ in range(20):  # a trainer repeating its watermark, an operator deleting twice
         assert c.collect(GcRequest(run="r", through_step=0)).files == 0
         assert c.collect(GcRequest(run="never", through_step=9)).files == 0
@@ -329,7 +330,8 @@ def test_the_age_rule_adds_no_ledger_line_for_a_step_it_keeps(tmp_path: Path) ->
     assert not (tmp_path / "n" / LEDGER_NAME).exists()  # nothing collected: no 410 either
     pending.close()
     assert c.collect(GcRequest()).steps == [("r", 0)]
-    assert len((tmp_path / "n" / LEDGER_NAME).read_bytes().splitlines()) == 1
+    lines = (tmp_path / "n" / LEDGER_NAME).read_bytes().splitlines()
+    assert len(lines) == 2 and b'"done":0' in lines[1]  # its line, and that it was done
 
 
 def test_the_ledger_and_its_directory_get_exact_modes_whatever_the_umask(tmp_path: Path) -> None:
