@@ -30,11 +30,13 @@ import msgspec
 from payload_client import (
     BusyError,
     InvalidRequestError,
+    PayloadError,
     PayloadTooLargeError,
     UnauthorizedError,
 )
 from payload_client.protocol import (
     HELLO_BYTES,
+    PEER_VERSION,
     PeerBytes,
     PeerHello,
     PeerRead,
@@ -171,13 +173,20 @@ class PeerServer(Listener):
         started = time.monotonic()
         set_timeouts(sock, min(HELLO_S, self.request_timeout))
         try:
-            got = self._frame(sock, HELLO_BYTES, min(HELLO_S, self.request_timeout))
-        except (_IdleError, PayloadTooLargeError, StalledError):
+            got = self._hello_frame(sock, started + min(HELLO_S, self.request_timeout))
+        except (PayloadTooLargeError, StalledError):
             got = None
-        hello = _decoded(got[0]) if got is not None else None
+        hello = _decoded(got) if got is not None else None
+        exc: PayloadError | None = None
         if not isinstance(hello, PeerHello) or not self._token.accepts(hello.token.encode()):
             what = "the token sent is not it" if isinstance(hello, PeerHello) else "no hello"
             exc = UnauthorizedError(f"the peer port needs the admin token first; {what}")
+        elif hello.version != PEER_VERSION:
+            exc = InvalidRequestError(
+                f"this daemon's peer port speaks version {PEER_VERSION}, the hello says "
+                f"{hello.version}: use a payload-client of the daemon's version"
+            )
+        if exc is not None:
             self._count("hello", started, exc)
             if got is not None:
                 sock.sendall(framed(error_reply(exc, self.name, self.log)))
@@ -189,6 +198,34 @@ class PeerServer(Listener):
 
     def _idle(self) -> None:
         raise _IdleError
+
+    @staticmethod
+    def _hello_frame(sock: socket.socket, deadline: float) -> bytearray | None:
+        """The hello frame's body, whole by ``deadline`` however slowly it trickles in;
+        ``None`` when the connection ended first.
+
+        Raises
+        ------
+        StalledError
+            The hello was not whole by ``deadline``.
+        PayloadTooLargeError
+            Its prefix gives a body above `HELLO_BYTES`.
+        """
+        frame = FrameReader(HELLO_BYTES, "peer hello")
+        poll = select.poll()
+        poll.register(sock, select.POLLIN)
+        while not frame.done():
+            left = deadline - time.monotonic()
+            if left <= 0 or not poll.poll(left * 1000):
+                raise StalledError
+            try:
+                k = sock.recv_into(frame.buffer())
+            except BlockingIOError:  # woken with nothing to read
+                continue
+            if not k:
+                return None
+            frame.received(k)
+        return frame.body()
 
     def _frame(
         self, sock: socket.socket, limit: int, first_wait: float

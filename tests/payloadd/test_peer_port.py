@@ -39,6 +39,7 @@ from payload_client._transports import (
 from payload_client._transports._peer import CONNECT_S
 from payload_client.protocol import (
     FRAME_PREFIX,
+    PEER_VERSION,
     AppendItem,
     ErrorReply,
     Extent,
@@ -189,6 +190,41 @@ def test_a_hello_too_large_or_too_late_is_cut_off(peer: Peer) -> None:
     with peer.connect(hello=False) as s:
         s.sendall(FRAME_PREFIX.pack(40) + b"\x93")  # a hello that stops mid-way
         assert closed(s, 10)
+
+
+def test_a_trickling_hello_is_cut_off_at_its_deadline(peer: Peer) -> None:
+    """A byte every 1.5 s, each within the socket's receive timeout (2 s here): the hello
+    must still be whole within its 2 s (``request_timeout_s``), however it trickles."""
+    body = msgspec.msgpack.encode(PeerHello(TOKEN))
+    data = FRAME_PREFIX.pack(len(body)) + body
+    stop = threading.Event()
+    with peer.connect(hello=False) as s:
+
+        def trickle() -> None:
+            for b in data[:-1]:  # never whole
+                if stop.wait(1.5):
+                    return
+                with contextlib.suppress(OSError):
+                    s.send(bytes([b]))
+
+        start = time.monotonic()
+        t = threading.Thread(target=trickle)
+        t.start()
+        try:
+            assert closed(s, 12)
+            assert time.monotonic() - start < 2 + 1.5  # its deadline, not bytes x gaps
+        finally:
+            stop.set()
+            t.join(10)
+
+
+def test_a_hello_of_another_protocol_version_is_refused_in_words(peer: Peer) -> None:
+    with peer.connect(hello=False) as s:
+        send(s, PeerHello(TOKEN, version=PEER_VERSION + 1))
+        got = recv(s)
+        assert isinstance(got, ErrorReply) and got.error == "InvalidRequestError"
+        assert f"version {PEER_VERSION}, the hello says {PEER_VERSION + 1}" in got.message
+        assert closed(s, 5)
 
 
 def test_errors_of_a_read_keep_the_connection(peer: Peer) -> None:
