@@ -4,8 +4,9 @@ uvicorn bounds neither the connections it holds nor the time before a connection
 request: every idle connection keeps a descriptor for as long as its client likes, until
 the daemon runs out. `limited_protocol` gives a protocol class that
 
-- answers a connection beyond the daemon's share with a 503 (`BusyError`) at once, without
-  reading its request, and closes it a moment later;
+- answers a connection beyond the daemon's share with a 503 (`BusyError`, ``Retry-After:
+  1``) at once, and closes it a moment later: whatever it sends is dropped unparsed, so no
+  request of it is ever routed (the 503 says nothing was done, and nothing is);
 - closes a connection that sends no complete request head within ``request_timeout``
   seconds of being opened, or of the first byte of a later request (between requests, an
   idle connection is closed by uvicorn's keep-alive timer, ``keep_alive_s``; the rest of a
@@ -45,7 +46,7 @@ def _busy_answer(limit: int) -> bytes:
     )
     head = (
         "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
-        f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+        f"content-length: {len(body)}\r\nretry-after: 1\r\nconnection: close\r\n\r\n"
     )
     return head.encode() + body
 
@@ -69,6 +70,7 @@ def limited_protocol(
 
     class LimitedHttpToolsProtocol(HttpToolsProtocol):
         _head_deadline: asyncio.TimerHandle | None = None
+        _refused = False  # answered 503: nothing it sends is parsed, let alone routed
         lingering = 0  # refused connections waiting to close, of this server
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -84,8 +86,9 @@ def limited_protocol(
             as many refused connections linger as are served (a storm must not take every
             descriptor)."""
             cls = type(self)
+            self._refused = True
             self.connections.discard(self)  # not served: it does not count
-            transport.pause_reading()
+            transport.pause_reading()  # (a transport may deliver what it read already)
             transport.write(busy)
             if on_refused is not None:
                 on_refused("connections")
@@ -100,6 +103,11 @@ def limited_protocol(
                 transport.close()
 
             self.loop.call_later(REFUSED_CLOSE_S, close)
+
+        def data_received(self, data: bytes) -> None:
+            if self._refused:  # the 503 said nothing was done: nothing is
+                return
+            super().data_received(data)
 
         def _expect_head(self) -> None:
             """Close the connection unless a request head is complete within the timeout."""

@@ -157,6 +157,41 @@ def test_the_http_side_closes_idle_connections_and_refuses_beyond_its_share(
             assert c.health().status == "ok"
 
 
+def test_a_call_refused_beyond_the_share_is_not_carried_out(tmp_path: Path) -> None:
+    """The 503 says nothing was done, and nothing is: an append, a run deletion and a
+    collection refused beyond ``max_connections`` are not routed (their request, sent
+    whole, is never parsed)."""
+    sock, root = tmp_path / "s.sock", tmp_path / "root"
+    with start_daemon(root, sock, "--max-connections", "2", "--request-timeout-s", "5"):
+        with PayloadClient(sock, data_plane=False) as c:
+            c.append(R, np.ones((4, 48, 8), np.uint8), 0, run="kept", step=0)
+            before = c.stats()
+        files = sorted(p.relative_to(root) for p in root.rglob("*"))
+        idle = []
+        for _ in range(2):  # the whole share, idle
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(str(sock))
+            idle.append(s)
+        time.sleep(0.3)
+        with PayloadClient(sock, data_plane=False) as c:
+            calls = {
+                "append": lambda: c.append(R, np.ones((4, 48, 8), np.uint8), 0, run="new", step=0),
+                "delete_run": lambda: c.delete_run("kept"),
+                "gc": lambda: c.gc(run="kept", through_step=0),
+            }
+            for call in calls.values():
+                with pytest.raises(BusyError, match="2 HTTP connections"):
+                    call()
+        for s in idle:
+            s.close()
+        time.sleep(0.3)
+        with PayloadClient(sock, data_plane=False) as c:
+            after = c.stats()
+            assert (after.appends, after.bytes_appended) == (before.appends, before.bytes_appended)
+            assert sorted(p.relative_to(root) for p in root.rglob("*")) == files  # nothing
+            assert c.usage().runs[0].run == "kept"  # neither deleted nor collected
+
+
 def test_beyond_the_data_plane_share_clients_fall_back_to_http(tmp_path: Path) -> None:
     sock = tmp_path / "s.sock"
     with start_daemon(tmp_path / "root", sock, "--max-data-connections", "2"):
