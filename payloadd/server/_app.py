@@ -38,7 +38,7 @@ from payload_client.protocol import (
 )
 from payloadd._version import __version__
 from payloadd.server._access import ERROR_CLASS, AccessMiddleware
-from payloadd.server._auth import TokenGuard, load_admin_token
+from payloadd.server._auth import TokenGuard, load_admin_token, remote_host
 from payloadd.server._daemon import Daemon
 from payloadd.server._dataplane_server import DataPlaneServer
 from payloadd.server._errors import WireError, refusal, wire_error
@@ -228,7 +228,8 @@ def create_app(
             )
         length = content_length(request, settings.max_request_bytes)
         chunks = request.stream().__aiter__()
-        with Buffered(inflight) as buffered:  # the header, counted in flight until decoded
+        host = remote_host(request.scope)
+        with Buffered(inflight, host) as buffered:  # the header, counted in flight until decoded
             frame, rows = await read_append_header(
                 chunks, settings.max_control_bytes, buffered, timeout
             )
@@ -243,7 +244,7 @@ def create_app(
         nbytes = length - frame.size
         del frame
         segments = await stream_append(
-            store, request.state.fds, items, nbytes, rows, chunks, timeout
+            store, request.state.fds, items, nbytes, rows, chunks, timeout, host is not None
         )
         return _answer(request, AppendResponse(segments))
 
@@ -260,14 +261,16 @@ def create_app(
     async def read(request: Request) -> Response:
         json = media_type(request) == "application/json"
         decoder = _read_json.decode if json else _read_msgpack.decode
-        with Buffered(inflight) as buffered:  # the body, counted in flight until decoded
+        host = remote_host(request.scope)
+        with Buffered(inflight, host) as buffered:  # the body, counted until decoded
             body = await read_body(
                 request, settings.max_control_bytes, buffered, timeout, "read request"
             )
             req: ReadRequest = _decode(decoder, body, "read request")
             del body
         store: Store = request.state.store
-        return await read_response(store, request.state.fds, req.extents, timeout)
+        fds = request.state.fds
+        return await read_response(store, fds, req.extents, timeout, host is not None)
 
     @app.post(
         "/v1/prefetch",
@@ -283,7 +286,7 @@ def create_app(
     async def prefetch(request: Request) -> Response:
         json = media_type(request) == "application/json"
         decoder = _read_json.decode if json else _read_msgpack.decode
-        with Buffered(inflight) as buffered:
+        with Buffered(inflight, remote_host(request.scope)) as buffered:
             body = await read_body(
                 request, settings.max_control_bytes, buffered, timeout, "prefetch request"
             )
@@ -306,7 +309,7 @@ def create_app(
     async def gc(request: Request) -> Response:
         body = b""
         if "content-length" in request.headers or "transfer-encoding" in request.headers:
-            with Buffered(inflight) as buffered:
+            with Buffered(inflight, remote_host(request.scope)) as buffered:
                 body = await read_body(
                     request, settings.max_control_bytes, buffered, timeout, "gc request"
                 )

@@ -13,7 +13,7 @@ import hmac
 import logging
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import msgspec
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -28,7 +28,9 @@ __all__ = [
     "MIN_TOKEN_CHARS",
     "TokenGuard",
     "Tokens",
+    "bearer",
     "load_admin_token",
+    "remote_host",
 ]
 
 log = logging.getLogger("payloadd")
@@ -123,6 +125,15 @@ def _over_network(scope: Scope) -> bool:
     return server is not None and server[1] is not None
 
 
+def remote_host(scope: Scope) -> str | None:
+    """The address of the host a request came from over TCP; ``None`` over the Unix socket
+    (what the request holds then counts against the network's shares, `InFlight`)."""
+    if not _over_network(scope):
+        return None
+    client = scope.get("client")
+    return str(client[0]) if client else "?"
+
+
 class TokenGuard:
     """ASGI middleware: answers 401 to calls that need the admin token and lack it.
 
@@ -147,7 +158,7 @@ class TokenGuard:
         if not network and (self.token is None or not scope["path"].startswith(ADMIN_PREFIX)):
             await self.app(scope, receive, send)
             return
-        sent = self._bearer(scope)
+        sent = bearer(scope["headers"])
         if sent is not None and self.token is not None and self.token.accepts(sent):
             await self.app(scope, receive, send)
             return
@@ -165,13 +176,14 @@ class TokenGuard:
             challenge = b'Bearer realm="payloadd", error="invalid_token"'
         await _refuse(send, message, challenge)
 
-    @staticmethod
-    def _bearer(scope: Scope) -> bytes | None:
-        for name, value in scope["headers"]:
-            if name == b"authorization":
-                scheme, _, token = value.strip().partition(b" ")
-                return token.strip() if scheme.lower() == b"bearer" else None
-        return None
+
+def bearer(headers: Iterable[tuple[bytes, bytes]]) -> bytes | None:
+    """The token of a request's ``Authorization: Bearer`` header (``None``: none)."""
+    for name, value in headers:
+        if name == b"authorization":
+            scheme, _, token = value.strip().partition(b" ")
+            return token.strip() if scheme.lower() == b"bearer" else None
+    return None
 
 
 async def _refuse(send: Send, message: str, challenge: bytes) -> None:

@@ -46,6 +46,7 @@ def descriptor_shares(s: Settings) -> Descriptors:
         max_connections=s.max_connections,
         max_data_connections=s.max_data_connections if s.data_plane else 0,
         max_peer_connections=s.max_peer_connections if s.peer_port is not None else 0,
+        max_tcp_connections=s.max_tcp_connections if s.tcp_port is not None else 0,
     )
 
 

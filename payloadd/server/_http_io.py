@@ -89,10 +89,11 @@ def content_length(request: Request, limit: int) -> int:
 
 class Buffered:
     """Bytes of a request held in memory, counted against ``max_inflight_bytes`` (`InFlight`)
-    until `release`, or the end of a ``with`` block."""
+    until `release`, or the end of a ``with`` block; against ``host``'s share when the request
+    came over the network (`remote_host`)."""
 
-    def __init__(self, inflight: InFlight) -> None:
-        self.inflight, self.nbytes = inflight, 0
+    def __init__(self, inflight: InFlight, host: str | None = None) -> None:
+        self.inflight, self.host, self.nbytes = inflight, host, 0
 
     def __enter__(self) -> Buffered:
         return self
@@ -102,12 +103,12 @@ class Buffered:
 
     def add(self, n: int) -> None:
         """Count ``n`` more bytes, or raise `BusyError` (nothing more counted)."""
-        self.inflight.try_acquire(n)
+        self.inflight.try_acquire(n, self.host)
         self.nbytes += n
 
     def release(self) -> None:
         """Stop counting them (again: nothing)."""
-        self.inflight.release(self.nbytes)
+        self.inflight.release(self.nbytes, self.host)
         self.nbytes = 0
 
 
@@ -205,12 +206,14 @@ async def stream_append(
     rows: memoryview,
     chunks: AsyncIterator[bytes],
     timeout: float,
+    remote: bool = False,
 ) -> list[list[PayloadSegment]]:
     """Append ``items``, ``nbytes`` bytes of rows: ``rows``, then the rest of ``chunks``,
-    written as they arrive; their segments once committed (a failure gives it back)."""
+    written as they arrive; their segments once committed (a failure gives it back). Its
+    descriptors come from the network's part of the share when ``remote``."""
     private = nbytes > SMALL_APPEND  # its reservation may wait long on the client
     files = store.files_needed(items)
-    with fds.held(files, f"an append of {len(items)} items"):
+    with fds.held(files, f"an append of {len(items)} items", remote=remote):
         if len(items) > THREAD_PARTS:
             pending = await run_in_threadpool(store.begin_append, items, private)
         else:
@@ -226,28 +229,29 @@ async def stream_append(
 
 
 async def read_response(
-    store: Store, fds: Descriptors, extents: list[Extent], timeout: float
+    store: Store, fds: Descriptors, extents: list[Extent], timeout: float, remote: bool = False
 ) -> Response:
     """The answer to a read of ``extents``: their bytes, at once when the read is small,
     else streamed chunk by chunk (`ReadStream`), once every extent is checked and open
-    (errors are still answers). The store counts the read (`Counts.read`)."""
+    (errors are still answers). The store counts the read (`Counts.read`). Its descriptors
+    come from the network's part of the share when ``remote``."""
     files = len({e.file for e in extents})
     big = len(extents) > THREAD_PARTS or sum(e.nbytes for e in extents) > THREAD_BYTES
     if not big:
-        with fds.held(files, f"a read of {files} files"):
+        with fds.held(files, f"a read of {files} files", remote=remote):
             if store.reads.may_wait(extents):  # for another node's file: not on the loop
                 data = await run_in_threadpool(store.read_extents, extents)
             else:
                 data = store.read_extents(extents)
         return Response(memoryview(data), media_type="application/octet-stream")
     # the daemon holds READ_CHUNK bytes of it at a time, and sending starts at once
-    fds.take(files, f"a read of {files} files")
+    fds.take(files, f"a read of {files} files", remote=remote)
     try:
         reader = await run_in_threadpool(store.open_extents, extents)
     except BaseException:
-        fds.give(files)
+        fds.give(files, remote=remote)
         raise
-    return ReadStream(reader, functools.partial(fds.give, files), timeout)
+    return ReadStream(reader, functools.partial(fds.give, files, remote=remote), timeout)
 
 
 async def _chunks(reader: ExtentReader) -> AsyncIterator[memoryview]:

@@ -2,15 +2,26 @@
 
 uvicorn bounds neither the connections it holds nor the time before a connection's first
 request: every idle connection keeps a descriptor for as long as its client likes, until
-the daemon runs out. `limited_protocol` gives a protocol class that
+the daemon runs out. `limited_protocol` gives a protocol class that counts connections in
+shares of their own, so that nothing arriving over TCP can refuse the node's own clients::
 
-- answers a connection beyond the daemon's share with a 503 (`BusyError`, ``Retry-After:
-  1``) at once, and closes it a moment later: whatever it sends is dropped unparsed, so no
-  request of it is ever routed (the 503 says nothing was done, and nothing is);
-- closes a connection that sends no complete request head within ``request_timeout``
-  seconds of being opened, or of the first byte of a later request (between requests, an
-  idle connection is closed by uvicorn's keep-alive timer, ``keep_alive_s``; the rest of a
-  body after an early answer is not a head).
+    Unix socket  (local: the node's clients, the health probe)   max_connections
+    TCP          (every call needs the admin token)               max_tcp_connections
+      of which, not yet shown the token                           an eighth (at least 2),
+                                                                   a quarter of that a host
+
+- A connection beyond its share is answered 503 (`BusyError`, ``Retry-After: 1``) at once
+  and closed a moment later: whatever it sends is dropped unparsed, so no request of it is
+  ever routed (the 503 says nothing was done, and nothing is).
+- A TCP connection is *unauthenticated* until a request head with an admin token the daemon
+  accepts has come (the token guard, `payloadd.server._auth`, answers a head without one
+  401 and the connection closes after it). It must send that head within `HEAD_S` seconds
+  of connecting; every other connection sends a complete request head within
+  ``request_timeout`` seconds of being opened, or of the first byte of a later request
+  (between requests, an idle connection is closed by uvicorn's keep-alive timer,
+  ``keep_alive_s``; the rest of a body after an early answer is not a head). A stranger
+  therefore holds no more than a head's buffer, for no more than `HEAD_S` seconds, in a
+  share of its own.
 
 The rest is uvicorn's (keep-alive, pipelining, flow control). A request body that stalls is
 the routes' business (they answer 408, `payloadd.server._app`).
@@ -20,28 +31,97 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import msgspec
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from payload_client.protocol import ErrorBody
+from payloadd.server._auth import Tokens, bearer
 
-__all__ = ["REFUSED_CLOSE_S", "limited_protocol"]
+__all__ = ["HEAD_S", "REFUSED_CLOSE_S", "HttpShares", "limited_protocol"]
 
 log = logging.getLogger("payloadd")
 
 REFUSED_CLOSE_S = 1.0
 """Seconds a refused connection stays open after its 503 (its write side shut), so that a
 client still sending its request reads the answer instead of a reset."""
+HEAD_S = 5.0
+"""Seconds a TCP connection has to send a request head with the admin token (at most
+``request_timeout_s``)."""
 
 
-def _busy_answer(limit: int) -> bytes:
+@dataclass
+class HttpShares:
+    """The HTTP connections one server holds, by share, and how many each share takes.
+
+    Parameters
+    ----------
+    local : int
+        Connections over the Unix socket at once (``max_connections``' share).
+    tcp : int
+        Connections over TCP at once (``max_tcp_connections``' share; 0: no TCP listener).
+    """
+
+    local: int
+    tcp: int
+    open_local: int = 0
+    open_tcp: int = 0
+    lingering: int = 0  # refused connections waiting to close
+    strangers: Counter[str] = field(default_factory=Counter)  # unauthenticated, by host
+
+    @property
+    def unauthenticated(self) -> int:
+        """TCP connections that have not shown the token, at most, of all hosts."""
+        return min(self.tcp, max(2, self.tcp // 8))
+
+    @property
+    def per_host(self) -> int:
+        """Of them, at most from one host."""
+        return max(1, self.unauthenticated // 4)
+
+    def admit(self, host: str | None) -> str | None:
+        """Count a new connection (``host``: its address over TCP; ``None``: the Unix
+        socket); the reason it is refused instead, ``None`` when it is admitted."""
+        if host is None:
+            if self.open_local >= self.local:
+                return f"{self.local} HTTP connections are open on the Unix socket, its share "
+            self.open_local += 1
+            return None
+        if self.open_tcp >= self.tcp:
+            return f"{self.tcp} HTTP connections are open over TCP, their share "
+        if sum(self.strangers.values()) >= self.unauthenticated:
+            return f"{self.unauthenticated} TCP connections wait to show the token, their share "
+        if self.strangers[host] >= self.per_host:
+            return f"{self.per_host} TCP connections of {host} wait to show the token, a host's "
+        self.open_tcp += 1
+        self.strangers[host] += 1
+        return None
+
+    def trusted(self, host: str) -> None:
+        """A connection of ``host`` has shown the token: it is no stranger any more."""
+        self.strangers[host] -= 1
+        if self.strangers[host] <= 0:
+            del self.strangers[host]
+
+    def closed(self, host: str | None, stranger: bool) -> None:
+        """An admitted connection has ended."""
+        if host is None:
+            self.open_local -= 1
+            return
+        self.open_tcp -= 1
+        if stranger:
+            self.trusted(host)
+
+
+def _busy_answer(reason: str) -> bytes:
     body = msgspec.json.encode(
         ErrorBody(
             "BusyError",
-            f"daemon busy: {limit} HTTP connections are open, its share of file descriptors "
-            "(max_connections); try again",
+            f"daemon busy: {reason}of file descriptors (max_connections, max_tcp_connections); "
+            "try again",
         )
     )
     head = (
@@ -52,54 +132,65 @@ def _busy_answer(limit: int) -> bytes:
 
 
 def limited_protocol(
-    max_connections: int, request_timeout: float, on_refused: Any = None
+    shares: HttpShares,
+    request_timeout: float,
+    tokens: Tokens | None = None,
+    on_refused: Callable[[str], None] | None = None,
 ) -> type[HttpToolsProtocol]:
     """A protocol class for ``uvicorn.Config(http=...)`` with these limits.
 
     Parameters
     ----------
-    max_connections : int
-        Connections served at once; one more is answered 503 and closed.
+    shares : HttpShares
+        The connection shares (counted in it, for this server).
     request_timeout : float
         Seconds a connection may take to send a complete request head.
+    tokens : Tokens, optional
+        The admin tokens, that make a TCP connection trusted (none: no TCP listener).
     on_refused : callable, optional
         Called with a reason (``"connections"``, ``"stalled"``) for each connection refused
         or closed (metrics).
     """
-    busy = _busy_answer(max_connections)
+    head_s = min(HEAD_S, request_timeout)
 
     class LimitedHttpToolsProtocol(HttpToolsProtocol):
         _head_deadline: asyncio.TimerHandle | None = None
         _refused = False  # answered 503: nothing it sends is parsed, let alone routed
-        lingering = 0  # refused connections waiting to close, of this server
+        _admitted = False
+        _host: str | None = None  # its address, over TCP
+        _stranger = False  # over TCP, and no head with the token yet
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
-            if len(self.connections) > max_connections:
-                self._refuse(transport)
+            if self.server is not None and self.server[1] is not None:
+                self._host = self.client[0] if self.client else "?"
+            refused = shares.admit(self._host)
+            if refused is not None:
+                self._refuse(transport, refused)
                 return
-            self._expect_head()  # a connection that sends nothing is closed too
+            self._admitted = True
+            self._stranger = self._host is not None
+            self._expect_head(head_s if self._stranger else request_timeout)
 
-        def _refuse(self, transport: asyncio.Transport) -> None:
+        def _refuse(self, transport: asyncio.Transport, reason: str) -> None:
             """Answer 503 without reading the request. The connection is closed a moment
             later, so that its client reads the answer rather than a reset; at once when
-            as many refused connections linger as are served (a storm must not take every
-            descriptor)."""
-            cls = type(self)
+            as many refused connections linger as the Unix socket serves (a storm must not
+            take every descriptor)."""
             self._refused = True
             self.connections.discard(self)  # not served: it does not count
             transport.pause_reading()  # (a transport may deliver what it read already)
-            transport.write(busy)
+            transport.write(_busy_answer(reason))
             if on_refused is not None:
                 on_refused("connections")
-            if cls.lingering >= max_connections:
+            if shares.lingering >= shares.local:
                 transport.close()
                 return
             transport.write_eof()
-            cls.lingering += 1
+            shares.lingering += 1
 
             def close() -> None:
-                cls.lingering -= 1
+                shares.lingering -= 1
                 transport.close()
 
             self.loop.call_later(REFUSED_CLOSE_S, close)
@@ -109,10 +200,10 @@ def limited_protocol(
                 return
             super().data_received(data)
 
-        def _expect_head(self) -> None:
-            """Close the connection unless a request head is complete within the timeout."""
+        def _expect_head(self, seconds: float) -> None:
+            """Close the connection unless a request head is complete within ``seconds``."""
             self._cancel_head()
-            self._head_deadline = self.loop.call_later(request_timeout, self._head_timed_out)
+            self._head_deadline = self.loop.call_later(seconds, self._head_timed_out)
 
         def _cancel_head(self) -> None:
             if self._head_deadline is not None:
@@ -129,15 +220,27 @@ def limited_protocol(
         def on_message_begin(self) -> None:
             super().on_message_begin()
             if self._head_deadline is None:  # a later request's head: within the timeout
-                self._expect_head()
+                self._expect_head(head_s if self._stranger else request_timeout)
 
         def on_headers_complete(self) -> None:
             self._cancel_head()
+            if self._stranger:
+                sent = bearer(self.headers)
+                if sent is not None and tokens is not None and tokens.accepts(sent):
+                    self._stranger = False
+                    shares.trusted(self._host or "?")
             super().on_headers_complete()
+            if self._stranger and self.cycle is not None:  # its 401 ends the connection
+                self.cycle.keep_alive = False
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._cancel_head()
+            if self._admitted:
+                self._admitted = False
+                shares.closed(self._host, self._stranger)
             super().connection_lost(exc)
 
-    LimitedHttpToolsProtocol.__qualname__ = f"LimitedHttpToolsProtocol[{max_connections}]"
+    LimitedHttpToolsProtocol.__qualname__ = (
+        f"LimitedHttpToolsProtocol[{shares.local}, {shares.tcp}]"
+    )
     return LimitedHttpToolsProtocol

@@ -147,9 +147,10 @@ class PeerServer(Listener):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if not self._hello(sock):
             return
+        host = str(address[0])
         while True:
             try:
-                got = self._frame(sock, self.max_frame, self.idle_timeout)
+                got = self._frame(sock, self.max_frame, self.idle_timeout, host)
             except _IdleError:
                 return
             except (PayloadTooLargeError, BusyError) as exc:
@@ -165,7 +166,7 @@ class PeerServer(Listener):
                     return
             finally:
                 if held:
-                    self.inflight.release(held)
+                    self.inflight.release(held, host)
 
     def _hello(self, sock: socket.socket) -> bool:
         """Whether the connection's first frame, whole within `HELLO_S` of connecting, is a
@@ -228,13 +229,13 @@ class PeerServer(Listener):
         return frame.body()
 
     def _frame(
-        self, sock: socket.socket, limit: int, first_wait: float
+        self, sock: socket.socket, limit: int, first_wait: float, host: str
     ) -> tuple[bytearray, int] | None:
         """The next frame's body and the bytes of it counted in flight (to give back);
         ``None`` when the connection ended. Its first byte must come within
         ``first_wait`` seconds (else `_IdleError`), the rest within the socket's receive
-        timeout of each other; a body above `SMALL_FRAME` waits for room under
-        ``max_inflight_bytes`` (`BusyError`)."""
+        timeout of each other; a body above `SMALL_FRAME` waits for room under ``host``'s
+        share of ``max_inflight_bytes`` (`BusyError`)."""
         poll = select.poll()
         poll.register(sock, select.POLLIN)
         if not poll.poll(first_wait * 1000):
@@ -245,15 +246,15 @@ class PeerServer(Listener):
             return None
         held = frame.missing() if frame.missing() > SMALL_FRAME else 0
         if held:
-            self.inflight.acquire(held, max(0.0, deadline - time.monotonic()))
+            self.inflight.acquire(held, max(0.0, deadline - time.monotonic()), host)
         try:
             if self.recv_part(sock, frame, deadline) is None:
                 if held:
-                    self.inflight.release(held)
+                    self.inflight.release(held, host)
                 return None
         except BaseException:
             if held:
-                self.inflight.release(held)
+                self.inflight.release(held, host)
             raise
         return frame.body(), held
 
@@ -273,7 +274,7 @@ class PeerServer(Listener):
                     f"a read of {len(extents)} extents is above the peer port's {MAX_EXTENTS}"
                 )
             files = len({e.file for e in extents})
-            self.fds.take(files, f"a read of {files} files")
+            self.fds.take(files, f"a read of {files} files", remote=True)
         except Exception as exc:
             return self._refuse(sock, exc, start)
         try:
@@ -298,7 +299,7 @@ class PeerServer(Listener):
             finally:
                 reader.close()
         finally:
-            self.fds.give(files)
+            self.fds.give(files, remote=True)
         self._count("read", start)
         return True
 

@@ -19,7 +19,7 @@ from payloadd.server._activation import match_sockets, passed_sockets
 from payloadd.server._app import create_app
 from payloadd.server._auth import load_admin_token
 from payloadd.server._daemon import descriptor_shares
-from payloadd.server._http_protocol import limited_protocol
+from payloadd.server._http_protocol import HttpShares, limited_protocol
 from payloadd.server._logs import configure_logging
 from payloadd.server._sockets import (
     SocketLock,
@@ -149,7 +149,10 @@ def serve(settings: Settings) -> None:
             lifespan="on",
             loop="uvloop",
             http=limited_protocol(
-                fds.shares.http_connections, settings.request_timeout_s, _http_refused(app)
+                HttpShares(fds.shares.http_connections, fds.shares.tcp_connections),
+                settings.request_timeout_s,
+                token,
+                _http_refused(app),
             ),
             proxy_headers=False,
             timeout_graceful_shutdown=30,

@@ -201,9 +201,17 @@ class Settings(BaseSettings):
     max_connections: int = Field(
         1024,
         gt=0,
-        description="Most HTTP connections at once (Unix socket and TCP together); one more "
-        "is answered 503 and closed. Capped by the daemon's share of RLIMIT_NOFILE (an eighth "
-        "of what is free at start).",
+        description="Most HTTP connections at once on the Unix socket; one more is answered "
+        "503 and closed. Capped by the daemon's share of RLIMIT_NOFILE (an eighth of what is "
+        "free at start).",
+    )
+    max_tcp_connections: int = Field(
+        1024,
+        gt=0,
+        description="Most HTTP connections at once over TCP (a share of their own: nothing "
+        "over TCP refuses a client of the Unix socket); of them, an eighth at most (a quarter "
+        "of that from one address) before showing the admin token, which they must within "
+        "5 s. One more is answered 503 and closed. Capped like max_connections.",
     )
     max_data_connections: int = Field(
         1024,
@@ -215,9 +223,10 @@ class Settings(BaseSettings):
         256 << 20,
         gt=0,
         description="Most bytes of request frames and control bodies (read requests, append "
-        "headers) being received at once, both planes together; beyond, a request waits on "
-        "the data plane (up to request_timeout_s) and is answered 503 over HTTP. Row bytes "
-        "stream and do not count.",
+        "headers) being received at once, every transport together (requests over the "
+        "network: half of it at most, one host an eighth); beyond, a request waits on the "
+        "data plane and the peer port (up to request_timeout_s) and is answered 503 over "
+        "HTTP. Row bytes stream and do not count.",
     )
     request_timeout_s: float = Field(
         30.0,
