@@ -6,6 +6,7 @@ Every test runs a real daemon and looks at its descriptors in /proc.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import socket
@@ -24,6 +25,7 @@ from payload_client import (
     FileMissingError,
     PayloadClient,
     PayloadSegment,
+    Window,
 )
 from payload_client._dataplane_wire import OpenRequest
 from payload_client._wire import APPEND_CONTENT_TYPE, FRAME_PREFIX, AppendItem, AppendRequest
@@ -158,38 +160,63 @@ def test_the_http_side_closes_idle_connections_and_refuses_beyond_its_share(
 
 
 def test_a_call_refused_beyond_the_share_is_not_carried_out(tmp_path: Path) -> None:
-    """The 503 says nothing was done, and nothing is: an append, a run deletion and a
-    collection refused beyond ``max_connections`` are not routed (their request, sent
-    whole, is never parsed)."""
-    sock, root = tmp_path / "s.sock", tmp_path / "root"
-    with start_daemon(root, sock, "--max-connections", "2", "--request-timeout-s", "5"):
+    """The 503 says nothing was done, and nothing is: each call that changes state (an
+    append, a prefetch, a collection, a run deletion, another node's run deletion) refused
+    beyond ``max_connections`` is not routed (its request, sent whole, is never parsed); the
+    files and the counters are checked after each one, and no server error is logged or
+    counted."""
+    sock, root, log = tmp_path / "s.sock", tmp_path / "root", tmp_path / "daemon.log"
+    flags = ("--max-connections", "2", "--request-timeout-s", "5", "--node", "n")
+    with log.open("wb") as out, start_daemon(root, sock, *flags, stderr=out):
         with PayloadClient(sock, data_plane=False) as c:
-            c.append(R, np.ones((4, 48, 8), np.uint8), 0, run="kept", step=0)
-            before = c.stats()
-        files = sorted(p.relative_to(root) for p in root.rglob("*"))
+            (seg,) = c.append(R, np.ones((4, 48, 8), np.uint8), 0, run="kept", step=0)
+        (root / "other" / "kept" / "0").mkdir(parents=True)  # another node's run
+        (root / "other" / "kept" / "0" / "f").write_bytes(b"x" * 64)
+
+        def state() -> tuple[object, ...]:
+            with PayloadClient(sock, data_plane=False) as c:
+                st = c.stats()
+            files = sorted((str(p.relative_to(root)), p.stat().st_size) for p in root.rglob("*"))
+            return files, st.appends, st.bytes_appended, st.reads, st.bytes_read
+
+        before = state()
         idle = []
         for _ in range(2):  # the whole share, idle
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             s.connect(str(sock))
             idle.append(s)
         time.sleep(0.3)
-        with PayloadClient(sock, data_plane=False) as c:
+        with contextlib.ExitStack() as held, PayloadClient(sock, data_plane=False) as c:
+            held.callback(lambda: [s.close() for s in idle])
             calls = {
                 "append": lambda: c.append(R, np.ones((4, 48, 8), np.uint8), 0, run="new", step=0),
-                "delete_run": lambda: c.delete_run("kept"),
+                "prefetch": lambda: c.prefetch([Window([seg], R, 0, 4, 0)]),
                 "gc": lambda: c.gc(run="kept", through_step=0),
+                "delete_run": lambda: c.delete_run("kept"),
+                "delete_node_run": lambda: c.delete_run("kept", node="other"),
             }
-            for call in calls.values():
+            for name, call in calls.items():
                 with pytest.raises(BusyError, match="2 HTTP connections"):
                     call()
+                for s in idle:  # room for a look at the state, then the share full again
+                    s.close()
+                time.sleep(0.2)
+                assert state() == before, name  # nothing of it was done
+                idle = []
+                for _ in range(2):
+                    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                    s.connect(str(sock))
+                    idle.append(s)
+                time.sleep(0.3)
         for s in idle:
             s.close()
         time.sleep(0.3)
         with PayloadClient(sock, data_plane=False) as c:
-            after = c.stats()
-            assert (after.appends, after.bytes_appended) == (before.appends, before.bytes_appended)
-            assert sorted(p.relative_to(root) for p in root.rglob("*")) == files  # nothing
             assert c.usage().runs[0].run == "kept"  # neither deleted nor collected
+            metrics = c._http.client.get("/metrics").text
+        assert 'error="ServerError"' not in metrics
+        assert 'payloadd_refused_total{reason="connections",transport="http"} 5.0' in metrics
+    assert "Exception in ASGI" not in log.read_text(errors="replace")
 
 
 def test_beyond_the_data_plane_share_clients_fall_back_to_http(tmp_path: Path) -> None:
