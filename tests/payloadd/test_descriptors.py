@@ -187,7 +187,12 @@ def test_a_call_refused_beyond_the_share_is_not_carried_out(tmp_path: Path) -> N
             idle.append(s)
         time.sleep(0.3)
         with contextlib.ExitStack() as held, PayloadClient(sock, data_plane=False) as c:
-            held.callback(lambda: [s.close() for s in idle])
+
+            def close_idle() -> None:
+                for s in idle:
+                    s.close()
+
+            held.callback(close_idle)
             calls = {
                 "append": lambda: c.append(R, np.ones((4, 48, 8), np.uint8), 0, run="new", step=0),
                 "prefetch": lambda: c.prefetch([Window([seg], R, 0, 4, 0)]),
