@@ -101,7 +101,19 @@ class LeaseRequest(msgspec.Struct, tag="lease", array_like=True):
     them as it checks an append's, and fixes those it has none of, before it grants
     anything: another shape than the one fixed refuses the request (naming both). A key
     of ``more`` asked ahead of need (``nbytes`` 0) whose ``(run, field)`` has no fixed
-    shape is left out."""
+    shape is left out.
+
+    ``writing``: ``(file, offset)`` of the leases of ``done`` whose rows below ``used`` are
+    not all in place yet (other threads of the client are writing them). The daemon takes
+    their tails back all the same, but keeps them held, their files open and counting up
+    to ``used``, until the client names them in ``written``: a file closed before its
+    rows landed would count its size on disk without them.
+
+    ``written``: ``(file, offset)`` of leases the client let go of whose rows are all in
+    place now: those of an earlier ``writing``, and those it dropped without ``done`` (one
+    beyond the `LEASES` it keeps, one whose file was removed). The daemon lets them go (a
+    file sealed and unused closes, its size on disk counting). Those it does not hold are
+    passed over. A daemon from before these two fields ends ``done`` at once."""
 
     run: str
     step: NonNegInt
@@ -110,6 +122,8 @@ class LeaseRequest(msgspec.Struct, tag="lease", array_like=True):
     more: list[tuple[str, NonNegInt, str, NonNegInt]] = []
     done: list[tuple[str, NonNegInt, NonNegInt]] = []
     shapes: list[tuple[str, str, list[int]]] = []
+    writing: list[tuple[str, NonNegInt]] = []
+    written: list[tuple[str, NonNegInt]] = []
 
 
 class LeaseGrant(msgspec.Struct, array_like=True):

@@ -11,6 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from payloadd.cli._common import FlagError, positive_int
+from payloadd.soak._hostile import NeighbourPlan
+from payloadd.soak._pressure import make_room
 from payloadd.soak._report import dump_document, format_verdict, plot
 from payloadd.soak._run import Soak
 
@@ -54,6 +56,11 @@ _FLAGS: dict[str, list[tuple[str, Any, Any, str]]] = {
         ("--kill-every", _seconds, 0, "SIGKILL and restart the daemon this often; 0: never"),
         ("--seed", _count, 0, "seed of every sample and row"),
     ],
+    "hostile neighbours (with --hostile)": [
+        ("--hostile-idle", _count, 200, "idle TCP connections (and an eighth as many peer ones)"),
+        ("--hostile-trickle", _count, 8, "TCP heads and peer hellos trickled, of each"),
+        ("--hostile-stalled", _count, 4, "peer connections announcing a 16 MiB frame"),
+    ],
     "sampling and output": [
         ("--sample-every", _positive_seconds, 2, "seconds between samples of the daemon"),
         ("--json", Path, Path("soak.json"), "samples, kills and the verdict"),
@@ -88,6 +95,14 @@ def add_soak_flags(p: argparse.ArgumentParser) -> None:
                 help="a flag for payloadd serve, e.g. --daemon-arg=--fsync=always; repeat it "
                 "for more (--daemon-arg=--fsync --daemon-arg=always)",
             )
+        elif title.startswith("hostile"):
+            g.add_argument(
+                "--hostile",
+                action="store_true",
+                help="also serve TCP and a peer port with an admin token, press on them with "
+                "idle, trickling and stalled connections, probe the Unix socket's health and "
+                "check every refused call",
+            )
         elif title == "sampling and output":
             g.add_argument("--keep", action="store_true", help="keep the root and daemon log")
 
@@ -103,6 +118,12 @@ def _check_flags(args: argparse.Namespace) -> None:
         raise FlagError(f"--seq-len {args.seq_len} is shorter than --ranks {args.ranks}")
     if args.settle >= args.drain:
         raise FlagError(f"--settle {args.settle:g} leaves no time of --drain {args.drain:g}")
+    if args.hostile:
+        plan = NeighbourPlan.of(args.hostile_idle, args.hostile_trickle, args.hostile_stalled)
+        try:
+            make_room(plan.total())
+        except ValueError as exc:
+            raise FlagError(f"--hostile: {exc}") from None
 
 
 def run_soak(args: argparse.Namespace) -> int:

@@ -58,7 +58,7 @@ from payloadd.store._counts import DATA_PLANE
 from payloadd.store._shapes import check_shapes
 from payloadd.store._store import Store
 
-__all__ = ["FIRST_LEASE", "LEASE_ALONG", "Answer", "Connection", "DataPlaneRequests"]
+__all__ = ["FIRST_LEASE", "HELD", "LEASE_ALONG", "Answer", "Connection", "DataPlaneRequests"]
 
 log = logging.getLogger("payloadd.dataplane")
 
@@ -67,6 +67,9 @@ FIRST_LEASE = 64 << 10
 renewal of the key doubles it, up to ``lease_bytes``."""
 LEASE_ALONG = min(MAX_FDS - 1, LEASES // 4)
 """Most keys one lease request gets leased along with its own (`LeaseRequest.more`)."""
+HELD = 2 * LEASES
+"""Most leases a connection holds for rows still on their way (`Connection.writing`); beyond,
+the oldest is let go (its file may close before them: counted at the next recount)."""
 
 _decoder = msgspec.msgpack.Decoder(DataRequest)
 _note_decoder = msgspec.msgpack.Decoder(NoteRequest)
@@ -89,6 +92,9 @@ class Connection:
         # txn -> (append, deadline, per-request descriptors it holds)
         self.pending: dict[int, tuple[PendingAppend, float, int]] = {}
         self.leases: dict[tuple[str, int, str], LeasedRange] = {}
+        # (file, offset) -> a lease no longer its key's current one, its rows maybe on their
+        # way: held (its file open) until named (`LeaseRequest.written`) or the end
+        self.writing: dict[tuple[str, int], LeasedRange] = {}
 
 
 class Answer(NamedTuple):
@@ -165,6 +171,7 @@ class DataPlaneRequests:
         ends: list[Callable[[], object]] = [
             *(functools.partial(self.give_back, conn, txn) for txn in list(conn.pending)),
             *(lease.release for lease in conn.leases.values()),
+            *(lease.release for lease in conn.writing.values()),
             functools.partial(self.store.end_owner, conn.owner),
         ]
         for end in ends:
@@ -274,12 +281,14 @@ class DataPlaneRequests:
         return ErrorReply(wire.error, wire.message)
 
     def _lease(self, conn: Connection, req: LeaseRequest, passing: _Passing) -> DataReply:
-        check_shapes(self.store.fields, req.shapes)
-        shapes = {(run, fld): shape for run, fld, shape in req.shapes}  # checked with each lease
         key = (req.run, req.step, req.field)
         last = conn.leases.get(key)  # a key renewed: its next range twice the last one
         size = self.first_lease if last is None else min(2 * last.nbytes, self.lease_bytes)
-        self._finish(conn, req.done, key)
+        if req.written:  # what the client let go of: first, whatever comes next
+            self._written(conn, req.written)
+        self._finish(conn, req, key)
+        check_shapes(self.store.fields, req.shapes)
+        shapes = {(run, fld): shape for run, fld, shape in req.shapes}  # checked with each lease
         more = req.more[:LEASE_ALONG]
         try:  # the keys asked for besides: only as the descriptors allow
             self.fds.take(1 + len(more), "a lease")
@@ -327,54 +336,84 @@ class DataPlaneRequests:
             grants.append(LeaseGrant(i, got[0].file, got[0].offset, got[0].nbytes))
         return grants
 
-    def _finish(
-        self, conn: Connection, done: list[tuple[str, int, int]], key: tuple[str, int, str]
-    ) -> None:
+    def _finish(self, conn: Connection, req: LeaseRequest, key: tuple[str, int, str]) -> None:
         """End the leases the client said it is done with (`LeaseRequest.done`), each at the
         offset it gave: their unused tails stop counting, and a key renewed (``key``) goes
-        on there. Ranges the connection holds no more (ended already, by a request of
-        another thread of the client) are passed over; the files of keys other than
-        ``key`` are sealed (closed once unused).
+        on there. Those whose rows are still on their way (`LeaseRequest.writing`) stay
+        held (`Connection.writing`) until the client names them. Ranges the connection
+        holds no more (ended already, by a request of another thread of the client) are
+        passed over; the files of keys other than ``key`` are sealed (closed once unused).
 
         Raises
         ------
         InvalidRequestError
             An end outside its lease's range (nothing is ended then).
         """
-        if not done:
+        if not req.done:
             return
         held = {(lease.file, lease.offset): k for k, lease in conn.leases.items()}
-        ends = []
-        for file, offset, used in done[:LEASES]:
+        ends: list[tuple[tuple[str, int, str] | None, LeasedRange, int]] = []
+        for file, offset, used in req.done[:LEASES]:
             k = held.get((file, offset))
-            if k is None:
+            lease = conn.writing.get((file, offset)) if k is None else conn.leases[k]
+            if lease is None:
                 continue
-            lease = conn.leases[k]
             if not offset <= used <= offset + lease.nbytes:
                 raise InvalidRequestError(
                     f"the lease of bytes [{offset}, {offset + lease.nbytes}) of {file} "
                     f"cannot end at {used}"
                 )
             ends.append((k, lease, used))
+        writing = {(file, offset) for file, offset in req.writing[:LEASES]}
         for k, lease, used in ends:
-            del conn.leases[k]
-            lease.release(used)
-            if k != key:
+            name = (lease.file, lease.offset)
+            if k is not None:
+                del conn.leases[k]
+            if name not in writing:
+                conn.writing.pop(name, None)
+                lease.release(used)
+            else:  # the client's rows are on their way: held until it names it
+                lease.end(used)
+                self._keep(conn, lease)
+            if k is not None and k != key:
                 self.store.seal_lease(conn.owner, k)
+
+    def _written(self, conn: Connection, names: list[tuple[str, int]]) -> None:
+        """Let go of the leases the client let go of, its rows in place (`LeaseRequest.written`):
+        held ones, and current ones it dropped (their keys' files sealed); others pass."""
+        current = {(lease.file, lease.offset): k for k, lease in conn.leases.items()}
+        for name in names[:HELD]:
+            lease = conn.writing.pop(name, None)
+            if lease is not None:
+                lease.release()
+                continue
+            k = current.get(name)
+            if k is not None:
+                conn.leases.pop(k).release()
+                self.store.seal_lease(conn.owner, k)
+
+    @staticmethod
+    def _keep(conn: Connection, lease: LeasedRange) -> None:
+        """Hold ``lease``, no longer the client's current one of its key, until the client
+        names it (`_written`); beyond `HELD`, the oldest held is let go."""
+        conn.writing[(lease.file, lease.offset)] = lease
+        while len(conn.writing) > HELD:
+            conn.writing.pop(next(iter(conn.writing))).release()
 
     def _hold(
         self, conn: Connection, key: tuple[str, int, str], lease: LeasedRange, passing: _Passing
     ) -> None:
         """``conn``'s lease of ``key`` is ``lease`` from now on; beyond `LEASES`, its oldest
-        one ends (the client keeps as many, in the same order): once the reply is sent."""
+        one ends (the client keeps as many, in the same order; its file sealed once the
+        reply is sent). That one, or an old one of ``key`` (the client dropped it), is held
+        until the client names it (`_written`): rows of its may still be on their way."""
         old = conn.leases.pop(key, None)  # this client moves on to the new range
         if old is not None:
-            passing.after.append(old.release)
+            self._keep(conn, old)
         conn.leases[key] = lease
         while len(conn.leases) > LEASES:  # as many as a client keeps: the oldest is done
             done = next(iter(conn.leases))
-            passing.after.append(conn.leases.pop(done).release)
-            # its unused tail stops counting
+            self._keep(conn, conn.leases.pop(done))  # its unused tail stops counting, once
             passing.after.append(functools.partial(self.store.seal_lease, conn.owner, done))
 
     def _fields(self, conn: Connection, req: FieldsRequest, passing: _Passing) -> DataReply:

@@ -309,10 +309,47 @@ def _classes(errors: dict[str, int]) -> str:
     return ", ".join(f"{k} {n:,}" for k, n in sorted(errors.items())) or "none"
 
 
+def _pressure_lines(v: dict[str, Any]) -> list[str]:
+    """The counted and real bytes; with ``--hostile``, what the neighbours did and what the
+    probes saw."""
+    out = []
+    b = v.get("bytes")
+    if b:
+        rest = b["at_rest"]
+        at_rest = "not measured" if rest is None else f"{rest['drift']:,} at rest"
+        drift = "-" if b["max_drift"] is None else f"{b['max_drift']:,}"
+        out.append(
+            f"  bytes      counted - real: {at_rest}; largest in {b['samples']:,} samples "
+            f"{drift} (tolerance there {b['max_drift_tolerance'] or 0:,})"
+        )
+    for kind, n in (v.get("neighbours") or {}).get("kinds", {}).items():
+        answers = ", ".join(f"{a} {k:,}" for a, k in n["answers"].items()) or "none"
+        out.append(
+            f"  neighbour  {kind:13} {n['planned']:>4}: opened {n['opened']:,}, closed by the "
+            f"daemon {n['closed']:,} (open {n['held_max_s']:g} s at most), refused "
+            f"{n['refused']:,}; answers: {answers}"
+        )
+    stragglers = (v.get("neighbours") or {}).get("stragglers")
+    if stragglers:
+        out.append("  stragglers " + ", ".join(f"{k} {n:,}" for k, n in sorted(stragglers.items())))
+    p = v.get("probes")
+    if p:
+        refused = sum(n for k, n in p["calls"].items() if k.endswith(" refused"))
+        out.append(
+            f"  probes     health {p['health']:,}, failed {p['health_failed']:,}; "
+            f"state-changing calls {sum(p['calls'].values()):,}: {refused:,} refused, "
+            f"{sum(p['refusals_checked'].values()):,} checked, "
+            f"{len(p['refusals_executed']):,} carried out"
+        )
+    return out
+
+
 def format_verdict(doc: dict[str, Any]) -> str:
     """The verdict of a soak's JSON document as a short text table."""
     v, s, c = doc["verdict"], doc["settings"], doc["verdict"]["counts"]
     daemon = f", daemon flags {' '.join(s['daemon_arg'])}" if s["daemon_arg"] else ""
+    if s.get("hostile"):
+        daemon += "; hostile neighbours"
     lines = [
         f"payloadd soak: {s['duration']:g} s; {s['writers']} writer threads + "
         f"{s['writer_processes']} processes; {s['ranks']} ranks ({s['reader_processes']} "
@@ -334,6 +371,7 @@ def format_verdict(doc: dict[str, Any]) -> str:
         lines.append(f"    at {e['t']:.1f} s, {e['who']}, {e['op']}: {e['error']}: {e['message']}")
     for m in v["mismatch_examples"][:5]:
         lines.append(f"    mismatch: {m}")
+    lines += _pressure_lines(v)
     st = v["final_stats"]
     if st:
         lines.append(

@@ -18,7 +18,12 @@ resource that grows.
 6. Every ``--sample-every`` seconds: the daemon's RSS, threads, descriptors and descriptors of
    removed files (/proc), and its counters (``stats()``). The samples go to ``--json`` and
    are drawn in ``--plot``.
-7. The verdict (`payloadd.soak._verdict`): counts, errors by class, and the checks. Exit
+7. With ``--hostile``, the daemon also serves a TCP port and a peer port with an admin
+   token, and hostile neighbours press on them while probes of the node's own socket run
+   (`payloadd.soak._pressure`); they stop once every rank is done.
+8. Once every client of a worker is closed, the daemon's counted root bytes are compared
+   with the files' sizes (`payloadd.soak._bytes`), as in every sample.
+9. The verdict (`payloadd.soak._verdict`): counts, errors by class, and the checks. Exit
    status 0 when every check passed, 1 otherwise, 2 for bad flags.
 
 The load ends at ``--duration``; then the writers finish their step, the ranks read every
@@ -30,7 +35,6 @@ daemon settles ``--settle`` seconds before the last sample. All of it must end w
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import multiprocessing as mp
 import queue
@@ -45,6 +49,7 @@ import msgspec
 
 from payload_client import FileGoneError, PayloadClient, PayloadError, TransportError, Window
 from payloadd.soak import _verdict
+from payloadd.soak._bytes import at_rest, lease_bytes, measure
 from payloadd.soak._check import (
     MASK,
     MASK_FILL,
@@ -58,7 +63,9 @@ from payloadd.soak._check import (
     pack,
     tail_batch,
 )
-from payloadd.soak._daemon import SoakDaemon
+from payloadd.soak._daemon import NODE, SoakDaemon
+from payloadd.soak._hostile import NeighbourPlan
+from payloadd.soak._pressure import HostileSetup, Pressure
 from payloadd.soak._report import STATS_KEPT, proc_sample
 from payloadd.soak._state import Kill, RunState, since
 from payloadd.soak._workers import (
@@ -100,7 +107,13 @@ class Soak:
         self.args = args
         self.shape = SoakShape(args.seed, args.max_tokens, args.max_turns, args.seq_len, args.ranks)
         self.socket = tmp / "payloadd.sock"
-        self.daemon = SoakDaemon(tmp / "root", self.socket, list(args.daemon_arg), log)
+        self.hostile = HostileSetup.make(tmp) if getattr(args, "hostile", False) else None
+        extra = list(args.daemon_arg) + (self.hostile.daemon_flags() if self.hostile else [])
+        self.daemon = SoakDaemon(tmp / "root", self.socket, extra, log)
+        self.token = self.hostile.token if self.hostile is not None else None
+        self.node_dir = tmp / "root" / NODE
+        self.lease = lease_bytes(args.daemon_arg)
+        self.pressure: Pressure | None = None
         self.tally = Tally()
         self.state = RunState()
         self.cond = threading.Condition()
@@ -181,13 +194,24 @@ class Soak:
                 w.start()
             if killer is not None:
                 killer.start()
+            if self.hostile is not None:
+                plan = NeighbourPlan.of(a.hostile_idle, a.hostile_trickle, a.hostile_stalled)
+                self.pressure = Pressure(
+                    self.hostile, sock, self.daemon.root, self.node_dir, plan, self.tally
+                )
+                self.pressure.start()
             self._join([driver, gatherer, *writers], "the writers")
             self._join([trainer], "the trainer")
             for cmds in rank_cmds:
                 cmds.put(None)
             self._join(ranks, "the ranks")
             self._join([killer] if killer is not None else [], "the killer")
-            gc_q.put(("final", self.state.last_finished))  # every client of a worker is closed
+            self._stop_pressure()
+            if not self.abort.is_set():  # every client of a worker is closed
+                self.state.at_rest = at_rest(sock, self.node_dir, self.lease, self.until)
+            if self.pressure is not None:  # the stragglers' run, compared at rest: now it goes
+                self.pressure.clean_up()
+            gc_q.put(("final", self.state.last_finished))
             self._join([garbage_collector], "the final GC")
             if not self.abort.is_set():  # let the daemon settle, then the last sample
                 self.abort.wait(a.settle)
@@ -195,6 +219,7 @@ class Soak:
             self._abort("interrupted")
         finally:
             self.abort.set()  # every thread of the parent ends at its next wait
+            self._stop_pressure()
             for cmds in writer_cmds + rank_cmds:
                 cmds.put(None)
             stop_sampling.set()
@@ -212,6 +237,12 @@ class Soak:
                 if not isinstance(q, queue.Queue):  # a pipe: never wait on it at exit
                     q.close()
                     q.cancel_join_thread()
+
+    def _stop_pressure(self) -> None:
+        """Stop the neighbours and the probes (``--hostile``); keep what they saw."""
+        if self.pressure is not None and self.state.probes is None:
+            self.state.neighbours = self.pressure.stop(self.until)
+            self.state.probes = self.pressure.probes
 
     def _thread(self, target: Any, *args: Any) -> threading.Thread:
         return threading.Thread(target=target, args=args, daemon=True)
@@ -360,8 +391,10 @@ class Soak:
         done = -1
         rng = random.Random(self.args.seed)
         with (
-            PayloadClient(self.socket, timeout=CLIENT_TIMEOUT) as dp,
-            PayloadClient(self.socket, timeout=CLIENT_TIMEOUT, data_plane=False) as http,
+            PayloadClient(self.socket, token=self.token, timeout=CLIENT_TIMEOUT) as dp,
+            PayloadClient(
+                self.socket, token=self.token, timeout=CLIENT_TIMEOUT, data_plane=False
+            ) as http,
         ):
             while True:
                 try:
@@ -460,19 +493,18 @@ class Soak:
         got = proc_sample(pid) if pid is not None else None
         if got is None:
             return
-        stats = None
-        with (
-            contextlib.suppress(PayloadError, OSError),
-            PayloadClient(self.socket, timeout=5, data_plane=False) as c,
-        ):
-            answer = c.stats()
+        stats = nbytes = None
+        measured = measure(str(self.socket), self.node_dir, self.lease)
+        if measured is not None:
+            nbytes, answer = measured
             stats = {k: getattr(answer, k) for k in STATS_KEPT}
         final = self.state.final_gc
         phase = "load" if now < self.state.load_end else "drain"
         if final is not None and now >= final:
             phase = "settle"
         epoch = len(self.daemon.starts) - 1
-        sample = {"t": self._t(now), "epoch": epoch, "phase": phase, **got, "stats": stats}
+        sample = {"t": self._t(now), "epoch": epoch, "phase": phase, **got, "stats": stats,
+                  "bytes": nbytes}  # fmt: skip
         with self.cond:
             self.state.samples.append(sample)
 
@@ -489,8 +521,6 @@ class Soak:
                 return
             self._sample()
             stop.wait(max(0.0, self.args.sample_every - (time.monotonic() - began)))
-
-    # -- the verdict
 
     # -- the verdict
 

@@ -3,12 +3,13 @@ samples, when each step began and was read (`RunState`)."""
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
 from payloadd.soak._check import Written
 
-__all__ = ["Kill", "RunState", "since"]
+__all__ = ["Kill", "Probes", "RunState", "since"]
 
 
 @dataclass
@@ -19,6 +20,33 @@ class Kill:
     ready: float | None = None
     old_pid: int = 0
     new_pid: int = 0
+
+
+@dataclass
+class Probes:
+    """What the probes of the node's own socket saw (``--hostile``,
+    `payloadd.soak._probes`).
+
+    Attributes
+    ----------
+    health : int
+        Health probes made.
+    health_failed : list
+        Error events of the failed ones (as a `Tally`'s: ``[t0, t1, op, class, message,
+        who]``; class ``HealthStatus`` for an answer other than ``ok``).
+    calls : Counter
+        State-changing calls by ``"<call> <unix|tcp> <ok|refused|failed>"``.
+    checked : Counter
+        Refused calls checked, by ``"<call> <unix|tcp>"``.
+    executed : list of str
+        Refused calls that were carried out: what was found.
+    """
+
+    health: int = 0
+    health_failed: list[list[Any]] = field(default_factory=list)
+    calls: Counter[str] = field(default_factory=Counter)
+    checked: Counter[str] = field(default_factory=Counter)
+    executed: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -35,6 +63,9 @@ class RunState:
     final_gc: float | None = None
     load_end: float = 0.0
     aborted: str | None = None
+    probes: Probes | None = None  # with --hostile
+    neighbours: dict[str, Any] | None = None  # with --hostile: what they did
+    at_rest: dict[str, Any] | None = None  # counted and real bytes once every client closed
 
 
 def since(t0: float, at: float) -> float:

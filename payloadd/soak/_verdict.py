@@ -1,5 +1,7 @@
 """The verdict of a soak run (`verdict`) and the JSON document that holds it (`document`):
-counts, errors by class (expected: a transport error around a kill), and the checks."""
+counts, errors by class (expected: a transport error around a kill), and the checks: of the
+data, of the daemon's resources, of its counted bytes against its files, and with
+``--hostile`` of the probes of its own socket."""
 
 from __future__ import annotations
 
@@ -129,6 +131,9 @@ def verdict(
     slack = {"rss_mib": a.rss_slack_mib, "fds": a.fd_slack, "threads": a.thread_slack}
     checks += growth_checks(st.samples, started, a.warmup, slack, a.rss_slack_pct)
     checks += _settled_checks(a, st, t0)
+    checks += bytes_checks(st)
+    probe_checks, probes = _probe_checks(st, t0)
+    checks += probe_checks
     final_stats = next((s["stats"] for s in reversed(st.samples) if s["stats"]), None)
     c["steps_across_kills"] = sum(
         any(st.issued[s] < k.at < t for k in st.kills) for s, t in st.read.items()
@@ -159,7 +164,106 @@ def verdict(
         "mismatch_examples": tally.mismatches,
         "checks": [ch.as_dict() for ch in checks],
         "final_stats": final_stats,
+        "bytes": bytes_figures(st),
+        "probes": probes,
+        "neighbours": st.neighbours,
     }
+
+
+def bytes_figures(state: RunState) -> dict[str, Any]:
+    """The counted and real bytes: samples measured, the largest drift of any (``counted -
+    real``, signed), and the measure at rest."""
+    measured = [s["bytes"] for s in state.samples if s.get("bytes")]
+    worst = max(measured, key=lambda b: abs(b["drift"]), default=None)
+    return {
+        "samples": len(measured),
+        "max_drift": None if worst is None else worst["drift"],
+        "max_drift_tolerance": None if worst is None else worst["tolerance"],
+        "at_rest": state.at_rest,
+    }
+
+
+def bytes_checks(state: RunState) -> list[Check]:
+    """The daemon's counted root bytes (less what is reserved and not written) against the
+    files' sizes: in every sample within a lease of each file open for appends, either way;
+    at rest (every client closed) equal."""
+    measured = [(s["t"], s["bytes"]) for s in state.samples if s.get("bytes")]
+    beyond = [(abs(b["drift"]) - b["tolerance"], t, b) for t, b in measured]
+    beyond = [x for x in beyond if x[0] > 0]
+    name = "counted vs real bytes"
+    if not measured:
+        out = [Check(name, None, 0, True, "B", "not measured: no sample")]
+    else:  # the sample beyond its tolerance by most, else the one of the largest drift
+        if beyond:
+            _, t, b = max(beyond, key=lambda x: x[0])
+        else:
+            t, b = max(measured, key=lambda m: abs(m[1]["drift"]))
+        detail = (
+            f"{len(measured)} samples, {len(beyond)} beyond a lease for each file open; "
+            f"{'the worst' if beyond else 'the largest'} at {t:g} s: counted - real = "
+            f"{b['drift']:,} (tolerance {b['tolerance']:,}: {b['open']} files open)"
+        )
+        excess = max((x[0] for x in beyond), default=0)
+        out = [Check(name, excess, 0, not beyond, "B", detail)]
+    rest = state.at_rest
+    name = "counted vs real bytes at rest"
+    if rest is None:
+        out.append(Check(name, None, 0, True, "B", "not measured: the run did not get there"))
+        return out
+    drift = rest["drift"]
+    ok = drift == 0 and rest["counted"][-1] == rest["real"]
+    detail = (
+        f"counted {rest['counted'][-1]:,} (less what is reserved), files {rest['real']:,} ({rest['files']} files, "
+        f"{rest['open']} open for appends) once every client closed"
+    )
+    if drift < 0:
+        detail += f"; the count is {-drift:,} bytes below the files"
+    elif drift > 0:
+        detail += f"; the count is {drift:,} bytes above the files"
+    out.append(Check(name, drift, 0, ok, "B", detail))
+    return out
+
+
+def _probe_checks(state: RunState, t0: float) -> tuple[list[Check], dict[str, Any] | None]:
+    """With ``--hostile``: every health probe of the Unix socket answered ``ok`` (but a
+    transport error around a kill), and no refused call was carried out; the figures."""
+    p = state.probes
+    if p is None:
+        return [], None
+    failed = [e for e in p.health_failed if not is_expected(e, state.kills)]
+    detail = f"{p.health:,} probes of GET /healthz over the Unix socket"
+    if len(p.health_failed) > len(failed):
+        detail += f"; {len(p.health_failed) - len(failed)} around a kill not counted"
+    if failed:
+        e = failed[0]
+        detail += f"; the first at {since(t0, e[0]):g} s: {e[3]}: {e[4]}"
+    elif not p.health:
+        detail += ": none made"
+    checks = [Check("health probes failed", len(failed), 0, not failed and p.health > 0, "",
+                    detail)]  # fmt: skip
+    checked = sum(p.checked.values())
+    refused = sum(n for k, n in p.calls.items() if k.endswith(" refused"))
+    detail = (
+        f"{checked:,} refused calls checked of {refused:,} answered BusyError "
+        f"({', '.join(f'{k} {n}' for k, n in sorted(p.checked.items())) or 'none'}); "
+        f"{sum(p.calls.values()):,} state-changing calls"
+    )
+    if p.executed:
+        detail += "; " + p.executed[0]
+    ok = not p.executed
+    checks.append(Check("refused calls executed", len(p.executed), 0, ok, "", detail))
+    figures = {
+        "health": p.health,
+        "health_failed": len(failed),
+        "health_failed_around_kills": len(p.health_failed) - len(failed),
+        "health_failures": [
+            {"t": since(t0, e[0]), "error": e[3], "message": e[4]} for e in failed[:MAX_KEPT]
+        ],
+        "calls": dict(sorted(p.calls.items())),
+        "refusals_checked": dict(sorted(p.checked.items())),
+        "refusals_executed": p.executed[:MAX_KEPT],
+    }
+    return checks, figures
 
 
 def _settled_checks(args: argparse.Namespace, state: RunState, t0: float) -> list[Check]:

@@ -81,6 +81,10 @@ class AppendOwner(Protocol):
         """A lease of ``f`` ended (its client wrote ``f`` unseen), and is released."""
         ...
 
+    def end_lease(self, f: AppendFile, end: int, used: int) -> None:
+        """A lease of ``f`` ends at ``used`` (its tail taken back), and stays held."""
+        ...
+
     def hand_over(self, f: AppendFile) -> int:
         """The owner's write descriptor of ``f``, now the caller's; -1 if it has none."""
         ...
@@ -237,3 +241,13 @@ class LeasedRange:
         if not self._released:
             self._released = True
             self._owner.lease_ended(self._file, self.offset + self.nbytes, used)
+
+    def end(self, used: int) -> None:
+        """The client writes nothing of the range from ``used`` on, as with `release`, but
+        rows of its below ``used`` are still on their way (other threads of the client are
+        writing them): the tail is taken back now, and the range stays held, so its file
+        stays open and counts up to ``used``, until `release` (once the client says they
+        are in place). The file's size on disk decides what it counts only when it closes:
+        a file closed before them would never count them."""
+        if not self._released:
+            self._owner.end_lease(self._file, self.offset + self.nbytes, used)

@@ -143,8 +143,10 @@ class FileTable:
 
         Its size on disk decides, also after a client said where its rows end
         (`lease_ended`): rows it had claimed below that end may never be written (an append
-        given up after the word was sent). A write still on its way as the file closes goes
-        uncounted until the next recount (`gc_interval_s`)."""
+        given up after the word was sent). So a lease file closes only once nothing of its
+        client's is on its way into it: a lease stays held (a user of its file) until its
+        client says its rows in it are in place (`end_lease`, then `lease_ended`), or its
+        connection ends."""
         with contextlib.suppress(OSError):
             if f.fd >= 0:
                 self.budget.forget(max(0, f.size - os.fstat(f.fd).st_size))
@@ -457,12 +459,26 @@ class FileTable:
         stops counting against the cap."""
         with self.lock:
             f.leases -= 1
-            if used is not None and f.size == end and used <= end and f.open:
-                self.budget.forget(end - used)
-                f.size = used
+            if used is not None:
+                self._end_at(f, end, used)
         if self.dirty is not None:
             self.dirty.released(f.rel)
         self.release([f])
+
+    def end_lease(self, f: AppendFile, end: int, used: int) -> None:
+        """A lease of ``f``, the range up to ``end``, ends at ``used`` (as `lease_ended`
+        says) while its client still writes rows below ``used``: the tail is taken back,
+        and the lease stays held (its file open, counting up to ``used``) until
+        `lease_ended`."""
+        with self.lock:
+            self._end_at(f, end, used)
+
+    def _end_at(self, f: AppendFile, end: int, used: int) -> None:
+        """The tail ``[used, end)`` of a lease of ``f`` stops counting, and the file's end
+        moves back to ``used``, when nothing was placed after it. Lock held."""
+        if f.size == end and used <= end and f.open:
+            self.budget.forget(end - used)
+            f.size = used
 
     def forget_removed(self, f: AppendFile) -> None:
         """``f`` is being removed (garbage collection): no more appends to it, and its

@@ -150,6 +150,8 @@ EXAMPLES: dict[type[msgspec.Struct], msgspec.Struct] = {
         [("r", 2, "sampling_mask", 0)],
         [("n/r/0/routed_experts-1.bin", 0, 4096)],
         [("r", "routed_experts", [48, 8])],
+        [("n/r/0/routed_experts-1.bin", 0)],
+        [("n/r/0/routed_experts-0.bin", 8192)],
     ),
     LeaseGrant: LeaseGrant(0, "b.bin", 0, 1 << 24),
     LeaseReply: LeaseReply("a.bin", 6, 1 << 24, True, [LeaseGrant(0, "b.bin", 0, 1 << 24)]),
@@ -288,6 +290,8 @@ LAYOUT: dict[str, list[str]] = {
         f"more: list[tuple[str, {NNI}, str, {NNI}]] = list()",
         f"done: list[tuple[str, {NNI}, {NNI}]] = list()",
         "shapes: list[tuple[str, str, list[int]]] = list()",
+        f"writing: list[tuple[str, {NNI}]] = list()",
+        f"written: list[tuple[str, {NNI}]] = list()",
     ],
     "LeaseGrant": ["index: int", "file: str", "offset: int", "nbytes: int"],
     "LeaseReply": [

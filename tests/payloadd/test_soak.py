@@ -1,4 +1,5 @@
-"""``payloadd soak``: a short run with a kill, and checks that can fail (a real daemon)."""
+"""``payloadd soak``: a short run with a kill, a short run with hostile neighbours, and checks
+that can fail (a real daemon)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import pytest
 from payload_client import PayloadClient, PayloadSegment, Window
 from payloadd.bench._daemon_process import start_daemon
 from payloadd.cli._soak import add_soak_flags
+from payloadd.soak import _verdict
 from payloadd.soak._check import (
     MASK,
     ROUTED,
@@ -31,9 +33,10 @@ from payloadd.soak._check import (
     pack,
     tail_batch,
 )
+from payloadd.soak._probes import CHECK_AFTER, RefusalProber, _Refusal
 from payloadd.soak._report import dump_document, growth_checks, held_deleted
 from payloadd.soak._run import Soak
-from payloadd.soak._state import Kill
+from payloadd.soak._state import Kill, Probes, RunState
 from payloadd.soak._workers import Tally, check_windows, write_sample
 
 PAYLOADD = [sys.executable, "-m", "payloadd"]
@@ -270,3 +273,134 @@ def test_operations_lists_every_soak_flag_with_its_default() -> None:
         want = flags[name].default
         if isinstance(want, (int, float)) and not isinstance(want, bool):
             assert float(default) == want, name
+
+
+def test_a_short_hostile_soak_passes_with_its_figures(tmp_path: Path) -> None:
+    """Strangers press on TCP and the peer port while the Unix socket is probed: 200 idle TCP
+    connections, more than the Unix socket's 64 (``--max-connections``), and none of them may
+    refuse a local health probe; every refused call of the prober is checked."""
+    out_json = tmp_path / "soak.json"
+    args = [
+        "soak", "--hostile", "--duration", "8", "--writers", "2", "--ranks", "3",
+        "--samples-per-step", "4", "--max-tokens", "256", "--seq-len", "200",
+        "--sample-every", "0.5", "--warmup", "1", "--settle", "2",
+        "--json", str(out_json), "--plot", "", "--daemon-arg=--max-connections=64",
+    ]  # fmt: skip
+    run = subprocess.run([*PAYLOADD, *args], capture_output=True, text=True, timeout=180)
+    report = run.stdout + run.stderr[-3000:]
+    assert out_json.exists(), report
+    v = json.loads(out_json.read_text())["verdict"]
+    checks = {ch["name"]: ch for ch in v["checks"]}
+    p = v["probes"]
+    assert p["health"] >= 4 and p["health_failed"] == 0, report
+    assert {k.split()[1] for k in p["calls"]} == {"unix", "tcp"}  # both ways in
+    refused = sum(n for k, n in p["calls"].items() if k.endswith(" refused"))
+    assert sum(p["refusals_checked"].values()) == refused >= 1, p  # each one checked
+    assert p["refusals_executed"] == []
+    kinds = v["neighbours"]["kinds"]
+    assert set(kinds) == {"idle_tcp", "trickle_tcp", "stalled_http", "idle_peer",
+                          "trickle_peer", "stalled_peer"}  # fmt: skip
+    for kind, n in kinds.items():
+        assert n["opened"] >= n["planned"] >= 1 and n["closed"] + n["refused"] <= n["opened"], kind
+    assert kinds["idle_tcp"]["planned"] == 200 and kinds["idle_peer"]["planned"] == 25
+    # more strangers than the daemon lets wait for a head: some were refused or closed
+    assert kinds["idle_tcp"]["refused"] + kinds["idle_tcp"]["closed"] > 0
+    stragglers = v["neighbours"]["stragglers"]  # a client's threads on old steps, counted
+    assert stragglers["moves"] >= 1 and stragglers["straggler appends"] > stragglers["moves"]
+    b = v["bytes"]
+    assert b["samples"] >= 1 and b["at_rest"]["real"] > 0 and b["at_rest"]["files"] > 0
+    for name in ("health probes failed", "refused calls executed", "counted vs real bytes",
+                 "counted vs real bytes at rest", "unexpected errors", "mismatches"):  # fmt: skip
+        assert checks[name]["ok"], f"{name}: {checks[name]}\n{report}"
+    assert "neighbour  idle_tcp" in run.stdout and "probes     health" in run.stdout
+    assert run.returncode == 0 and "soak: OK" in run.stdout, report
+
+
+def _bytes(drift: int, n_open: int, lease: int = 1000) -> dict[str, Any]:
+    real = 5000
+    return {"counted": [real + drift] * 2, "real": real, "files": 3, "open": n_open,
+            "drift": drift, "tolerance": lease * n_open}  # fmt: skip
+
+
+def _state(sample_drift: int = 1500, rest_drift: int = 0) -> RunState:
+    """A run whose new checks pass: a sample above the files within its two leases, the
+    count equal to the files at rest, 10 health probes, a refusal checked."""
+    st = RunState(probes=Probes(health=10), at_rest=_bytes(rest_drift, 2))
+    st.samples = [
+        {"t": 1.0, "epoch": 0, "phase": "load", "pid": 7, "rss_mib": 50.0, "fds": 20,
+         "threads": 8, "deleted_fds": 0, "deleted": [], "stats": None,
+         "bytes": _bytes(sample_drift, 2)}
+    ]  # fmt: skip
+    assert st.probes is not None
+    st.probes.calls["append unix refused"] += 1
+    st.probes.checked["append unix"] += 1
+    return st
+
+
+def _new_checks(state: RunState) -> dict[str, dict[str, Any]]:
+    parser = argparse.ArgumentParser()
+    add_soak_flags(parser)
+    v = _verdict.verdict(parser.parse_args([]), state, Tally(), [0.0], 0.0)
+    names = ("health probes failed", "refused calls executed", "counted vs real bytes",
+             "counted vs real bytes at rest")  # fmt: skip
+    checks = {ch["name"]: ch for ch in v["checks"] if ch["name"] in names}
+    assert set(checks) == set(names)
+    for name, ch in checks.items():
+        assert (name in v["failed"]) == (not ch["ok"])
+    return checks
+
+
+def test_the_verdict_fails_on_a_failed_probe_a_refusal_carried_out_or_a_drift() -> None:
+    assert all(ch["ok"] for ch in _new_checks(_state()).values())
+    assert all(ch["ok"] for ch in _new_checks(_state(-2000, 0)).values())  # at the bounds
+    # a health probe of the Unix socket that failed, away from any kill
+    st = _state()
+    assert st.probes is not None
+    st.probes.health_failed.append([5.0, 5.1, "health", "BusyError", "daemon busy", "probe"])
+    ch = _new_checks(st)["health probes failed"]
+    assert not ch["ok"] and ch["value"] == 1 and "BusyError: daemon busy" in ch["detail"]
+    st.kills.append(Kill(at=5.05, ready=5.5))  # a transport error around a kill is expected
+    st.probes.health_failed[0][3] = "ConnectError"
+    assert _new_checks(st)["health probes failed"]["ok"]
+    st.probes.health = 0  # and no probe at all is no pass
+    assert not _new_checks(st)["health probes failed"]["ok"]
+    # a refused call that was carried out
+    st = _state()
+    assert st.probes is not None
+    st.probes.executed.append("append over unix answered BusyError ... and was carried out")
+    ch = _new_checks(st)["refused calls executed"]
+    assert not ch["ok"] and ch["value"] == 1 and "carried out" in ch["detail"]
+    # the count below the files at rest, or above them, by one byte
+    ch = _new_checks(_state(rest_drift=-1))["counted vs real bytes at rest"]
+    assert not ch["ok"] and ch["value"] == -1 and "1 bytes below the files" in ch["detail"]
+    ch = _new_checks(_state(rest_drift=1))["counted vs real bytes at rest"]
+    assert not ch["ok"] and ch["value"] == 1 and "1 bytes above the files" in ch["detail"]
+    # a sample beyond a lease of each file open, either way
+    for drift in (-2001, 2001):
+        ch = _new_checks(_state(sample_drift=drift))["counted vs real bytes"]
+        assert not ch["ok"] and ch["value"] == 1 and "1 beyond" in ch["detail"]
+
+
+def test_the_prober_finds_a_refused_call_that_was_carried_out(soak_socket: Path) -> None:
+    root = soak_socket.parent / "root"
+    probes = Probes()
+    prober = RefusalProber(str(soak_socket), None, None, root, root / "soak", probes, Tally())
+    run, row = "soak-probe-unix", np.zeros((2, 48, 8), np.uint8)
+    past = time.monotonic() - CHECK_AFTER
+    with PayloadClient(soak_socket, data_plane=False) as c:
+        # appends answered 503: the one to step 7 stored all the same, the one to step 8 not
+        c.append(ROUTED, row, 0, run=run, step=7)
+        prober.pending += [_Refusal("append", "unix", past, run, 7),
+                           _Refusal("append", "unix", past, run, 8)]  # fmt: skip
+        prober._check_due(time.monotonic())
+        assert len(probes.executed) == 1 and f"{run} step 7 holds 1 file" in probes.executed[0]
+        # a GC answered 503 that ran all the same, and one that did not
+        kept = c.append(ROUTED, row, 0, run=run, step=9)
+        files = [s.file for s in kept]
+        prober.pending.append(_Refusal("gc", "unix", past, run, 9, files))
+        prober._check_due(time.monotonic())  # its files are there: nothing done
+        c.gc(run=run, through_step=9)
+        prober.pending.append(_Refusal("gc", "unix", past, run, 9, files))
+        prober._check_due(time.monotonic())
+    assert probes.checked == {"append unix": 2, "gc unix": 2}
+    assert len(probes.executed) == 2 and "files it would remove are gone" in probes.executed[1]

@@ -5,7 +5,11 @@ a reservation the daemon makes, written by the client and committed (`reserve_st
 
 A lease request is built and answered under the connection's lock (`_LeaseAsk`): threads
 of one client ask for a key once, and a renewed key's old lease is ended where its rows end
-(`LeaseRequest.done`), so a client's lease files have no holes.
+(`LeaseRequest.done`), so a client's lease files have no holes. Each lease counts the
+claims of appends not settled yet (`LeaseCache.settle`, after their writes): one ended or
+dropped with some is named to the daemon once they settle (`LeaseRequest.writing`,
+``written``), which keeps its file open until then, so that the file's size on disk,
+which decides what it counts once closed, includes every row of the client's.
 """
 
 from __future__ import annotations
@@ -234,9 +238,9 @@ def _lease_request(
         if other != key and other not in want and not leases.holds(other):
             want[other] = 0
     more = [(r, s, f, size) for (r, s, f), size in want.items()][:LEASE_ALONG]
-    return LeaseRequest(
-        run, step, key[2], n, more, leases.finish(key), _shapes(key, more, items, leases)
-    )
+    done, writing = leases.finish(key)
+    shapes = _shapes(key, more, items, leases)
+    return LeaseRequest(run, step, key[2], n, more, done, shapes, writing, leases.take_written())
 
 
 def _shapes(
@@ -369,7 +373,7 @@ def append_leased(
     except OSError as exc:
         raise _write_error(exc) from exc
     finally:
-        leases.end()
+        leases.settle(places)
     if gone:
         for lease in gone:
             leases.forget_lease(lease)
@@ -408,7 +412,7 @@ def append_steps(
     while True:
         places: list[Place] = []
         too_large = False
-        leases.begin()  # no lease descriptor is closed while this append writes
+        leases.begin()  # no lease descriptor is closed while this append writes (`settle`)
         try:
             try:
                 for i, (item, n) in enumerate(zip(items, sizes, strict=True)):
@@ -445,8 +449,8 @@ def append_steps(
                 gone = yield Blocking(write, sum(sizes))
             except OSError as exc:
                 raise _write_error(exc) from exc
-        finally:
-            leases.end()
+        finally:  # (its claims settled: written, or given back)
+            leases.settle([(lease, at) for _, lease, at in places])
         if not gone:
             break
         for key in set(gone):  # place the rows again, in new leases (new files)

@@ -36,6 +36,7 @@ __all__ = [
     "GenerationPage",
     "TELL_USE_S",
     "KEPT_SCRATCH",
+    "WRITTEN",
     "LEASES",
     "LEASE_ALONG",
     "NOTE_EVERY",
@@ -55,6 +56,9 @@ NOTE_EVERY = 64
 LEASE_ALONG = 16
 """Most keys a client asks to lease along with the one it needs (`LeaseCache.fields_before`,
 and the other keys of the same append), in the same round trip."""
+WRITTEN = 2 * LEASES
+"""Most leases one lease request names as written (`LeaseCache.take_written`; the rest go
+with the next one)."""
 KEPT_SCRATCH = 64 << 20
 """Largest scratch buffer a client keeps for the next read (it keeps at most four)."""
 TELL_USE_S = 0.25
@@ -155,11 +159,15 @@ class _Cache(Generic[K, V]):
         with self.lock:
             old = self.items.pop(key, None)
             if old is not None:
-                self.retired.append(self.fd_of(old))
+                self._retire(old)
             self.items[key] = value
             while len(self.items) > self.size:
-                self.retired.append(self.fd_of(self.items.popitem(last=False)[1]))
+                self._retire(self.items.popitem(last=False)[1])
             self._sweep()
+
+    def _retire(self, value: V) -> None:
+        """``value`` left the cache: its descriptor closes once no I/O uses it. Lock held."""
+        self.retired.append(self.fd_of(value))
 
     def begin(self) -> None:
         with self.lock:
@@ -182,7 +190,7 @@ class _Cache(Generic[K, V]):
         with self.lock:
             gone = [k for k, v in self.items.items() if os.fstat(self.fd_of(v)).st_nlink == 0]
             for k in gone:
-                self.retired.append(self.fd_of(self.items.pop(k)))
+                self._retire(self.items.pop(k))
             self._sweep()
         return len(gone)
 
@@ -191,7 +199,7 @@ class _Cache(Generic[K, V]):
         with self.lock:
             value = self.items.pop(key, None)
             if value is not None:
-                self.retired.append(self.fd_of(value))
+                self._retire(value)
                 self._sweep()
 
     def clear(self) -> None:
@@ -215,7 +223,12 @@ class LeasedRange:
     ``[next, end)`` is still free, ``[start, next)`` taken.
 
     ``seen`` is the removal generation (`GenerationPage`), even, read before ``file`` was
-    last known to be linked (granted by the daemon, or checked); -1: never, check it."""
+    last known to be linked (granted by the daemon, or checked); -1: never, check it.
+
+    ``claims``: appends that claimed room in it and have not settled it yet (their rows on
+    their way, or given back). ``ending``: it left the cache (ended, or dropped) while
+    ``claims``: the daemon is told once they settle (`LeaseCache.written`), and keeps its
+    file open until then."""
 
     file: str
     fd: int
@@ -224,6 +237,8 @@ class LeasedRange:
     fsync: bool
     start: int = 0
     seen: int = -1
+    claims: int = 0
+    ending: bool = False
 
 
 class LeaseCache(_Cache[tuple[str, int, str], LeasedRange]):
@@ -239,6 +254,9 @@ class LeaseCache(_Cache[tuple[str, int, str], LeasedRange]):
         self.recent: dict[str, dict[int, dict[str, LeasedRange]]] = {}
         # (run, field) -> the row pattern the daemon took for it, and a shape of it
         self.shapes: dict[tuple[str, str], tuple[tuple[int, ...], list[int]]] = {}
+        # (file, start) of the leases let go of whose rows are all in place, for the next
+        # lease request to name (`LeaseRequest.written`)
+        self.written: list[tuple[str, int]] = []
 
     def note(
         self, items: Sequence[AppendItem], sizes: Sequence[int], every: int = NOTE_EVERY
@@ -277,6 +295,7 @@ class LeaseCache(_Cache[tuple[str, int, str], LeasedRange]):
             self.generation = None  # its page is another (this mapping closes once unused)
             self.recent = {}
             self.shapes = {}
+            self.written = []  # (a late one names a file of the gone connection: passed over)
         super().clear()
 
     def suspect(self) -> None:
@@ -301,6 +320,7 @@ class LeaseCache(_Cache[tuple[str, int, str], LeasedRange]):
                 return None
             offset = lease.next
             lease.next += nbytes
+            lease.claims += 1
             self.used.add(lease.file)
             return lease, offset
 
@@ -309,7 +329,7 @@ class LeaseCache(_Cache[tuple[str, int, str], LeasedRange]):
     ) -> list[tuple[LeasedRange, int]] | None:
         """`claim` room for every item in its key's lease, all or none, and `begin` I/O:
         ``(lease, offset)`` of each item; ``None`` when one key has no lease or too little
-        room (then nothing is claimed or begun). Call `end` after writing."""
+        room (then nothing is claimed or begun). Call `settle` after writing."""
         with self.lock:
             leases = self.items
             got: list[tuple[LeasedRange, int]] = []
@@ -318,9 +338,11 @@ class LeaseCache(_Cache[tuple[str, int, str], LeasedRange]):
                 if lease is None or lease.next + n > lease.end:
                     for taken, offset in reversed(got):
                         taken.next = offset
+                        taken.claims -= 1
                     return None
                 got.append((lease, lease.next))
                 lease.next += n
+                lease.claims += 1
             self.inflight += 1
             used = self.used
             for lease, _ in got:
@@ -362,24 +384,63 @@ class LeaseCache(_Cache[tuple[str, int, str], LeasedRange]):
                 del self.recent[next(iter(self.recent))]
         super().put(key, value)
 
-    def finish(self, key: tuple[str, int, str]) -> list[tuple[str, int, int]]:
+    def finish(
+        self, key: tuple[str, int, str]
+    ) -> tuple[list[tuple[str, int, int]], list[tuple[str, int]]]:
         """End the leases a lease request of ``key`` tells the daemon the client is done
         with (`LeaseRequest.done`): ``key``'s own (it is renewed) and those of the run's
         steps older than its two latest (``key``'s step counted): ``(file, start, used)``
-        each, ``used`` the end of what was claimed of it. No more claims fit in them from
-        now on; their descriptors close once no I/O uses them."""
+        each, ``used`` the end of what was claimed of it; and ``(file, start)`` of those
+        with claims still unsettled (`LeaseRequest.writing`: named in `written` once they
+        settle). No more claims fit in them from now on; their descriptors close once no
+        I/O uses them."""
         run, step, _ = key
         with self.lock:
             steps = sorted({*self.recent.get(run, ()), step})
             oldest = steps[-2] if len(steps) > 1 else step  # steps before it are done
             done = [k for k in self.items if k == key or (k[0] == run and k[1] < min(oldest, step))]
-            out = []
+            out, writing = [], []
             for k in done:
                 lease = self.items.pop(k)
                 lease.end = lease.next
                 self.retired.append(lease.fd)
                 out.append((lease.file, lease.start, lease.next))
+                if lease.claims:
+                    lease.ending = True
+                    writing.append((lease.file, lease.start))
             self._sweep()
+        return out, writing
+
+    def _retire(self, value: LeasedRange) -> None:
+        """A lease left the cache without ``done`` (beyond `LEASES`, its file removed...):
+        the daemon is told once its claims settle (`written`), at once if none is open.
+        Lock held."""
+        self.retired.append(value.fd)
+        value.end = value.next
+        if value.claims:
+            value.ending = True
+        else:
+            self.written.append((value.file, value.start))
+
+    def settle(self, claims: Sequence[tuple[LeasedRange, int]]) -> None:
+        """The claims ``(lease, offset)`` of an append (`claim_all`'s) are settled, their
+        rows written or given back, and its I/O ends (`end`): a lease let go of whose last
+        claim this was is named in the next lease request (`written`)."""
+        with self.lock:
+            for lease, _ in claims:
+                lease.claims -= 1
+                if lease.ending and not lease.claims:
+                    lease.ending = False
+                    self.written.append((lease.file, lease.start))
+            self.inflight -= 1
+            if self.retired:
+                self._sweep()
+
+    def take_written(self) -> list[tuple[str, int]]:
+        """The leases a lease request names (`LeaseRequest.written`), at most `WRITTEN`:
+        named from now on."""
+        with self.lock:
+            out, self.written = self.written[:WRITTEN], self.written[WRITTEN:]
         return out
 
     def forget_lease(self, lease: LeasedRange) -> None:
@@ -388,7 +449,7 @@ class LeaseCache(_Cache[tuple[str, int, str], LeasedRange]):
             key = next((k for k, v in self.items.items() if v is lease), None)
             if key is not None:
                 del self.items[key]
-                self.retired.append(lease.fd)
+                self._retire(lease)
                 self._sweep()
 
     def unclaim(self, claims: Sequence[tuple[LeasedRange, int, int]]) -> None:
