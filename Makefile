@@ -7,12 +7,16 @@
 # `make check-container` (not part of `make test`, as root): the image of
 # deploy/container/Dockerfile built with podman and run as a sidecar; installs podman, runc
 # and debootstrap if missing.
+# `make check-vllm` (not part of `make test`): a real vLLM (its CPU build) on a tiny random
+# Qwen3-MoE model, in-process and as its OpenAI-compatible server on 127.0.0.1, writing into a
+# real daemon; installs .venv-vllm on first use (about 9 minutes, 3.5 GB; kept between runs);
+# figures into docs/benchmarks/vllm.json. The last line says `check-vllm: OK` or what failed.
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck pytest soak soak-cluster check-glusterfs check-container clean
+.PHONY: demo test lint typecheck pytest soak soak-cluster check-glusterfs check-container check-vllm clean
 
 $(STAMP): pyproject.toml client/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -51,6 +55,13 @@ check-glusterfs: $(STAMP)
 	@test "$$(id -u)" = 0 || { echo "check-glusterfs runs glusterd and FUSE mounts: run it as root"; exit 1; }
 	PAYLOADD_GLUSTERFS=1 PAYLOADD_GLUSTERFS_REPORT=docs/benchmarks/glusterfs.json \
 	    $(BIN)/pytest tests/integration -v -s -p no:cacheprovider
+
+VLLM_VENV ?= .venv-vllm
+check-vllm:
+	VLLM_VENV=$(VLLM_VENV) bash tests/vllm/setup.sh
+	@if PAYLOADD_CHECK_OUT=docs/benchmarks/vllm.json $(VLLM_VENV)/bin/pytest tests/vllm -v -s \
+	    -p no:cacheprovider; then echo "check-vllm: OK"; \
+	else echo "check-vllm: FAILED (the failures above say what)"; exit 1; fi
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
