@@ -20,7 +20,7 @@ accepted and passed through with their extra elements; the object form
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ._errors import InvalidRequestError, InvalidSegmentError
@@ -115,7 +115,9 @@ def prefill_has_routed_experts(prefill: Any, field: str = "routed_experts") -> b
     return first.get(field) is not None or any(s.field == field for s in segments)
 
 
-def merge_pd_responses(prefill: Any, decode: Any, field: str = "routed_experts") -> dict[str, Any]:
+def merge_pd_responses(
+    prefill: Any, decode: Any, field: str | Sequence[str] = "routed_experts"
+) -> dict[str, Any]:
     """Stitch the by-handle segments of a prefill and a decode generate response.
 
     Parameters
@@ -125,8 +127,10 @@ def merge_pd_responses(prefill: Any, decode: Any, field: str = "routed_experts")
         ``choices[0].payload`` are used.
     decode : dict
         The decode instance's response, of the same shape.
-    field : str, default "routed_experts"
-        The field to stitch.
+    field : str or sequence of str, default "routed_experts"
+        The field to stitch; several (``("routed_experts", "sampling_mask")``: the prefill
+        holds the mask of the first generated token) are stitched one after the other,
+        each as alone.
 
     Returns
     -------
@@ -151,8 +155,18 @@ def merge_pd_responses(prefill: Any, decode: Any, field: str = "routed_experts")
     InvalidSegmentError
         If any segment on either side is malformed, invalid (docs/contract.md, "The segment model") or overflows int64.
     """
-    if not isinstance(field, str) or not field:
-        raise InvalidRequestError("field must be a non-empty string")
+    fields = [field] if isinstance(field, str) else list(field)
+    if not fields or not all(isinstance(f, str) and f for f in fields):
+        raise InvalidRequestError("field must be a non-empty string or a sequence of them")
+    _choices(decode, "decode")  # its shape checked before anything is copied
+    out: Any = decode
+    for f in fields:
+        out = _merge_field(prefill, out, f)
+    return dict(out)
+
+
+def _merge_field(prefill: Any, decode: Any, field: str) -> dict[str, Any]:
+    """`merge_pd_responses` of one field."""
     pre_choices = _choices(prefill, "prefill")
     head_raw: list[list[Any]] = []
     head: list[PayloadSegment] = []

@@ -105,6 +105,25 @@ def test_responses_keep_other_fields_of_decode_in_order() -> None:
     assert got == [*want, seg(R, 9, 6), x, m2]
 
 
+def test_responses_stitch_several_fields_one_after_the_other() -> None:
+    """Prefill: the prompt's routing [0, 10) and the first generated token's mask (10);
+    decode (prompt + that token): routing [0, 14), masks from 11. Both fields stitched: the
+    prefill's rows, then the decode's from the prefill's end; one field at a time gives the
+    same, and the routed field alone loses the prefill's mask row."""
+    pre_r, pre_m = seg(R, 0, 10, file="p.bin"), seg(M, 10, 1, shape=[4], file="pm.bin")
+    dec_r, dec_m = seg(R, 0, 14), seg(M, 11, 3, shape=[4], file="dm.bin")
+    prefill, decode = response([pre_r, pre_m]), response([dec_r, dec_m])
+    both = merge_pd_responses(prefill, decode, (R, M))
+    assert both == merge_pd_responses(prefill, merge_pd_responses(prefill, decode), M)
+    want = [pre_m, pre_r, seg(R, 10, 4, offset=10 * 384), dec_m]
+    assert both["choices"][0]["payload"] == want
+    alone = merge_pd_responses(prefill, decode)["choices"][0]["payload"]
+    assert pre_m not in alone and dec_m in alone
+    for bad in ([], [R, ""], [R, 3]):
+        with pytest.raises(InvalidRequestError, match="sequence of them"):
+            merge_pd_responses(prefill, decode, bad)  # type: ignore[arg-type]
+
+
 def test_responses_no_op_without_routed_segments() -> None:
     prefill = response([seg(M, 0, 4, shape=[2])], None)
     decode = response([seg(M, 4, 2, shape=[3])], None, [], extra={"usage": 3})
