@@ -20,7 +20,9 @@ repeated, interleaved with the others, and reported as median (min-max):
 - the same job on TransferQueue versus payloadd (`payloadd.bench._transferqueue`), when
   TransferQueue is installed (the ``peers`` extra), else a note;
 - each against its physical baseline measured alike: a packed micro batch read by CP window
-  against a per-segment direct reader (`payloadd.bench._packed`); windows of N one-row
+  against a per-segment direct reader (`payloadd.bench._packed`); a trainer rank's step on
+  it, a new segment list (msgpack bytes) every micro batch, routing + mask, against that
+  reader and raw ``preadv`` (`payloadd.bench._trainer_step`); windows of N one-row
   segments against ``pread`` (`payloadd.bench._one_row`, also one-row read round trips); the
   orchestrator's segment operations against msgpack encode (`payloadd.bench._seg_ops`);
   appends that open a new key against appends to open keys, and 16 MiB appends against raw
@@ -66,6 +68,7 @@ from payloadd.bench._ray import PAYLOADD, RAY, bench_ray, ray_available
 from payloadd.bench._rl import BARE, bench_rl
 from payloadd.bench._rl_batch import RLBatch
 from payloadd.bench._seg_ops import bench_segment_ops
+from payloadd.bench._trainer_step import bench_trainer_step
 from payloadd.bench._transferqueue import (
     TQ,
     TQ_MEASURES,
@@ -313,8 +316,11 @@ class Bench:
     # -- each against its physical baseline (modules of their own) ----------------------
 
     def packed(self) -> None:
-        """A packed micro batch by CP window against the direct reader (`_packed`)."""
+        """A packed micro batch by CP window against the direct reader (`_packed`); a
+        trainer rank's step on it, a new list, routing + mask, against the direct reader and
+        raw preadv (`_trainer_step`)."""
         bench_packed(self.add, self.socket, self.root, self.repeat, self.quick)
+        bench_trainer_step(self.add, self.socket, self.root, self.repeat, self.quick)
 
     def one_rows(self) -> None:
         """Windows of N one-row segments against pread; one-row reads (`_one_row`)."""

@@ -9,6 +9,8 @@ __all__ = ["RATIO_PREFIXES", "plot"]
 
 RATIO_PREFIXES = ("packed ", "HTTP ceiling", "read uint8 out= (http), vs", "writes: ")
 """Rows in GB/s drawn as ratios to their baselines (panel 4), not as throughput (panel 1)."""
+TRAINER = "trainer step"
+"""Rows of the trainer step: its ratio rows (unit ``x``, higher is better) go to panel 4."""
 
 
 def _throughput(ax: Any, rows: list[dict[str, Any]]) -> None:
@@ -69,8 +71,9 @@ def plot(rows: list[dict[str, Any]], path: Path) -> bool:
     """Draw the report's rows into ``path`` (PNG); ``False`` without matplotlib.
 
     Panels: throughput per size and method; round trips (ms); the RL batch's ratios (by
-    handle ÷ inline, payloadd ÷ Ray) and payload share; the packed micro batch, the HTTP
-    ceiling and the 16 MiB writes as ratios to their baselines; the cost per segment of a
+    handle ÷ inline, payloadd ÷ Ray) and payload share; the packed micro batch, the trainer
+    step (payloadd's speed over the direct reader's and raw preadv's), the HTTP ceiling and
+    the 16 MiB writes as ratios to their baselines; the cost per segment of a
     window over N one-row segments against N (log-log); the orchestrator's operations per
     segment.
 
@@ -100,7 +103,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> bool:
           "tab:gray", "ms (median over repetitions, log scale)", "Round trips and appends")  # fmt: skip
     axes[0][1].set_xscale("log")
     rl = [r for r in rows if r["unit"] in ("MiB", "s") and r["ratio"] is not None]
-    rl += [r for r in rows if r["unit"] == "x"]
+    rl += [r for r in rows if r["unit"] == "x" and not r["name"].startswith(TRAINER)]
     _barh(axes[0][2], [r["name"].removeprefix("RL ") for r in rl],
           [r["ratio"] if r["ratio"] is not None else r["median"] for r in rl], "tab:green",
           "ratio of medians (lower is better); share: median", "RL batch: by handle / inline; "
@@ -108,9 +111,11 @@ def plot(rows: list[dict[str, Any]], path: Path) -> bool:
     axes[0][2].axvline(1.0, color="black", linewidth=0.8)
     rat = [r for r in rows if r["unit"] == "GB/s" and r["ratio"] is not None
            and r["name"].startswith(RATIO_PREFIXES)]  # fmt: skip
-    _barh(axes[1][0], [f"{r['name']} [{r['size']}]" for r in rat], [r["ratio"] for r in rat],
-          "tab:blue", "ratio to its baseline, median (higher is better)",
-          "Packed micro batch, HTTP ceiling, 16 MiB writes")  # fmt: skip
+    trainer = [r for r in rows if r["unit"] == "x" and r["name"].startswith(TRAINER)]
+    _barh(axes[1][0], [f"{r['name']} [{r['size']}]" for r in rat + trainer],
+          [r["ratio"] for r in rat] + [r["median"] for r in trainer], "tab:blue",
+          "ratio to its baseline, median (higher is better)",
+          "Packed micro batch, trainer step, HTTP ceiling, 16 MiB writes")  # fmt: skip
     axes[1][0].axvline(1.0, color="black", linewidth=0.8)
     _segments_vs_n(axes[1][1], rows)
     ops = [r for r in rows if r["name"].startswith("segments: ")]

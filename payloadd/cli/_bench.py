@@ -22,6 +22,7 @@ from payloadd.bench._bench import (
 )
 from payloadd.bench._daemon_process import start_daemon
 from payloadd.bench._plot import plot
+from payloadd.bench._trainer_step import format_trainer_summary, trainer_summary
 from payloadd.cli._common import positive_int
 
 __all__ = ["add_bench_flags", "run_bench"]
@@ -68,7 +69,7 @@ STEPS = (
     ("latency", "one-row round trips"),
     ("writers", "concurrent writers"),
     ("fsync_cost", "each fsync policy"),
-    ("packed", "a packed micro batch against the direct reader"),
+    ("packed", "a packed micro batch against the direct reader; a trainer step on it"),
     ("one_rows", "windows of N one-row segments"),
     ("segment_ops", "segment operations at 100,000"),
     ("new_keys", "appends that open a new key"),
@@ -127,6 +128,9 @@ def run_bench(args: argparse.Namespace) -> int:
     print(f"payloadd bench: {args.repeat} repetitions, {minutes} min {secs:02d} s in all")
     print(_environment())
     print(format_table(rows))
+    trainer = trainer_summary(rows)
+    if trainer:
+        print(format_trainer_summary(trainer))
     for note in notes:
         print(f"not measured: {note}")
     out.mkdir(parents=True, exist_ok=True)
@@ -138,6 +142,7 @@ def run_bench(args: argparse.Namespace) -> int:
         "rl_batch": dataclasses.asdict(spec),
         "notes": notes,
         "results": rows,
+        "trainer_step": trainer,
     }
     (out / "bench.json").write_text(json.dumps(doc, indent=1) + "\n")
     drawn = plot(rows, out / "bench.png")

@@ -1,0 +1,330 @@
+"""A trainer step: a new segment list every micro batch, routing + mask (part of ``payloadd
+bench``).
+
+The micro batch of `payloadd.bench._packed` (8 samples x 2,048 tokens, 30 turns each, each
+sample in a step of its own, packed back to back): 480 segments in the list, routing ``uint8
+[t, 48, 8]`` and the sampling mask ``int32 [t, w]`` (``w <= 64``) per turn. A trainer rank
+receives each micro batch's list as msgpack bytes from the orchestrator (`encode_segments`,
+done once beforehand), and one measured call is the rank's step:
+
+- decode the bytes (inside the timed call: nothing is kept of an earlier decode, the list is
+  a new object every call);
+- read routing over ``[lo, hi)`` into a preallocated ``uint8 [n, 48, 8]`` output;
+- read the mask on the label positions ``[lo + 1, hi + 1)`` into a preallocated ``int32 [n,
+  64]`` output (filled with -1 when allocated; every reader sets fill itself).
+
+Windows: CP 1 ``[0, 16384)``; CP 4, each rank in turn (call ``i`` is rank ``i % 4``'s
+window), so a CP-4 figure is one rank's step, averaged over the four ranks.
+
+The three readers, measured alike, interleaved, each call on the next of several stored
+copies of the batch (8; 3 with ``--quick``; more than the 2 lists the client keeps what it
+worked out of, so no call starts on a list the client has read; its mask read reuses what
+its routing read worked out of the list, as a rank's does):
+
+- **raw**: per field, one ``os.preadv`` per contiguous extent of a file the window needs
+  (one a sample: a sample's turns lie back to back in its file), the extents worked out
+  beforehand and the files open: routing straight into its rows of the output, the mask's
+  bytes into a scratch buffer (not placed by width). No decode. What the bytes cost.
+- **direct reader** (`DirectReader`): `decode_segments` (msgspec's typed decoder, the
+  garbage collector paused: about 4x cheaper than a plain msgpack decode into lists, which
+  allocates a list a segment), then per segment that meets the
+  window one ``os.preadv`` (routing into its rows; the mask into a scratch buffer, copied into
+  its rows' leading ``w`` columns, fill in the others).
+- **payloadd**: `decode_segments`, then ``read_field`` of each field into its ``out=`` on the
+  data plane (the client's descriptors of the files are kept between calls, as a rank's are).
+
+Each sample is the mean time of a call over ``k`` calls (32 at CP 1, 64 at CP 4, a quarter
+with ``--quick``) after two warm-up calls (then the lists the client keeps are of this
+reader's calls, whatever ran before: none is the next call's); the ratio rows
+are, per repetition, the baseline's time over payloadd's (payloadd's speed over the
+baseline's: higher is better), their median the figure.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import re
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from payload_client import PayloadClient, PayloadSegment, decode_segments, encode_segments
+from payloadd.bench._measure import Add, page_aligned, rotated, timed
+from payloadd.bench._packed import MAX_WIDTH, DirectReader, PackedBatch, write_packed
+from payloadd.bench._rl_batch import LAYERS, MASK, MASK_FILL, ROUTED, ROUTED_FILL, TOP_K
+
+__all__ = [
+    "DIRECT",
+    "PAYLOADD",
+    "RAW",
+    "TRAINER",
+    "VS_DIRECT",
+    "VS_RAW",
+    "Extent",
+    "StepOutputs",
+    "bench_trainer_step",
+    "direct_step",
+    "format_trainer_summary",
+    "payloadd_step",
+    "raw_extents",
+    "raw_step",
+    "stored_mask_rows",
+    "trainer_summary",
+]
+
+TRAINER = "trainer step"
+"""Prefix of every row of this module (`payloadd.bench._plot` draws its ratio rows)."""
+RAW = "trainer step raw preadv, CP {cp}"
+DIRECT = "trainer step direct reader, CP {cp}"
+PAYLOADD = "trainer step: new list, routing + mask, CP {cp} (data plane)"
+VS_DIRECT = "trainer step CP {cp}: payloadd speed / direct (higher is better)"
+VS_RAW = "trainer step CP {cp}: payloadd speed / raw (higher is better)"
+RUN = "bench-trainer-step"
+
+Extent = tuple[int, memoryview, int]
+"""One raw read: ``(descriptor, destination bytes, file offset)``."""
+
+
+class StepOutputs:
+    """A rank's preallocated, page-aligned outputs for windows of ``n`` tokens.
+
+    Attributes
+    ----------
+    routed : numpy.ndarray
+        ``uint8 [n, 48, 8]``.
+    mask : numpy.ndarray
+        ``int32 [n, 64]``, filled with -1.
+    scratch : numpy.ndarray
+        ``uint8``, ``mask.nbytes`` bytes: the mask's stored bytes (raw reader, direct reader).
+    """
+
+    def __init__(self, n: int) -> None:
+        self.routed = page_aligned(n * LAYERS * TOP_K).reshape(n, LAYERS, TOP_K)
+        self.mask = page_aligned(n * MAX_WIDTH * 4).view(np.int32).reshape(n, MAX_WIDTH)
+        self.mask[...] = MASK_FILL
+        self.scratch = page_aligned(self.mask.nbytes)
+
+
+def _extents(segments: Sequence[PayloadSegment], field: str, lo: int, hi: int,
+             ) -> list[tuple[str, int, int]]:  # fmt: skip
+    """``(file, offset, nbytes)`` of ``field``'s bytes over ``[lo, hi)``, in position order,
+    a segment that continues the previous one in its file merged into its extent."""
+    out: list[tuple[str, int, int]] = []
+    for s in segments:
+        if s.field != field:
+            continue
+        a, b = max(lo, s.pos), min(hi, s.pos + s.rows)
+        if a >= b:
+            continue
+        row = int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize
+        off, nbytes = s.offset + (a - s.pos) * row, (b - a) * row
+        if out and out[-1][0] == s.file and out[-1][1] + out[-1][2] == off:
+            out[-1] = (s.file, out[-1][1], out[-1][2] + nbytes)
+        else:
+            out.append((s.file, off, nbytes))
+    return out
+
+
+def raw_extents(
+    segments: Sequence[PayloadSegment], fds: dict[str, int], lo: int, hi: int,
+    outs: StepOutputs,
+) -> list[Extent]:  # fmt: skip
+    """The raw reads of a rank's step: routing over ``[lo, hi)`` into ``outs.routed``'s
+    rows, the mask's bytes over ``[lo + 1, hi + 1)`` back to back into ``outs.scratch``.
+
+    It assumes what the micro batch is: each field's segments in position order, back to
+    back, none overlapping (the routing window is covered; no fill is written).
+
+    Parameters
+    ----------
+    segments : sequence of PayloadSegment
+        The micro batch's segments, both fields.
+    fds : dict
+        A descriptor open for reading of every file the segments name.
+    lo, hi : int
+        The window.
+    outs : StepOutputs
+        The destinations.
+
+    Returns
+    -------
+    list of Extent
+        One a contiguous extent of a file, routing's first.
+    """
+    reads: list[Extent] = []
+    for field, a, b, dest in ((ROUTED, lo, hi, outs.routed.reshape(-1)),
+                              (MASK, lo + 1, hi + 1, outs.scratch)):  # fmt: skip
+        at = 0
+        for file, off, nbytes in _extents(segments, field, a, b):
+            reads.append((fds[file], dest[at : at + nbytes].data, off))
+            at += nbytes
+    return reads
+
+
+def raw_step(reads: list[Extent]) -> None:
+    """One ``os.preadv`` per extent."""
+    for fd, buf, off in reads:
+        if os.preadv(fd, [buf], off) != len(buf):
+            raise OSError("short read")
+
+
+def direct_step(reader: DirectReader, wire: bytes, lo: int, hi: int, outs: StepOutputs) -> None:
+    """Decode the list; the direct reader's routing over ``[lo, hi)`` and mask over ``[lo +
+    1, hi + 1)``, one ``preadv`` a segment."""
+    segments = decode_segments(wire)
+    reader.read_rows(segments, ROUTED, lo, hi, outs.routed, ROUTED_FILL)
+    reader.read_ragged(segments, MASK, lo + 1, hi + 1, outs.mask, MASK_FILL, outs.scratch)
+
+
+def payloadd_step(client: PayloadClient, wire: bytes, lo: int, hi: int,
+                  outs: StepOutputs) -> None:  # fmt: skip
+    """Decode the list; ``read_field`` of routing over ``[lo, hi)`` and of the mask over
+    ``[lo + 1, hi + 1)``, into the outputs."""
+    segments = decode_segments(wire)
+    client.read_field(segments, ROUTED, lo, hi, ROUTED_FILL, out=outs.routed)
+    client.read_field(segments, MASK, lo + 1, hi + 1, MASK_FILL, out=outs.mask)
+
+
+def stored_mask_rows(segments: Sequence[PayloadSegment], lo: int, hi: int,
+                     mask: np.ndarray) -> bytes:  # fmt: skip
+    """The stored bytes of the mask rows over ``[lo, hi)`` taken out of a placed ``mask``
+    output (each row's leading ``w`` entries, ``w`` its segment's width), back to back: what
+    the raw reader reads."""
+    parts = []
+    for s in segments:
+        if s.field == MASK:
+            a, b = max(lo, s.pos), min(hi, s.pos + s.rows)
+            if a < b:
+                parts.append(mask[a - lo : b - lo, : s.shape[0]].tobytes())
+    return b"".join(parts)
+
+
+def bench_trainer_step(
+    add: Add, socket: Path, root: Path, repeat: int, quick: bool, spec: PackedBatch | None = None
+) -> None:
+    """Measure a rank's step on a new list, CP 1 and CP 4, raw / direct / payloadd.
+
+    Parameters
+    ----------
+    add : Add
+        Records the samples (`Bench.add`).
+    socket : Path
+        The daemon's control socket.
+    root : Path
+        Its payload root (the raw and direct readers open the files there).
+    repeat : int
+        Repetitions.
+    quick : bool
+        3 stored copies instead of 8, a quarter of the calls.
+    spec : PackedBatch, optional
+        The batch (default: 8 x 2,048 tokens, 30 turns, CP 4).
+    """
+    spec = spec or PackedBatch()
+    size = f"{spec.samples}x{spec.tokens // 1024}k" if spec.tokens >= 1024 else str(spec.length)
+    copies = 3 if quick else 8
+    with PayloadClient(socket) as client:
+        batches = [write_packed(spec, client, RUN, c * spec.samples) for c in range(copies)]
+        wires = [encode_segments(b) for b in batches]
+        reader = DirectReader(root, [s for b in batches for s in b])
+        try:
+            ops = []
+            for cp in (1, spec.cp):
+                k = (32 if cp == 1 else 64) // (4 if quick else 1)
+                ops += [(name, op, k) for name, op in
+                        _ops(spec, cp, batches, wires, reader, client)]  # fmt: skip
+            for r in range(repeat):
+                took: dict[str, float] = {}
+                for name, op, k in rotated(ops, r):
+                    op()  # warm; twice: the lists the client keeps are then this op's
+                    op()
+                    took[name] = timed(op, k)
+                    add(name, size, "ms", took[name] * 1e3, None)
+                for cp in (1, spec.cp):
+                    mine = took[PAYLOADD.format(cp=cp)]
+                    add(VS_DIRECT.format(cp=cp), size, "x", took[DIRECT.format(cp=cp)] / mine, None)
+                    add(VS_RAW.format(cp=cp), size, "x", took[RAW.format(cp=cp)] / mine, None)
+        finally:
+            reader.close()
+
+
+def _ops(
+    spec: PackedBatch,
+    cp: int,
+    batches: list[list[PayloadSegment]],
+    wires: list[bytes],
+    reader: DirectReader,
+    client: PayloadClient,
+) -> list[tuple[str, Callable[[], Any]]]:
+    """The three readers' steps at CP ``cp``, each call on the next copy and the next rank."""
+    wins = spec.windows(cp)
+    outs = StepOutputs(wins[0][1] - wins[0][0])
+    n = len(batches)  # call i: copy i % n, rank i % cp; consecutive calls on distinct copies
+    plan = [(i % n, *wins[i % cp]) for i in range(math.lcm(n, cp))]
+    raws = itertools.cycle(
+        [raw_extents(batches[c], reader.fds, lo, hi, outs) for c, lo, hi in plan]
+    )
+    steps = [(wires[c], lo, hi) for c, lo, hi in plan]
+    direct_turn, mine_turn = itertools.cycle(steps), itertools.cycle(steps)
+
+    def raw() -> None:
+        raw_step(next(raws))
+
+    def direct() -> None:
+        direct_step(reader, *next(direct_turn), outs)
+
+    def mine() -> None:
+        payloadd_step(client, *next(mine_turn), outs)
+
+    return [(RAW.format(cp=cp), raw), (DIRECT.format(cp=cp), direct),
+            (PAYLOADD.format(cp=cp), mine)]  # fmt: skip
+
+
+def trainer_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The trainer-step rows of a report, a line per CP: the medians (ms a rank's step) and
+    the ratios (payloadd's speed over the baseline's, median over repetitions).
+
+    Parameters
+    ----------
+    rows : list of dict
+        `payloadd.bench._bench.report`'s rows.
+
+    Returns
+    -------
+    list of dict
+        Keys ``cp``, ``size``, ``raw_ms``, ``direct_ms``, ``payloadd_ms``,
+        ``payloadd_vs_direct_higher_is_better``, ``payloadd_vs_raw_higher_is_better``; empty
+        when the report has no trainer-step row.
+    """
+    by = {r["name"]: r for r in rows if r["name"].startswith(TRAINER)}
+    out = []
+    for cp in sorted({int(m[1]) for n in by if (m := re.search(r"CP (\d+)", n))}):
+        names = [f.format(cp=cp) for f in (RAW, DIRECT, PAYLOADD, VS_DIRECT, VS_RAW)]
+        if not all(n in by for n in names):
+            continue
+        raw, direct, mine, vs_direct, vs_raw = (by[n]["median"] for n in names)
+        out.append({"cp": cp, "size": by[names[0]]["size"], "raw_ms": raw,
+                    "direct_ms": direct, "payloadd_ms": mine,
+                    "payloadd_vs_direct_higher_is_better": vs_direct,
+                    "payloadd_vs_raw_higher_is_better": vs_raw})  # fmt: skip
+    return out
+
+
+def format_trainer_summary(summary: list[dict[str, Any]]) -> str:
+    """`trainer_summary` as a text table (empty string when empty)."""
+    if not summary:
+        return ""
+    head = (f"{'trainer step, new list, routing + mask':40} {'raw':>8} {'direct':>8} "
+            f"{'payloadd':>9}  {'payloadd/direct':>15}  {'payloadd/raw':>12}")  # fmt: skip
+    lines = ["medians, ms a rank's step; ratios: speed, higher is better", head]
+    for s in summary:
+        what = f"CP {s['cp']} ({'whole batch' if s['cp'] == 1 else 'each rank in turn'})"
+        lines.append(
+            f"{what:40} {s['raw_ms']:>8.3g} {s['direct_ms']:>8.3g} {s['payloadd_ms']:>9.3g}"
+            f"  {s['payloadd_vs_direct_higher_is_better']:>14.2f}x"
+            f"  {s['payloadd_vs_raw_higher_is_better']:>11.2f}x"
+        )
+    return "\n".join(lines)
