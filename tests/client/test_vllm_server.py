@@ -22,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from payload_client import PayloadClient, PayloadSegment
+from payload_client import AppendInDoubtError, PayloadClient, PayloadSegment
 from payload_client.vllm.server import FALLBACK_HEADER, PayloadMiddleware
 from tests.conftest import Daemon
 
@@ -224,3 +224,22 @@ def test_a_wrong_fallback_is_refused_at_start() -> None:
 def test_segments_travel_as_their_array_form() -> None:
     s = PayloadSegment("routed_experts", "n/r/0/a.bin", 0, 0, 4, "uint8", [2, 2])
     assert PayloadSegment(*msgspec.to_builtins(s)) == s
+
+
+class _InDoubt:
+    """A client whose append failed after its rows were sent (a daemon killed then)."""
+
+    async def append_many(self, *args: Any, **kw: Any) -> Any:
+        raise AppendInDoubtError("connection lost after the append was sent")
+
+
+@pytest.mark.asyncio
+async def test_an_append_in_doubt_is_a_503_that_says_so() -> None:
+    app = PayloadMiddleware(VLLM, client=_InDoubt())  # type: ignore[arg-type]
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://v") as c:
+        r = await c.post(
+            "/v1/completions", json={"prompt": [1], "max_tokens": 2}, headers=BY_HANDLE
+        )
+    assert r.status_code == 503
+    message = r.json()["error"]["message"]
+    assert "may or may not be stored" in message and "Nothing of it is stored" not in message

@@ -46,7 +46,7 @@ import msgspec
 import numpy as np
 
 from .._async_client import AsyncPayloadClient
-from .._errors import PayloadError
+from .._errors import AppendInDoubtError, PayloadError
 from ._outputs import MASK, ROUTED, mask_blocks
 
 __all__ = ["FALLBACK_HEADER", "PATHS", "RUN_HEADER", "STEP_HEADER", "PayloadMiddleware"]
@@ -156,10 +156,16 @@ class PayloadMiddleware:
                 reason = f"{type(exc).__name__}: {exc}"[:200].encode("ascii", "replace")
                 await _replay(send, start, answer, extra=[(FALLBACK_HEADER, reason)])
                 return
+            stored = (
+                "Its rows may or may not be stored (the connection failed once they were sent; "
+                "rows no answer refers to go with their step's collection)"
+                if isinstance(exc, AppendInDoubtError)
+                else "Nothing of it is stored"
+            )
             await _answer_error(send, _RefusedError(503, "PayloadUnavailable", (
                 f"payloadd could not take the rows of this request (run {run!r}, step "
-                f"{step}): {type(exc).__name__}: {exc}. Nothing of it is stored; send it again "
-                "once the daemon serves, or set PAYLOADD_VLLM_FALLBACK=inline on the server"
+                f"{step}): {type(exc).__name__}: {exc}. {stored}; send it again once the "
+                "daemon serves, or set PAYLOADD_VLLM_FALLBACK=inline on the server"
             )))  # fmt: skip
             return
         _replace(doc, segments, where)
