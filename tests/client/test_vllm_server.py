@@ -5,6 +5,7 @@ fails closed. ``make check-vllm`` runs it on vLLM's own server."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import json
@@ -46,7 +47,11 @@ def masks(gen_len: int, seed: int) -> list[list[int]]:
     return [sorted(rng.choice(1024, 1 + j % 3, replace=False).tolist()) for j in range(gen_len)]
 
 
+RAN: list[int] = []
+
+
 async def completions(request: Request) -> JSONResponse:
+    RAN.append(1)
     body = await request.json()
     if await request.is_disconnected():  # vLLM cancels a request whose client went away
         return JSONResponse(None)
@@ -169,7 +174,9 @@ async def test_generate_writes_the_masks_at_the_generated_tokens(
     [
         ({"X-Payloadd-Run": "vs"}, {}, 400, "needs both"),
         ({"X-Payloadd-Run": "a b", "X-Payloadd-Step": "0"}, {}, 400, "must match"),
-        ({"X-Payloadd-Run": "vs", "X-Payloadd-Step": "-1"}, {}, 400, "integer >= 0"),
+        ({"X-Payloadd-Run": "vs", "X-Payloadd-Step": "-1"}, {}, 400, "in [0, 2**63 - 1]"),
+        ({"X-Payloadd-Run": "vs", "X-Payloadd-Step": "9" * 30}, {}, 400, "in [0, 2**63 - 1]"),
+        (BY_HANDLE, {"routed_experts_prompt_start": True}, 400, "int >= 0"),
         (BY_HANDLE, {"stream": True}, 400, "cannot be streamed"),
         (BY_HANDLE, {"no_routing": True}, 400, "--enable-return-routed-experts"),
     ],
@@ -185,10 +192,13 @@ async def test_what_cannot_be_written_by_handle_is_refused_in_words(
 ) -> None:
     with PayloadClient(daemon.socket) as c:
         before = c.stats().appends
+    RAN.clear()
     r = await server.post(
         "/v1/completions", json={"prompt": [1], "max_tokens": 2, **body}, headers=headers
     )
+    vllm_ran = bool(RAN)
     assert r.status_code == status and message in r.json()["error"]["message"]
+    assert body.get("no_routing") or not vllm_ran  # refused before vLLM ran
     with PayloadClient(daemon.socket) as c:
         assert c.stats().appends == before
 
@@ -243,3 +253,53 @@ async def test_an_append_in_doubt_is_a_503_that_says_so() -> None:
     assert r.status_code == 503
     message = r.json()["error"]["message"]
     assert "may or may not be stored" in message and "Nothing of it is stored" not in message
+
+
+@pytest.mark.asyncio
+async def test_the_headers_elsewhere_are_refused_not_ignored(server: httpx.AsyncClient) -> None:
+    for method, path in (("POST", "/v1/responses"), ("POST", "/invocations"),
+                         ("GET", "/v1/completions")):  # fmt: skip
+        r = await server.request(method, path, json={}, headers=BY_HANDLE)
+        assert (
+            r.status_code == 400 and "cannot be answered by handle" in r.json()["error"]["message"]
+        )
+
+
+@pytest.mark.asyncio
+async def test_behind_a_root_path_the_endpoints_are_known(daemon: Daemon) -> None:
+    app = PayloadMiddleware(VLLM, socket=str(daemon.socket))
+    transport = httpx.ASGITransport(app=app, root_path="/api")
+    async with httpx.AsyncClient(transport=transport, base_url="http://v") as c:
+        r = await c.post("/api/v1/completions", json={"prompt": [1, 2], "max_tokens": 2},
+                         headers=BY_HANDLE)  # fmt: skip
+    assert r.status_code == 200 and r.json()["choices"][0]["payload"]
+
+
+@pytest.mark.asyncio
+async def test_a_delta_with_no_new_row_is_an_empty_payload(server: httpx.AsyncClient) -> None:
+    """The start at the last token fed forward: vLLM gives no row, nothing is written."""
+    body = {"prompt": [1, 2, 3], "max_tokens": 1, "routed_experts_prompt_start": 3}
+    r = await server.post("/v1/completions", json=body, headers=BY_HANDLE)
+    assert r.status_code == 200 and r.json()["choices"][0]["payload"] == []
+
+
+class _Hung:
+    """A client whose daemon never answers."""
+
+    async def append_many(self, *args: Any, **kw: Any) -> Any:
+        await asyncio.sleep(3600)
+
+
+@pytest.mark.asyncio
+async def test_a_daemon_that_never_answers_is_a_503_within_the_deadline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("PAYLOADD_VLLM_TIMEOUT_S", "0.5")
+    app = PayloadMiddleware(VLLM, client=_Hung())  # type: ignore[arg-type]
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://v") as c:
+        r = await c.post(
+            "/v1/completions", json={"prompt": [1], "max_tokens": 2}, headers=BY_HANDLE
+        )
+    assert r.status_code == 503
+    assert "did not answer within 0.5 s" in r.json()["error"]["message"]
+    assert "may or may not be stored" in r.json()["error"]["message"]

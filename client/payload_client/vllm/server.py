@@ -34,6 +34,7 @@ Settings (environment of the server): ``PAYLOADD_SOCKET`` (the daemon's socket,
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import json
@@ -57,6 +58,7 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 App = Callable[[Scope, Receive, Send], Awaitable[None]]
 
+MAX_STEP = 2**63 - 1
 RUN_HEADER = b"x-payloadd-run"
 STEP_HEADER = b"x-payloadd-step"
 FALLBACK_HEADER = b"x-payloadd-fallback"
@@ -105,24 +107,33 @@ class PayloadMiddleware:
                 f"PAYLOADD_VLLM_FALLBACK must be 'none' or 'inline', got {self.fallback!r}"
             )
         self.max_body = int(os.environ.get("PAYLOADD_VLLM_MAX_BODY", 64 << 20))
+        self.timeout = float(os.environ.get("PAYLOADD_VLLM_TIMEOUT_S", 30.0))
         self._client = client
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] not in PATHS or scope["method"] != "POST":
+        if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
         if RUN_HEADER not in headers and STEP_HEADER not in headers:
             await self.app(scope, receive, send)  # vLLM's own request: inline
             return
+        path = _path(scope)
         try:
+            if path not in PATHS or scope["method"] != "POST":
+                raise _RefusedError(400, "BadRequestError", (
+                    f"{scope['method']} {path} cannot be answered by handle: send the "
+                    f"X-Payloadd-* headers only with POST {', '.join(PATHS)}"
+                ))  # fmt: skip
             run, step = _run_step(headers)
             body = await _read_body(receive, self.max_body)
-            request = _request(body, scope["path"])
+            request = _request(body, path)
+            _start_and_prompt(request, path)  # checked before vLLM runs
         except _RefusedError as exc:
             await _answer_error(send, exc)
             return
-        await self._by_handle(scope, (body, receive), request, (run, step), send)
+        await self._by_handle({**scope, "path_no_root": path}, (body, receive), request,
+                              (run, step), send)  # fmt: skip
 
     async def _by_handle(
         self,
@@ -140,7 +151,7 @@ class PayloadMiddleware:
             return
         try:
             doc = json.loads(answer)
-            items, where = _items(doc, request, scope["path"])
+            items, where = _items(doc, request, scope["path_no_root"])
         except _RefusedError as exc:
             await _answer_error(send, exc)
             return
@@ -151,30 +162,50 @@ class PayloadMiddleware:
             return
         try:
             segments = await self._write(items, run, step) if items else []
-        except PayloadError as exc:
-            if self.fallback == "inline":
-                reason = f"{type(exc).__name__}: {exc}"[:200].encode("ascii", "replace")
-                await _replay(send, start, answer, extra=[(FALLBACK_HEADER, reason)])
-                return
-            stored = (
-                "Its rows may or may not be stored (the connection failed once they were sent; "
-                "rows no answer refers to go with their step's collection)"
-                if isinstance(exc, AppendInDoubtError)
-                else "Nothing of it is stored"
+        except TimeoutError:  # the daemon took no answer for the request's whole deadline
+            late = AppendInDoubtError(
+                f"the daemon did not answer within {self.timeout:g} s (PAYLOADD_VLLM_TIMEOUT_S)"
             )
-            await _answer_error(send, _RefusedError(503, "PayloadUnavailable", (
-                f"payloadd could not take the rows of this request (run {run!r}, step "
-                f"{step}): {type(exc).__name__}: {exc}. {stored}; send it again once the "
-                "daemon serves, or set PAYLOADD_VLLM_FALLBACK=inline on the server"
-            )))  # fmt: skip
+            await self._unavailable(send, start, answer, late, run, step)
+            return
+        except PayloadError as exc:
+            await self._unavailable(send, start, answer, exc, run, step)
             return
         _replace(doc, segments, where)
         await _replay(send, start, json.dumps(doc, separators=(",", ":")).encode())
 
+    async def _unavailable(
+        self, send: Send, start: Message, answer: bytes, exc: PayloadError, run: str, step: int
+    ) -> None:
+        """The daemon did not take the rows: 503, or with the opt-in, the inline answer."""
+        if self.fallback == "inline":
+            reason = f"{type(exc).__name__}: {exc}"[:200].encode("ascii", "replace")
+            await _replay(send, start, answer, extra=[(FALLBACK_HEADER, reason)])
+            return
+        stored = (
+            "Its rows may or may not be stored (the connection failed once they were sent; "
+            "rows no answer refers to go with their step's collection)"
+            if isinstance(exc, AppendInDoubtError)
+            else "Nothing of it is stored"
+        )
+        await _answer_error(send, _RefusedError(503, "PayloadUnavailable", (
+            f"payloadd could not take the rows of this request (run {run!r}, step "
+            f"{step}): {type(exc).__name__}: {exc}. {stored}; send it again once the "
+            "daemon serves, or set PAYLOADD_VLLM_FALLBACK=inline on the server"
+        )))  # fmt: skip
+
     async def _write(self, items: list[tuple[str, np.ndarray, int]], run: str, step: int) -> Any:
+        """The rows written, within the request's deadline (waiting for the client included)."""
         if self._client is None:
             self._client = AsyncPayloadClient(self.socket)
-        return await self._client.append_many(items, run=run, step=step)
+        async with asyncio.timeout(self.timeout):
+            return await self._client.append_many(items, run=run, step=step)
+
+
+def _path(scope: Scope) -> str:
+    """The request's path without the server's ``--root-path``."""
+    path, root = str(scope["path"]), str(scope.get("root_path") or "")
+    return path[len(root) :] if root and path.startswith(root) else path
 
 
 def _run_step(headers: dict[bytes, bytes]) -> tuple[str, int]:
@@ -188,9 +219,9 @@ def _run_step(headers: dict[bytes, bytes]) -> tuple[str, int]:
     if not _RUN.fullmatch(run) or run in (".", ".."):
         raise _RefusedError(400, "BadRequestError",
                       f"X-Payloadd-Run {run!r} must match [A-Za-z0-9._-]{{1,128}}")  # fmt: skip
-    if not raw_step.isdigit():
+    if not raw_step.isdigit() or int(raw_step) > MAX_STEP:
         raise _RefusedError(400, "BadRequestError",
-                      f"X-Payloadd-Step {raw_step.decode('latin-1')!r} must be an integer >= 0")  # fmt: skip
+                      f"X-Payloadd-Step {raw_step.decode('latin-1')!r} must be an integer in [0, 2**63 - 1]")  # fmt: skip
     return run, int(raw_step)
 
 
@@ -228,7 +259,7 @@ def _start_and_prompt(request: dict[str, Any], path: str) -> tuple[int, int | No
     prompt length."""
     params = (request.get("sampling_params") or {}) if path == PATHS[2] else request
     start = params.get("routed_experts_prompt_start") or 0
-    if not isinstance(start, int) or start < 0:
+    if type(start) is not int or start < 0:
         raise _RefusedError(
             400, "BadRequestError", "routed_experts_prompt_start must be an int >= 0"
         )
@@ -257,10 +288,11 @@ def _items(
                 "--enable-return-routed-experts (a by-handle request writes them)"
             ))  # fmt: skip
         rows = np.load(io.BytesIO(base64.b64decode(encoded)), allow_pickle=False)
-        if rows.ndim != 3 or len(rows) == 0:
+        if rows.ndim != 3:
             raise _RefusedError(502, "PayloadUnavailable",
                           f"choices[{i}].routed_experts has shape {rows.shape}")  # fmt: skip
-        mine.append((ROUTED, rows, start))
+        if len(rows):  # none: no token was fed forward past the start (a one-token answer)
+            mine.append((ROUTED, rows, start))
         mask = choice.get(MASK)
         if mask is not None and prompt_len is not None:
             mine += [(MASK, b, prompt_len + at) for at, b in mask_blocks(mask, f"choices[{i}]")]
