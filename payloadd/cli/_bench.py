@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import tempfile
 import time
@@ -25,7 +26,7 @@ from payloadd.bench._plot import plot
 from payloadd.bench._trainer_step import format_trainer_summary, trainer_summary
 from payloadd.cli._common import positive_int
 
-__all__ = ["add_bench_flags", "run_bench"]
+__all__ = ["add_bench_flags", "caveats", "load_1min", "run_bench"]
 
 
 def add_bench_flags(p: argparse.ArgumentParser) -> None:
@@ -80,6 +81,56 @@ STEPS = (
 """The measurements before the RL batch's, in order: a `Bench` method and what it measures."""
 
 
+QUICK_CAVEAT = (
+    "caveat: --quick: fewer calls a sample, item sizes 64KiB and 1MiB only, an RL batch of "
+    "4 x 4k tokens: the figures are indicative, not to be read against a full run's or the "
+    "targets"
+)
+
+
+def load_1min() -> float | None:
+    """The 1-minute load average (`os.getloadavg`), ``None`` where the platform has none."""
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
+
+
+def caveats(
+    quick: bool, repeat: int, loads: tuple[float | None, float | None], cores: int | None
+) -> list[str]:
+    """What to keep in mind when reading the run's figures, a line each.
+
+    Parameters
+    ----------
+    quick : bool
+        Whether the run was ``--quick``.
+    repeat : int
+        Repetitions of every measurement.
+    loads : tuple of (float or None, float or None)
+        The 1-minute load average at the start and at the end of the run (`load_1min`).
+    cores : int or None
+        The machine's cores (`os.cpu_count`).
+
+    Returns
+    -------
+    list of str
+        ``caveat: ...`` for ``--quick`` and for fewer than 3 repetitions; ``warning: ...``
+        when the load average at the start or the end was above the cores; empty when none.
+    """
+    lines = [QUICK_CAVEAT] if quick else []
+    if repeat < 3:
+        lines.append(f"caveat: --repeat {repeat}: the min-max span of {repeat} sample(s) a row "
+                     "says little about the spread")  # fmt: skip
+    busy = [f"{load:.2f} at the {when}" for when, load in zip(("start", "end"), loads, strict=True)
+            if load is not None and cores and load > cores]  # fmt: skip
+    if busy:
+        lines.append(f"warning: the machine was busy: 1-minute load average {' and '.join(busy)} "
+                     f"of the run, above its {cores} cores: other work took CPU time from the "
+                     "measurements, which are slower and noisier than on an idle machine")  # fmt: skip
+    return lines
+
+
 def _progress(i: int, total: int, what: str, t0: float) -> None:
     print(f"[{time.perf_counter() - t0:6.1f} s] {i}/{total} {what}", file=sys.stderr, flush=True)
 
@@ -97,6 +148,7 @@ def run_bench(args: argparse.Namespace) -> int:
     sizes = dict(list(SIZES.items())[:2]) if args.quick else SIZES
     out = args.out or Path(tempfile.mkdtemp(prefix="payloadd-bench-"))
     total = len(STEPS) + 3  # and the RL batch, Ray, TransferQueue
+    load_start = load_1min()
     with tempfile.TemporaryDirectory(
         prefix="payloadd-bench-", dir=args.root or tempfile.gettempdir()
     ) as tmp:
@@ -123,11 +175,17 @@ def run_bench(args: argparse.Namespace) -> int:
                 notes.append(bench.transferqueue(spec))
             notes = [n for n in notes if n is not None]
             seconds = time.perf_counter() - t0
+            load_end = load_1min()  # the daemons' still running: the run's own load
     rows = report(list(bench.results.values()))
+    said = caveats(args.quick, args.repeat, (load_start, load_end), os.cpu_count())
     minutes, secs = divmod(round(seconds), 60)
     print(f"payloadd bench: {args.repeat} repetitions, {minutes} min {secs:02d} s in all")
     print(_environment())
     print(format_table(rows))
+    print("ratio: the row's median / its baseline's; of GB/s higher is better, of ms, µs, s "
+          "and MiB lower is better")  # fmt: skip
+    for line in said:
+        print(line)
     trainer = trainer_summary(rows)
     if trainer:
         print(format_trainer_summary(trainer))
@@ -139,13 +197,15 @@ def run_bench(args: argparse.Namespace) -> int:
         "repeat": args.repeat,
         "quick": args.quick,
         "seconds": round(seconds, 1),
+        "load_1min": {"start": load_start, "end": load_end, "cores": os.cpu_count()},
+        "caveats": said,
         "rl_batch": dataclasses.asdict(spec),
         "notes": notes,
         "results": rows,
         "trainer_step": trainer,
     }
     (out / "bench.json").write_text(json.dumps(doc, indent=1) + "\n")
-    drawn = plot(rows, out / "bench.png")
+    drawn = plot(rows, out / "bench.png", said)
     print(f"wrote {out / 'bench.json'}" + (f" and {out / 'bench.png'}" if drawn else
           " (no plot: install matplotlib, e.g. the 'bench' extra)"))  # fmt: skip
     return 0

@@ -131,10 +131,13 @@ def test_bench_quick_run_writes_parsable_figures(tmp_path: Path) -> None:
     assert "1/14 append and read throughput" in progress[0] and "14/14" in progress[-1]
     assert re.search(r"payloadd bench: 1 repetitions, \d+ min \d\d s in all", out.stdout)
     assert re.search(r"(?m)^  python +3\.", out.stdout)  # the environment, a line each
+    assert re.search(r"(?m)^caveat: --quick: .* indicative", out.stdout)  # with the table
+    assert re.search(r"(?m)^caveat: --repeat 1: ", out.stdout)
     doc = json.loads(wrote.read_text())
     png = (wrote.parent / "bench.png").stat().st_size
     shutil.rmtree(wrote.parent)
     assert doc["seconds"] > 0
+    assert doc["caveats"][0].startswith("caveat: --quick") and doc["load_1min"]["cores"] >= 1
     rows = {(r["name"], r["size"]): r for r in doc["results"]}
     for size in ("64KiB", "1MiB"):
         for name in ("raw pwrite", "append (data plane)", "read int32 out= (http)"):
