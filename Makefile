@@ -10,7 +10,8 @@
 # `make check-vllm` (not part of `make test`): a real vLLM (its CPU build) on a tiny random
 # Qwen3-MoE model, in-process and as its OpenAI-compatible server on 127.0.0.1, writing into a
 # real daemon; installs .venv-vllm on first use (about 9 minutes, 3.5 GB; kept between runs);
-# figures into docs/benchmarks/vllm-*.json. The last line says `check-vllm: OK` or what failed.
+# figures into docs/benchmarks/vllm-*.json; also reads into torch tensors (`out=`, its torch).
+# The last line says `check-vllm: OK` or what failed.
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -59,8 +60,8 @@ check-glusterfs: $(STAMP)
 VLLM_VENV ?= .venv-vllm
 check-vllm:
 	VLLM_VENV=$(VLLM_VENV) bash tests/vllm/setup.sh
-	@if PAYLOADD_CHECK_OUT=docs/benchmarks $(VLLM_VENV)/bin/pytest tests/vllm -v -s \
-	    -p no:cacheprovider; then echo "check-vllm: OK"; \
+	@if PAYLOADD_CHECK_OUT=docs/benchmarks $(VLLM_VENV)/bin/pytest tests/vllm \
+	    tests/client/test_torch_out.py -v -s -p no:cacheprovider; then echo "check-vllm: OK"; \
 	else echo "check-vllm: FAILED (the failures above say what)"; exit 1; fi
 
 clean:

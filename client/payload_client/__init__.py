@@ -9,7 +9,9 @@ from ._async_client import AsyncPayloadClient
 from ._base import DEFAULT_SOCKET
 from ._clients import PayloadClient
 from ._cluster import NODES_ENV, AsyncClusterClient, ClusterClient, load_nodes
-from ._codec import decode_segments, encode_segments
+from ._codec import decode_columns, decode_segments, encode_segments
+from ._columns import SegmentList, SegmentListWire
+from ._cp import cp_chunks
 from ._errors import (
     STATUS_BY_ERROR,
     AppendInDoubtError,
@@ -103,6 +105,8 @@ __all__ = [
     "RequestTimeoutError",
     "RunUsage",
     "SegmentFileError",
+    "SegmentList",
+    "SegmentListWire",
     "ServerError",
     "Stats",
     "StepCollectedError",
@@ -119,6 +123,8 @@ __all__ = [
     "clip_segments",
     "load_nodes",
     "coverage",
+    "cp_chunks",
+    "decode_columns",
     "decode_segments",
     "encode_segments",
     "merge_pd_responses",

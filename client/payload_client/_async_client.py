@@ -15,6 +15,7 @@ from typing import Any, Literal, TypeVar, overload
 import numpy as np
 
 from ._base import BaseClient, Items, Planned, Segments
+from ._cp import cp_read
 from ._ready import ready_steps
 from ._segment import PayloadSegment
 from ._transports import (
@@ -30,6 +31,7 @@ from ._wire import FieldsTable, GcReport, Health, Prefetched, Stats, Usage
 __all__ = ["AsyncPayloadClient"]
 
 T = TypeVar("T")
+OutT = TypeVar("OutT")
 
 
 class AsyncPayloadClient(BaseClient[AsyncHTTPTransport, AsyncDataPlane, AsyncPeerTransport]):
@@ -95,17 +97,22 @@ class AsyncPayloadClient(BaseClient[AsyncHTTPTransport, AsyncDataPlane, AsyncPee
 
     @overload
     async def read_field(self, segments: Sequence[PayloadSegment], field: str, lo: int,
-                         hi: int, fill: int | float, *, out: np.ndarray | None = None,
+                         hi: int, fill: int | float, *, out: None = None,
                          dtype: Any = None, required: bool = False, coverage: Literal[False] = False) -> np.ndarray | None: ...  # fmt: skip
 
     @overload
+    async def read_field(self, segments: Sequence[PayloadSegment], field: str, lo: int,  # type: ignore[overload-overlap]
+                         hi: int, fill: int | float, *, out: OutT,
+                         dtype: Any = None, required: bool = False, coverage: Literal[False] = False) -> OutT | None: ...  # fmt: skip
+
+    @overload
     async def read_field(self, segments: Sequence[PayloadSegment], field: str, lo: int,
-                         hi: int, fill: int | float, *, out: np.ndarray | None = None,
+                         hi: int, fill: int | float, *, out: Any = None,
                          dtype: Any = None, required: bool = False, coverage: Literal[True]) -> CoveredRead: ...  # fmt: skip
 
     @overload
     async def read_field(self, segments: Sequence[PayloadSegment], field: str, lo: int,
-                         hi: int, fill: int | float, *, out: np.ndarray | None = None,
+                         hi: int, fill: int | float, *, out: Any = None,
                          dtype: Any = None, required: bool = False, coverage: bool) -> ReadResult: ...  # fmt: skip
 
     async def read_field(
@@ -116,11 +123,11 @@ class AsyncPayloadClient(BaseClient[AsyncHTTPTransport, AsyncDataPlane, AsyncPee
         hi: int,
         fill: int | float,
         *,
-        out: np.ndarray | None = None,
+        out: Any = None,
         dtype: Any = None,
         required: bool = False,
         coverage: bool = False,
-    ) -> ReadResult:
+    ) -> Any:
         """Awaitable `PayloadClient.read_field`."""
         window = Window(segments, field, lo, hi, fill, out, dtype, coverage, required)
         return (await self._read([window]))[0]
@@ -139,6 +146,35 @@ class AsyncPayloadClient(BaseClient[AsyncHTTPTransport, AsyncDataPlane, AsyncPee
     ) -> list[Any]:
         """Awaitable `PayloadClient.read_many`."""
         return await self._read(windows, coverage)
+
+    @overload
+    async def read_cp(self, segments: Sequence[PayloadSegment], field: str, length: int,
+                      cp_size: int, rank: int, fill: int | float, *, labels: bool = False,
+                      load_balanced: bool = False, out: None = None, dtype: Any = None) -> np.ndarray | None: ...  # fmt: skip
+
+    @overload
+    async def read_cp(self, segments: Sequence[PayloadSegment], field: str, length: int,
+                      cp_size: int, rank: int, fill: int | float, *, labels: bool = False,
+                      load_balanced: bool = False, out: OutT, dtype: Any = None) -> OutT | None: ...  # fmt: skip
+
+    async def read_cp(
+        self,
+        segments: Sequence[PayloadSegment],
+        field: str,
+        length: int,
+        cp_size: int,
+        rank: int,
+        fill: int | float,
+        *,
+        labels: bool = False,
+        load_balanced: bool = False,
+        out: Any = None,
+        dtype: Any = None,
+    ) -> Any:
+        """Awaitable `PayloadClient.read_cp`."""
+        cp = cp_read(segments, field, length, cp_size, rank, fill, labels=labels,
+                     load_balanced=load_balanced, out=out, dtype=dtype)  # fmt: skip
+        return cp.result(await self._read(cp.windows))
 
     async def prefetch(self, windows: Sequence[WindowLike]) -> Prefetched:
         """Awaitable `PayloadClient.prefetch`."""

@@ -19,6 +19,7 @@ import httpx
 import msgspec
 import numpy as np
 
+from ._cp import host_array
 from ._dataplane_wire import DATA_SOCKET_SUFFIX
 from ._errors import InvalidRequestError, PayloadError, ProtocolError
 from ._fields import check_read_field, is_ragged
@@ -379,9 +380,10 @@ class BaseClient(Generic[HTTPT, DataPlaneT, PeerT]):
         cover: bool | None = None,
         table: FieldsTable | None = None,
     ) -> Planned:
-        """The windows planned, their outputs prepared (before any I/O), the results;
-        ``cover``: the call's coverage for every window (`PayloadClient.read_many`),
-        ``None``: each window's own; ``table``: the daemon's fields table, whose fields and
+        """The windows planned, their outputs prepared (before any I/O), the results (an
+        ``out`` given as a CPU torch tensor is read into its numpy view, `host_array`, and is
+        its window's result); ``cover``: the call's coverage for every window
+        (`PayloadClient.read_many`), ``None``: each window's own; ``table``: the daemon's fields table, whose fields and
         row shape rules the reads follow (`check_read_field`; ``None``: no table)."""
         if isinstance(windows, tuple) or not isinstance(windows, Sequence):
             raise InvalidRequestError("windows must be a list of Window")
@@ -395,7 +397,10 @@ class BaseClient(Generic[HTTPT, DataPlaneT, PeerT]):
             try:
                 if cover is not None:
                     w = BaseClient._covered(w, cover)
-                dtype = w.out.dtype if w.dtype is None and w.out is not None else w.dtype
+                given = w.out  # a CPU torch tensor: read into its numpy view, return it
+                if given is not None and type(given) is not np.ndarray:
+                    w = w._replace(out=host_array(given))
+                dtype = getattr(w.out, "dtype", None) if w.dtype is None else w.dtype
                 spec = None if table is None else table.fields.get(w.field)
                 ragged = None if table is None else is_ragged(spec)
                 plan = plan_window(w.segments, w.field, w.lo, w.hi, w.fill, dtype, ragged)
@@ -409,14 +414,15 @@ class BaseClient(Generic[HTTPT, DataPlaneT, PeerT]):
                 plans.append(plan)
                 arr = None if plan is None else prepare_output(plan, w.out)  # before I/O
                 outs.append(arr)
+                res = arr if given is None or arr is None else given  # out itself, as given
                 if plan is not None:
                     total += plan.nbytes
                     files = files or bool(plan.ends)
                 if w.coverage is False:
-                    results.append(arr)
+                    results.append(res)
                 elif isinstance(w.coverage, bool | np.bool_):
                     covered = coverage(plan, w.lo, w.hi) if w.coverage else None
-                    results.append(arr if covered is None else CoveredRead(arr, covered))
+                    results.append(res if covered is None else CoveredRead(res, covered))
                 else:
                     raise InvalidRequestError(
                         f"coverage must be True or False, got {type(w.coverage).__name__}"

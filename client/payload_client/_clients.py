@@ -18,6 +18,7 @@ from typing import Any, Literal, TypeVar, overload
 import numpy as np
 
 from ._base import BaseClient, Items, Planned, Segments
+from ._cp import cp_read
 from ._ready import ready_steps
 from ._segment import PayloadSegment
 from ._transports import (
@@ -33,6 +34,7 @@ from ._wire import FieldsTable, GcReport, Health, Prefetched, Stats, Usage
 __all__ = ["PayloadClient"]
 
 T = TypeVar("T")
+OutT = TypeVar("OutT")
 
 
 class PayloadClient(BaseClient[HTTPTransport, SyncDataPlane, SyncPeerTransport]):
@@ -179,17 +181,22 @@ class PayloadClient(BaseClient[HTTPTransport, SyncDataPlane, SyncPeerTransport])
 
     @overload
     def read_field(self, segments: Sequence[PayloadSegment], field: str, lo: int,
-                   hi: int, fill: int | float, *, out: np.ndarray | None = None,
+                   hi: int, fill: int | float, *, out: None = None,
                    dtype: Any = None, required: bool = False, coverage: Literal[False] = False) -> np.ndarray | None: ...  # fmt: skip
 
     @overload
+    def read_field(self, segments: Sequence[PayloadSegment], field: str, lo: int,  # type: ignore[overload-overlap]
+                   hi: int, fill: int | float, *, out: OutT,
+                   dtype: Any = None, required: bool = False, coverage: Literal[False] = False) -> OutT | None: ...  # fmt: skip
+
+    @overload
     def read_field(self, segments: Sequence[PayloadSegment], field: str, lo: int,
-                   hi: int, fill: int | float, *, out: np.ndarray | None = None,
+                   hi: int, fill: int | float, *, out: Any = None,
                    dtype: Any = None, required: bool = False, coverage: Literal[True]) -> CoveredRead: ...  # fmt: skip
 
     @overload
     def read_field(self, segments: Sequence[PayloadSegment], field: str, lo: int,
-                   hi: int, fill: int | float, *, out: np.ndarray | None = None,
+                   hi: int, fill: int | float, *, out: Any = None,
                    dtype: Any = None, required: bool = False, coverage: bool) -> ReadResult: ...  # fmt: skip
 
     def read_field(
@@ -200,11 +207,11 @@ class PayloadClient(BaseClient[HTTPTransport, SyncDataPlane, SyncPeerTransport])
         hi: int,
         fill: int | float,
         *,
-        out: np.ndarray | None = None,
+        out: Any = None,
         dtype: Any = None,
         required: bool = False,
         coverage: bool = False,
-    ) -> ReadResult:
+    ) -> Any:
         """Read ``field`` over token positions ``[lo, hi)`` (docs/contract.md, "Reading a window").
 
         Parameters
@@ -217,10 +224,12 @@ class PayloadClient(BaseClient[HTTPTransport, SyncDataPlane, SyncPeerTransport])
             Window of token positions, ``0 <= lo <= hi``, end exclusive.
         fill : int or float
             Value of entries no row covers; must fit the output dtype.
-        out : numpy.ndarray, optional
+        out : numpy.ndarray or torch.Tensor, optional
             Array to read into instead of a new one, e.g. a view of a pinned buffer reused
             every step: shape ``[hi - lo, *dims]`` with ``dims`` at least the row shape
-            (entries beyond it are set to ``fill``), dtype that of the read.
+            (entries beyond it are set to ``fill``), dtype that of the read. A CPU
+            ``torch.Tensor`` (pinned or not; not one that requires grad) is read into
+            through its numpy view (the same memory) and returned itself.
         dtype : numpy dtype, optional
             Output dtype instead of ``int32``/``float32``: any integer or float dtype that
             holds every stored dtype of the field without loss, e.g. the stored ``uint8``
@@ -235,7 +244,7 @@ class PayloadClient(BaseClient[HTTPTransport, SyncDataPlane, SyncPeerTransport])
 
         Returns
         -------
-        numpy.ndarray or None
+        numpy.ndarray, torch.Tensor or None
             Without ``coverage``: ``out``, or a fresh C-contiguous ``[hi - lo, *row_shape]``
             array, ``int32`` (``float32`` for float fields) unless ``dtype`` says otherwise;
             ``None`` when no segment has ``field``.
@@ -249,7 +258,8 @@ class PayloadClient(BaseClient[HTTPTransport, SyncDataPlane, SyncPeerTransport])
         ------
         InvalidRequestError
             ``lo > hi``, ``lo < 0``; a ``fill``, ``dtype`` or ``out`` that does not fit;
-            a ``coverage`` that is not a bool; with ``required``, no segment of ``field``.
+            a torch ``out`` on another device than the CPU, or one that requires grad; a
+            ``coverage`` that is not a bool; with ``required``, no segment of ``field``.
         InvalidSegmentError
             Any invalid segment in the list.
         FileMissingError, FileGoneError, SegmentFileError
@@ -300,6 +310,80 @@ class PayloadClient(BaseClient[HTTPTransport, SyncDataPlane, SyncPeerTransport])
         window with ``coverage=True`` when ``coverage`` is ``False``.
         """
         return self._read(windows, coverage)
+
+    @overload
+    def read_cp(self, segments: Sequence[PayloadSegment], field: str, length: int,
+                cp_size: int, rank: int, fill: int | float, *, labels: bool = False,
+                load_balanced: bool = False, out: None = None, dtype: Any = None) -> np.ndarray | None: ...  # fmt: skip
+
+    @overload
+    def read_cp(self, segments: Sequence[PayloadSegment], field: str, length: int,
+                cp_size: int, rank: int, fill: int | float, *, labels: bool = False,
+                load_balanced: bool = False, out: OutT, dtype: Any = None) -> OutT | None: ...  # fmt: skip
+
+    def read_cp(
+        self,
+        segments: Sequence[PayloadSegment],
+        field: str,
+        length: int,
+        cp_size: int,
+        rank: int,
+        fill: int | float,
+        *,
+        labels: bool = False,
+        load_balanced: bool = False,
+        out: Any = None,
+        dtype: Any = None,
+    ) -> Any:
+        """Read ``field`` at a context-parallel rank's positions into one array, in one round
+        trip (docs/contract.md, "Context-parallel windows").
+
+        The rank's ranges are `cp_chunks` ``(length, cp_size, rank, load_balanced)``, in that
+        order; with ``labels`` each ``[a, b)`` is read at ``[a + 1, b + 1)``: the inline mask
+        shifted left by one (fill last) and cut to the rank's chunks, bit for bit, once both
+        have the same width. Contiguous, it is `read_field` of ``[lo, hi)`` (``labels``:
+        ``[lo + 1, hi + 1)``).
+
+        Parameters
+        ----------
+        segments, field, fill, dtype
+            As `read_field` (``segments``: the micro batch's, packed with `shift_segments`).
+        length : int
+            ``L``, the micro batch's token positions, padded to a multiple of ``cp_size``
+            (of ``2 * cp_size`` when ``load_balanced``).
+        cp_size : int
+            Ranks of the CP group, >= 1.
+        rank : int
+            This rank within its CP group, in ``[0, cp_size)``.
+        labels : bool, default False
+            Read at label positions (one later): ``True`` for sampling masks.
+        load_balanced : bool, default False
+            The load-balanced layout of Megatron-LM / Transformer Engine (chunks ``rank`` and
+            ``2 * cp_size - 1 - rank`` of ``2 * cp_size``); else the contiguous one.
+        out : numpy.ndarray or torch.Tensor, optional
+            ``[length // cp_size, *dims]`` to read into, as `read_field`'s ``out`` (a CPU
+            torch tensor too): each chunk goes into its consecutive rows.
+
+        Returns
+        -------
+        numpy.ndarray, torch.Tensor or None
+            ``out`` itself, or a fresh ``[length // cp_size, *row_shape]`` array, with
+            ``row_shape`` the element-wise maximum of its chunks' row shapes (each that of a
+            window: `read_field`'s rule), of `read_field`'s dtype. ``None`` when no segment
+            has ``field`` (``out`` is not touched).
+
+        Raises
+        ------
+        InvalidRequestError
+            What `cp_chunks` refuses (``length`` not a multiple of ``cp_size``, or of ``2 *
+            cp_size``; ``rank`` outside ``[0, cp_size)``, ...); an ``out`` of another number of
+            rows; `read_field`'s errors (naming the chunk ``window i`` when the rank has two).
+        InvalidSegmentError, FileMissingError, FileGoneError, SegmentFileError, TransportError
+            As `read_field`.
+        """
+        cp = cp_read(segments, field, length, cp_size, rank, fill, labels=labels,
+                     load_balanced=load_balanced, out=out, dtype=dtype)  # fmt: skip
+        return cp.result(self._read(cp.windows))
 
     def prefetch(self, windows: Sequence[WindowLike]) -> Prefetched:
         """Ask the daemon to read ahead the bytes of ``windows``, and return at once: a rank

@@ -7,50 +7,67 @@ small ``shape`` list per segment, and Python's cyclic garbage collector, which r
 few hundred new containers, then walks every object the process holds again and again: on
 a list of 100,000 segments it took 60 % of the decode. `decode_segments` decodes with the
 collector paused (nothing decoded can form a cycle) and gives the same list.
+
+A list can also travel as columns (``encode_segments(segments, "columns")``, a msgpack map of
+binary columns, `payload_client.SegmentList`): `decode_columns` reads it at the cost of a few
+copies, whatever its length; both decoders read both forms.
 """
 
 from __future__ import annotations
 
 import difflib
 import gc
+import itertools
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import msgspec
+import numpy as np
 
+from ._columns import SegmentList, SegmentListWire
 from ._errors import InvalidRequestError, InvalidSegmentError
-from ._segment import PayloadSegment
+from ._segment import FirstSeen, PayloadSegment
 
-__all__ = ["decode_segments", "encode_segments"]
+__all__ = ["decode_columns", "decode_segments", "encode_segments"]
 
-FORMATS = ("msgpack", "json")
+FORMATS = ("msgpack", "json", "columns")
 """The formats of `encode_segments`."""
 
+_MAPS = frozenset((*range(0x80, 0x90), 0xDE, 0xDF))
+"""First bytes of a msgpack map: the columnar form (the array of segments starts otherwise)."""
+
+_columns = msgspec.msgpack.Decoder(SegmentListWire)
 _msgpack = msgspec.msgpack.Decoder(list[PayloadSegment])
 _json = msgspec.json.Decoder(list[PayloadSegment])
 _encoder = msgspec.msgpack.Encoder()
 
 
 def encode_segments(
-    segments: list[PayloadSegment], format: Literal["msgpack", "json"] = "msgpack"
+    segments: Sequence[PayloadSegment],
+    format: Literal["msgpack", "json", "columns"] = "msgpack",
 ) -> bytes:
     """A segment list as bytes for another process (`decode_segments` reads it back).
 
     Parameters
     ----------
-    segments : list of PayloadSegment
-        The segments (not validated here; a read validates them).
-    format : {"msgpack", "json"}, default "msgpack"
-        msgpack (compact), or JSON (for a channel that carries text).
+    segments : list of PayloadSegment or SegmentList
+        The segments (a list is not validated here; a read validates it).
+    format : {"msgpack", "json", "columns"}, default "msgpack"
+        msgpack (compact), JSON (for a channel that carries text), or columns: a msgpack
+        map of little-endian binary columns (`payload_client.SegmentListWire`), decoded
+        without a Python object a segment (`decode_columns`; a list is validated first).
 
     Returns
     -------
     bytes
-        A msgpack (or JSON) array of segment arrays.
+        A msgpack (or JSON) array of segment arrays, or the columnar map.
 
     Raises
     ------
     InvalidRequestError
-        ``format`` is neither ``"msgpack"`` nor ``"json"`` (naming the closest).
+        ``format`` is none of these (naming the closest).
+    InvalidSegmentError
+        ``"columns"`` of an invalid list.
 
     Examples
     --------
@@ -63,7 +80,13 @@ def encode_segments(
     if format not in FORMATS:
         near = difflib.get_close_matches(str(format), FORMATS, n=1)
         hint = f" (did you mean {near[0]!r}?)" if near else ""
-        raise InvalidRequestError(f'format must be "msgpack" or "json", got {format!r}{hint}')
+        raise InvalidRequestError(
+            f'format must be "msgpack", "json" or "columns", got {format!r}{hint}'
+        )
+    if format == "columns":
+        return _encoder.encode(SegmentList(segments).to_wire())
+    if isinstance(segments, SegmentList):
+        segments = segments.to_list()
     return _encoder.encode(segments) if format == "msgpack" else msgspec.json.encode(segments)
 
 
@@ -72,8 +95,9 @@ def decode_segments(data: Any) -> list[PayloadSegment]:
 
     Parameters
     ----------
-    data : bytes, bytearray, memoryview, str or list
-        msgpack bytes (`encode_segments`, or ``msgspec.msgpack.encode(segments)``); JSON
+    data : bytes, bytearray, memoryview, str, list or SegmentList
+        msgpack bytes (`encode_segments` in any format, or
+        ``msgspec.msgpack.encode(segments)``); JSON
         text or bytes (told apart by its first character, ``[``); or an already decoded
         list whose items are segments or their arrays ``[field, file, offset, pos, rows,
         dtype, shape]`` (``json.loads``, a ``torch.distributed`` object list, Ray).
@@ -96,8 +120,12 @@ def decode_segments(data: Any) -> list[PayloadSegment]:
         if isinstance(data, str):
             return _json.decode(data)
         if isinstance(data, bytes | bytearray | memoryview):
+            if _is_columns(data):
+                return _from_columns(data).to_list()
             head = bytes(memoryview(data)[:64]).lstrip()
             return (_json if head[:1] == b"[" else _msgpack).decode(data)
+        if isinstance(data, SegmentList):
+            return data.to_list()
         if isinstance(data, list) and all(type(s) is PayloadSegment for s in data):
             return data
         return msgspec.convert(data, list[PayloadSegment])
@@ -108,6 +136,95 @@ def decode_segments(data: Any) -> list[PayloadSegment]:
     finally:
         if enabled:
             gc.enable()
+
+
+def decode_columns(data: Any) -> SegmentList:
+    """A `SegmentList` from what another process sent, in any form.
+
+    Parameters
+    ----------
+    data : bytes, bytearray, memoryview, str, list or SegmentList
+        The columnar form (``encode_segments(segments, "columns")``): its columns are
+        copied out of the bytes, nothing made a segment; or any form `decode_segments`
+        reads (then decoded as it does and taken into columns).
+
+    Returns
+    -------
+    SegmentList
+        The segments, validated (docs/contract.md, "The segment model").
+
+    Raises
+    ------
+    InvalidSegmentError
+        Not a segment list (as `decode_segments`), another version of the columnar form,
+        or an invalid segment (naming the first, its index and attribute).
+
+    Examples
+    --------
+    >>> s = PayloadSegment("routed_experts", "n0/r1/3/a.bin", 0, 0, 4, "uint8", [48, 8])
+    >>> decode_columns(encode_segments([s], "columns")) == [s]
+    True
+    """
+    if isinstance(data, SegmentList):
+        return data
+    if isinstance(data, bytes | bytearray | memoryview | str):
+        if not isinstance(data, str) and _is_columns(data):
+            return _from_columns(data)
+        got = _from_arrays(data)
+        if got is not None:
+            return got
+    return SegmentList(decode_segments(data))
+
+
+_Row = tuple[str, str, int, int, int, str, tuple[int, ...]]
+_rows_msgpack = msgspec.msgpack.Decoder(list[_Row])
+_rows_json = msgspec.json.Decoder(list[_Row])
+
+
+def _from_arrays(data: bytes | bytearray | memoryview | str) -> SegmentList | None:
+    """The array-of-arrays form straight into columns (no `PayloadSegment` made), checked
+    column by column; ``None`` when it is not of the usual types (the caller then decodes
+    it segment by segment, for the exact error)."""
+    enabled = gc.isenabled()
+    gc.disable()  # tuples of strings and integers: no cycle
+    try:
+        if isinstance(data, str):
+            rows = _rows_json.decode(data)
+        else:
+            head = bytes(memoryview(data)[:64]).lstrip()
+            rows = (_rows_json if head[:1] == b"[" else _rows_msgpack).decode(data)
+        field, file, offset, pos, count, dtype, shape = zip(*rows, strict=True) or ((),) * 7
+        fields, files, kinds = FirstSeen(), FirstSeen(), FirstSeen()
+        n = len(rows)
+        codes = [
+            np.fromiter(map(fields.__getitem__, field), np.intp, n),
+            np.fromiter(map(files.__getitem__, file), np.intp, n),
+            np.fromiter(map(kinds.__getitem__, zip(dtype, shape, strict=True)), np.intp, n),
+        ]
+        ints = np.fromiter(itertools.chain(offset, pos, count), np.int64, 3 * n).reshape(3, n)
+    except (msgspec.ValidationError, msgspec.DecodeError, OverflowError, ValueError):
+        return None
+    finally:
+        if enabled:
+            gc.enable()
+    return SegmentList.from_columns(
+        tuple(fields), codes[0], tuple(files), codes[1], tuple(kinds), codes[2], *ints
+    )
+
+
+def _is_columns(data: bytes | bytearray | memoryview) -> bool:
+    head = memoryview(data)[:1].tobytes()
+    return bool(head) and head[0] in _MAPS
+
+
+def _from_columns(data: bytes | bytearray | memoryview) -> SegmentList:
+    try:
+        wire = _columns.decode(data)
+    except msgspec.ValidationError as exc:
+        raise InvalidSegmentError(f"not a columnar segment list: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise InvalidSegmentError(f"not a msgpack columnar segment list: {exc}") from None
+    return SegmentList.from_wire(wire)
 
 
 def _where(exc: msgspec.ValidationError) -> str:

@@ -12,6 +12,7 @@ must agree: the shape with a ragged last dimension written ``-1`` (``*`` in mess
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 
 from ._errors import InvalidRequestError, InvalidSegmentError
@@ -116,6 +117,9 @@ def is_ragged(spec: FieldSpec | None) -> bool:
     if spec is None:
         return False
     return spec.ragged if spec.ragged is not None else spec.max_width > 0
+
+
+_ALL_BUT_LAST = operator.itemgetter(slice(None, -1))
 
 
 def row_pattern(shape: list[int] | tuple[int, ...], ragged: bool) -> tuple[int, ...]:
@@ -258,7 +262,11 @@ def check_patterns(
     InvalidSegmentError
         Naming two segments (index, file, positions, shape) that disagree.
     """
-    patterns = {row_pattern(tuple(s), ragged) for s in shapes}
+    patterns: set[tuple[int, ...] | tuple[int, tuple[int, ...]]]
+    if ragged:  # rank and every dimension but the last (at C speed)
+        patterns = set(zip(map(len, shapes), map(_ALL_BUT_LAST, shapes), strict=True))
+    else:
+        patterns = set(map(tuple, shapes))
     if len(patterns) <= 1:
         return
     first: tuple[int, PayloadSegment] | None = None

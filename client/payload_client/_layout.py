@@ -28,10 +28,10 @@ from typing import Any
 
 import numpy as np
 
-from ._plan import Piece, PieceTable
+from ._plan import Piece, PieceTable, distinct
 from ._windows import _ALIASED, _STORED, PAGE, WindowPlan, place
 
-__all__ = ["GAP", "IOV_MAX", "ReadLayout"]
+__all__ = ["GAP", "IOV_MAX", "ReadLayout", "direct_view"]
 
 GAP = 4096
 """Largest gap (bytes) between two pieces of one file that one extent reads through."""
@@ -78,8 +78,8 @@ class ReadLayout:
         Every file the windows name, with the largest segment end in it (bytes).
     nbytes : int
         Bytes of all extents (gaps included).
-    stage : numpy.ndarray or None
-        The scratch array of staged rows (to give back to its allocator after `finish`).
+    stages : list of numpy.ndarray
+        The scratch arrays of staged rows (to give back to their allocator after `finish`).
     """
 
     def __init__(
@@ -95,9 +95,9 @@ class ReadLayout:
         self.extents: list[tuple[str, int, int]] = []
         self.buffers: list[list[memoryview]] = []
         self.ends: dict[str, int] = {}
-        self.stage: np.ndarray | None = None
+        self.stages: list[np.ndarray] = []
         self._alloc = alloc or (lambda n: np.empty(n, np.uint8))
-        self._staged: list[tuple[WindowPlan, np.ndarray, Any]] = []
+        self._staged: list[tuple[WindowPlan, np.ndarray, Any, np.ndarray | None]] = []
         live = []
         count = 0
         for plan, out in zip(plans, outs, strict=True):
@@ -110,11 +110,14 @@ class ReadLayout:
                     if self.ends.get(f, -1) < e:
                         self.ends[f] = e
             if out is not None and plan.count:
+                if plan.narrow and plan.count > _FEW:  # rows of several widths: all staged
+                    self._staged_only(plan, out)
+                    continue
                 live.append((plan, out))
                 count += plan.count
-        if count <= _FEW:
+        if live and count <= _FEW:
             self._few(live, kernel)
-        else:
+        elif live:
             self._many(live, kernel)
         self.nbytes = sum(n for _, _, n in self.extents)
 
@@ -131,7 +134,7 @@ class ReadLayout:
                 buf = self._take(p.nbytes + (PAGE if p.nbytes >= _MATCHED else 0))
                 at = (p.offset - buf.ctypes.data) % PAGE if p.nbytes >= _MATCHED else 0
                 view = buf.data[at : at + p.nbytes]
-                self._staged.append((plan, out, (p, view)))
+                self._staged.append((plan, out, (p, view), None))
             self.extents.append((p.file, p.offset, p.nbytes))
             self.buffers.append([view])
             return
@@ -154,7 +157,7 @@ class ReadLayout:
                 if nbytes >= _MATCHED:
                     at += (offset - stage.ctypes.data - at) % PAGE
                 view = stage.data[at : at + nbytes]
-                self._staged.append((plan, out, (p, view)))
+                self._staged.append((plan, out, (p, view), None))
                 at += nbytes
             self._add(file, offset, nbytes, view)
 
@@ -173,19 +176,29 @@ class ReadLayout:
         self.extents.append((file, offset, nbytes))
         self.buffers.append([view])
 
+    @property
+    def stage(self) -> np.ndarray | None:
+        """The first scratch array of staged rows (``None``: every piece went straight into
+        its output)."""
+        return self.stages[0] if self.stages else None
+
     def _take(self, n: int) -> np.ndarray:
-        self.stage = self._alloc(n)
-        return self.stage
+        stage = self._alloc(n)
+        self.stages.append(stage)
+        return stage
 
     # -- many pieces: array operations -------------------------------------------------
 
     def _many(self, live: list[tuple[WindowPlan, np.ndarray]], kernel: bool) -> None:
+        if len(live) == 1 and not _direct_kinds(*live[0][::-1]).any():
+            self._staged_only(*live[0])  # rows numpy lays out (another dtype, row shape)
+            return
         files: dict[str, int] = {}
         cols: list[list[np.ndarray]] = [[] for _ in range(7)]
         for w, (plan, out) in enumerate(live):
             t = plan.table
             fmap = np.array([files.setdefault(f, len(files)) for f in t.files], np.intp)
-            ok = _direct_kinds(t, out)
+            ok = _direct_kinds(out, plan)
             # a small piece among many is staged: one buffer less, and one gather lays out
             # all of them
             direct = ok[t.kind] & (t.nbytes >= _DIRECT)
@@ -263,19 +276,71 @@ class ReadLayout:
             for w, (plan, out) in enumerate(live):
                 mine = staged & (win == w)
                 if mine.any():
-                    self._staged.append((plan, out, (idx[mine], src[mine])))
+                    self._staged.append((plan, out, (idx[mine], src[mine]), stage))
+
+    def _staged_only(self, plan: WindowPlan, out: np.ndarray) -> None:
+        """One window none of whose pieces goes straight into the output: its extents read
+        into the stage, each extent one buffer (large ones page-matched), gaps into junk."""
+        t = plan.table  # sorted by file and offset, disjoint
+        off, nb, fcode = t.offset, t.nbytes, t.file
+        end = off + nb
+        gap = off[1:] - end[:-1]
+        brk = (fcode[1:] != fcode[:-1]) | (gap < 0) | (gap > self._gap)
+        first = np.flatnonzero(np.concatenate(([True], brk)))
+        last = np.concatenate((first[1:], [off.size])) - 1
+        ext_off, ext_n = off[first], end[last] - off[first]
+        pad = np.where(ext_n >= _MATCHED, PAGE, 0)
+        tail = math.prod(out.shape[1:]) * 4  # room past the end for a gather of ragged rows
+        stage = self._take(int((ext_n + pad).sum()) + tail)
+        addr, at, starts = stage.ctypes.data, 0, []
+        names, data = t.files, stage.data
+        for f, o, n, p in zip(fcode[first].tolist(), ext_off.tolist(), ext_n.tolist(),
+                              pad.tolist(), strict=True):  # fmt: skip
+            if p:
+                at += (o - addr - at) % PAGE
+            starts.append(at)
+            self.extents.append((names[f], o, n))
+            self.buffers.append([data[at : at + n]])
+            at += n
+        of_ext = np.cumsum(np.concatenate(([0], brk))) if off.size > 1 else np.zeros(1, np.intp)
+        src = np.array(starts, np.int64)[of_ext] + (off - ext_off[of_ext])
+        self._staged.append((plan, out, (np.arange(off.size), src), stage))
 
     # -- after the I/O -----------------------------------------------------------------
 
     def finish(self) -> None:
         """Lay the staged rows into their outputs (after every extent's bytes arrived)."""
-        for plan, out, what in self._staged:
+        for plan, out, what, stage in self._staged:
             if isinstance(what[0], Piece):
                 place(plan, out, what[0], what[1])
                 continue
             idx, src = what
-            assert self.stage is not None
-            _scatter(plan, out, self.stage, idx, src)
+            assert stage is not None
+            _scatter(plan, out, stage, idx, src)
+
+
+def direct_view(
+    plan: WindowPlan, out: np.ndarray, piece: Piece, *, kernel: bool = True
+) -> memoryview | None:
+    """The bytes of ``out`` a piece's rows can be read straight into, or ``None``.
+
+    Possible when ``out`` is C-contiguous, little-endian, has the piece's dtype and row shape:
+    then the stored bytes are the output bytes (a stored-dtype read needs no copy). ``None``
+    too, when ``kernel`` (the kernel copies into them), if those bytes start 1 to 63 bytes
+    past the piece's offset modulo `PAGE`: the kernel's copy is up to ten times slower there
+    than a read into a page-matched buffer plus numpy's copy (see `page_matched`).
+    """
+    if (
+        piece.shape != out.shape[1:]
+        or out.dtype != _STORED[piece.dtype]  # the same type, little-endian
+        or not out.flags.c_contiguous
+    ):
+        return None
+    row = out.itemsize * math.prod(piece.shape)
+    start = piece.dst * row
+    if kernel and 0 < (out.ctypes.data + start - piece.offset) % PAGE < _ALIASED:
+        return None
+    return out.data.cast("B")[start : start + piece.rows * row]
 
 
 def _direct(
@@ -290,8 +355,9 @@ def _direct(
     return flat[start : start + p.nbytes]
 
 
-def _direct_kinds(t: PieceTable, out: np.ndarray) -> np.ndarray:
+def _direct_kinds(out: np.ndarray, plan: WindowPlan) -> np.ndarray:
     """``bool [len(t.kinds)]``: which kinds' stored bytes are ``out``'s bytes."""
+    t = plan.table
     c = out.flags.c_contiguous
     return np.array(
         [c and shape == out.shape[1:] and out.dtype == _STORED[d] for d, shape in t.kinds]
@@ -317,32 +383,55 @@ def _scatter(
     rows = t.rows[idx]
     if idx.size <= _FEW or int(rows.sum()) >= _ROWS_A_PIECE * idx.size:
         # pieces of many rows (a turn's rows): one copy each beats a gather of every row
-        kinds = t.kinds
-        fill = plan.fill
-        for d, r, k, at in zip(
-            t.dst[idx].tolist(), rows.tolist(), t.kind[idx].tolist(), src.tolist(), strict=True
-        ):
-            dtype, shape = kinds[k]
-            values = np.frombuffer(stage, _STORED[dtype], r * math.prod(shape), at)
-            dst = out[d : d + r]
-            if shape == dst.shape[1:]:
-                dst[...] = values.reshape(r, *shape)
-            elif len(shape) == 1:
-                dst[:, : shape[0]] = values.reshape(r, shape[0])
-                dst[:, shape[0] :] = fill
-            else:
-                dst[...] = fill
-                dst[(slice(None), *(slice(0, n) for n in shape))] = values.reshape(r, *shape)
+        _copy_pieces(plan, out, stage, t, idx, src)
         return
     kind = t.kind[idx]
     groups: dict[tuple[str, int], list[int]] = {}  # rank-1 rows of one dtype: one gather
-    for k in np.unique(kind).tolist():
+    for k in distinct(kind):
         dtype, shape = t.kinds[k]
         key = (dtype, -1) if len(shape) == 1 else (dtype, k)
         groups.setdefault(key, []).append(k)
     for (dtype, _), ks in groups.items():
         sel = kind == ks[0] if len(ks) == 1 else np.isin(kind, ks)
         _gather(plan, out, stage, np.dtype(_STORED[dtype]), t, idx[sel], src[sel])
+
+
+def _copy_pieces(
+    plan: WindowPlan, out: np.ndarray, stage: np.ndarray, t: PieceTable, idx: np.ndarray,
+    src: np.ndarray,
+) -> None:  # fmt: skip
+    """Lay pieces ``idx`` of ``t`` (their bytes at ``src`` of ``stage``) into ``out``, one
+    numpy copy each (a second for the fill beyond a narrower row, unless ``plan.filled``)."""
+    dst, rows, kind = t.dst[idx].tolist(), t.rows[idx].tolist(), t.kind[idx].tolist()
+    at = src.tolist()
+    kinds = t.kinds
+    if plan.filled and out.ndim == 2 and len({kinds[k][0] for k in set(kind)}) == 1:
+        # rows of one dtype and several widths into an output already fill: the common
+        # ragged read (sampling masks), one copy a piece
+        stored = _STORED[kinds[kind[0]][0]]
+        size = stored.itemsize
+        if not any(a % size for a in at):
+            view = np.frombuffer(stage, stored, stage.nbytes // size)
+            width = {k: kinds[k][1][0] for k in set(kind)}
+            for d, r, k, a in zip(dst, rows, kind, at, strict=True):
+                w = width[k]
+                out[d : d + r, :w] = view[a // size : a // size + r * w].reshape(r, w)
+            return
+    fill, filled = plan.fill, plan.filled
+    for d, r, k, a in zip(dst, rows, kind, at, strict=True):
+        dtype, shape = kinds[k]
+        values = np.frombuffer(stage, _STORED[dtype], r * math.prod(shape), a)
+        rows_out = out[d : d + r]
+        if shape == rows_out.shape[1:]:
+            rows_out[...] = values.reshape(r, *shape)
+        elif len(shape) == 1:
+            rows_out[:, : shape[0]] = values.reshape(r, shape[0])
+            if not filled:
+                rows_out[:, shape[0] :] = fill
+        else:
+            if not filled:
+                rows_out[...] = fill
+            rows_out[(slice(None), *(slice(0, n) for n in shape))] = values.reshape(r, *shape)
 
 
 def _gather(
@@ -359,7 +448,7 @@ def _gather(
     them, fill in the rest of the output row)."""
     k = dtype.itemsize
     kinds = t.kind[idx]
-    shapes = [t.kinds[j][1] for j in np.unique(kinds).tolist()]
+    shapes = [t.kinds[j][1] for j in distinct(kinds)]
     ragged = len(shapes) > 1
     per_kind = np.array([math.prod(t.kinds[j][1]) for j in range(len(t.kinds))], np.int64)
     per = per_kind[kinds]  # elements a row, each piece

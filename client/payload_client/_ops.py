@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from itertools import compress
+from typing import overload
 
 import numpy as np
 
+from ._columns import SegmentList
 from ._errors import InvalidRequestError, InvalidSegmentError
 from ._segment import (
     INT64_MAX,
@@ -16,6 +18,8 @@ from ._segment import (
     _columns_of,
     _row_nbytes,
     check_int,
+    check_shift,
+    check_window,
 )
 
 __all__ = ["clip_segments", "merge_pd_segments", "shift_segments"]
@@ -26,14 +30,6 @@ __all__ = ["clip_segments", "merge_pd_segments", "shift_segments"]
 
 _MERGE_BULK_MIN = 48
 """Shortest side of a merge checked column by column (a merge on columns costs more)."""
-
-
-def _check_window(lo: int, hi: int) -> tuple[int, int]:
-    lo = check_int(lo, "lo")
-    hi = check_int(hi, "hi")
-    if lo > hi:
-        raise InvalidRequestError(f"window [lo, hi) needs lo <= hi, got lo={lo} > hi={hi}")
-    return lo, hi
 
 
 def _cut(seg: PayloadSegment, start: int, stop: int) -> PayloadSegment:
@@ -84,7 +80,13 @@ def _cut_many(
     ]
 
 
-def clip_segments(segments: Sequence[PayloadSegment], lo: int, hi: int) -> list[PayloadSegment]:
+@overload
+def clip_segments(segments: SegmentList, lo: int, hi: int) -> SegmentList: ...  # type: ignore[overload-overlap]
+@overload
+def clip_segments(segments: Sequence[PayloadSegment], lo: int, hi: int) -> list[PayloadSegment]: ...
+def clip_segments(
+    segments: Sequence[PayloadSegment], lo: int, hi: int
+) -> list[PayloadSegment] | SegmentList:
     """Keep only the rows at token positions in ``[lo, hi)`` (end exclusive).
 
     Parameters
@@ -102,6 +104,7 @@ def clip_segments(segments: Sequence[PayloadSegment], lo: int, hi: int) -> list[
         ``offset`` and ``k`` to ``pos``); positions stay absolute. A zero-row placeholder is
         kept when ``lo <= pos <= hi``. (Contract: docs/contract.md, "Pure segment operations".) A segment kept whole is the
         input object; a trimmed one shares its input's ``shape`` list when that is a list.
+        A `SegmentList` for a `SegmentList` (array operations, no object a segment).
 
     Raises
     ------
@@ -110,7 +113,9 @@ def clip_segments(segments: Sequence[PayloadSegment], lo: int, hi: int) -> list[
     InvalidSegmentError
         If any segment is invalid (docs/contract.md, "The segment model").
     """
-    lo, hi = _check_window(lo, hi)
+    if isinstance(segments, SegmentList):
+        return segments.clip(lo, hi)
+    lo, hi = check_window(lo, hi)
     cols = _checked_list(segments)
     if isinstance(cols, list):
         out = []
@@ -139,7 +144,13 @@ def clip_segments(segments: Sequence[PayloadSegment], lo: int, hi: int) -> list[
     return out
 
 
-def shift_segments(segments: Sequence[PayloadSegment], delta: int) -> list[PayloadSegment]:
+@overload
+def shift_segments(segments: SegmentList, delta: int) -> SegmentList: ...  # type: ignore[overload-overlap]
+@overload
+def shift_segments(segments: Sequence[PayloadSegment], delta: int) -> list[PayloadSegment]: ...
+def shift_segments(
+    segments: Sequence[PayloadSegment], delta: int
+) -> list[PayloadSegment] | SegmentList:
     """Add ``delta`` to every segment's ``pos`` (packing a sample at offset ``delta``).
 
     Parameters
@@ -153,7 +164,8 @@ def shift_segments(segments: Sequence[PayloadSegment], delta: int) -> list[Paylo
     -------
     list of PayloadSegment
         New segments, same order, only ``pos`` changed. Each shares its input's ``shape``
-        list when that is a list (a segment is immutable: never mutate its shape).
+        list when that is a list (a segment is immutable: never mutate its shape). A
+        `SegmentList` for a `SegmentList`.
 
     Raises
     ------
@@ -163,6 +175,8 @@ def shift_segments(segments: Sequence[PayloadSegment], delta: int) -> list[Paylo
     InvalidSegmentError
         If any segment is invalid.
     """
+    if isinstance(segments, SegmentList):
+        return segments.shift(delta)
     delta = check_int(delta, "delta", minimum=-INT64_MAX)
     cols = _checked_list(segments)
     # each result shares its input's shape list (`_shared`): copying 100,000 lists cost
@@ -170,7 +184,7 @@ def shift_segments(segments: Sequence[PayloadSegment], delta: int) -> list[Paylo
     if isinstance(cols, list):
         out = []
         for i, seg in enumerate(cols):
-            _check_shift(seg.pos, seg.pos + seg.rows, delta, i)
+            check_shift(seg.pos, seg.pos + seg.rows, delta, i)
             shape = _shared(seg.shape)
             out.append(
                 PayloadSegment(
@@ -181,12 +195,12 @@ def shift_segments(segments: Sequence[PayloadSegment], delta: int) -> list[Paylo
     pos = cols.pos_a
     if delta < 0 and int(pos.min()) + delta < 0:
         i = int(np.argmax(pos < -delta))
-        _check_shift(cols.pos[i], cols.pos[i] + cols.rows[i], delta, i)
+        check_shift(cols.pos[i], cols.pos[i] + cols.rows[i], delta, i)
     if delta > 0:
         end = pos + cols.rows_a  # no overflow: validated
         if int(end.max()) + delta > INT64_MAX:
             i = int(np.argmax(end > INT64_MAX - delta))
-            _check_shift(cols.pos[i], cols.pos[i] + cols.rows[i], delta, i)
+            check_shift(cols.pos[i], cols.pos[i] + cols.rows[i], delta, i)
     moved = (pos + delta).tolist()  # in [0, INT64_MAX]: checked above
     shapes = cols.shape if cols.lists else list(map(_shared, cols.shape))
     return [
@@ -195,14 +209,6 @@ def shift_segments(segments: Sequence[PayloadSegment], delta: int) -> list[Paylo
             cols.field, cols.file, cols.offset, moved, cols.rows, cols.dtype, shapes, strict=True
         )
     ]
-
-
-def _check_shift(pos: int, end: int, delta: int, index: int) -> None:
-    """Refuse a shift of segment ``index`` (``[pos, end)``) that leaves ``[0, INT64_MAX]``."""
-    if pos + delta < 0:
-        raise InvalidRequestError(f"segment {index}: shift by {delta} makes pos {pos + delta} < 0")
-    if end + delta > INT64_MAX:
-        raise InvalidRequestError(f"segment {index}: shift by {delta} overflows int64")
 
 
 def _validate_side(
@@ -217,11 +223,23 @@ def _validate_side(
         raise err from None
 
 
+@overload
+def merge_pd_segments(  # type: ignore[overload-overlap]
+    prefill: SegmentList, decode: Sequence[PayloadSegment], field: str = ...
+) -> SegmentList: ...
+@overload
+def merge_pd_segments(  # type: ignore[overload-overlap]
+    prefill: Sequence[PayloadSegment], decode: SegmentList, field: str = ...
+) -> SegmentList: ...
+@overload
+def merge_pd_segments(
+    prefill: Sequence[PayloadSegment], decode: Sequence[PayloadSegment], field: str = ...
+) -> list[PayloadSegment]: ...
 def merge_pd_segments(
     prefill: Sequence[PayloadSegment],
     decode: Sequence[PayloadSegment],
     field: str = "routed_experts",
-) -> list[PayloadSegment]:
+) -> list[PayloadSegment] | SegmentList:
     """Stitch prefill and decode segments under prefill/decode disaggregation.
 
     Parameters
@@ -241,7 +259,8 @@ def merge_pd_segments(
         largest ``pos + rows`` of the prefill ones): dropped when they end at or before
         ``cut``, front-trimmed when they start before it. (Contract: docs/contract.md, "Pure segment operations", the P/D
         rule of the router.) Segments kept whole are the input objects; a trimmed one
-        shares its input's ``shape`` list when that is a list.
+        shares its input's ``shape`` list when that is a list. A `SegmentList` when either
+        side is one.
 
     Raises
     ------
@@ -250,6 +269,8 @@ def merge_pd_segments(
     InvalidSegmentError
         If any segment on either side is invalid or overflows int64.
     """
+    if isinstance(prefill, SegmentList) or isinstance(decode, SegmentList):
+        return SegmentList.merge_pd(prefill, decode, field)
     if not isinstance(field, str) or not field:
         raise InvalidRequestError("field must be a non-empty string")
     pre = _validate_side(prefill, "prefill")

@@ -16,16 +16,14 @@ segment unless segments overlap.
 
 from __future__ import annotations
 
-import functools
-import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from ._errors import InvalidRequestError, InvalidSegmentError
+from ._columns import SegmentList
+from ._dtypes import Kind
 from ._segment import (
-    SUPPORTED_DTYPES,
     FirstSeen,
     PayloadSegment,
     SegmentColumns,
@@ -35,21 +33,23 @@ from ._segment import (
 
 __all__ = [
     "FieldColumns",
+    "distinct",
     "Kind",
     "ListColumns",
     "Piece",
     "PieceTable",
-    "check_kinds",
     "list_columns",
     "pieces_of_hits",
     "table_of_columns",
     "table_of_pieces",
 ]
 
-_KIND = {name: np.dtype(name).kind for name in SUPPORTED_DTYPES}
 
-Kind = tuple[str, tuple[int, ...]]
-"""A row kind: the stored dtype name and the shape of one row."""
+def distinct(codes: np.ndarray) -> list[int]:
+    """The distinct values of ``codes`` (small integers ``>= 0``: kind or file codes), in
+    increasing order (a count of each: ten times cheaper than `numpy.unique` on a few
+    hundred)."""
+    return np.flatnonzero(np.bincount(codes)).tolist() if codes.size else []
 
 
 class Piece(NamedTuple):
@@ -245,46 +245,107 @@ def _merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
 class ListColumns:
     """A validated segment list as columns, with what every plan of it reuses.
 
-    Parameters
-    ----------
-    cols : SegmentColumns
-        The list's columns (`payload_client._segment.segment_columns`).
+    Made by `list_columns`: of a list of `PayloadSegment` (`of_columns`), or of a
+    `SegmentList` (`of_list`, its own columns, once a list).
 
     Attributes
     ----------
-    cols : SegmentColumns
-        As given.
     files : tuple of str
         The distinct files of the list.
     fcode : numpy.ndarray
         ``intp [n]``: each segment's index into ``files``.
+    offset, pos, rows, row_nbytes : numpy.ndarray
+        ``int64 [n]``.
+    kind : numpy.ndarray
+        ``intp [n]``: each segment's index into ``kinds``.
+    kinds : list of Kind
+        The distinct row kinds.
     """
 
-    __slots__ = ("_fields", "cols", "fcode", "files")
+    __slots__ = ("_by_field", "_codes", "_fields", "_matrix", "_select", "fcode", "files", "kind",
+                 "kinds", "offset", "pos", "row_nbytes", "rows")  # fmt: skip
 
-    def __init__(self, cols: SegmentColumns) -> None:
-        self.cols = cols
+    def __init__(
+        self,
+        files: tuple[str, ...],
+        fcode: np.ndarray,
+        cols: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray],
+        kind: np.ndarray,
+        kinds: Sequence[Kind],
+        select: Callable[[str], np.ndarray],
+        codes: tuple[tuple[str, ...], np.ndarray] | None = None,
+    ) -> None:
+        self.files, self.fcode = files, fcode
+        self.offset, self.pos, self.rows, self.row_nbytes = cols
+        self.kind, self.kinds = kind, list(kinds)
+        self._select, self._codes = select, codes
+        self._fields: dict[str, FieldColumns] = {}
+        self._matrix: np.ndarray | None = None
+        self._by_field: tuple[np.ndarray, np.ndarray, list[int]] | None = None
+
+    def matrix(self) -> np.ndarray:
+        """``int64 [6, n]``: offset, pos, rows, row_nbytes, fcode and kind (made once)."""
+        if self._matrix is None:
+            cols = (self.offset, self.pos, self.rows, self.row_nbytes, self.fcode, self.kind)
+            self._matrix = np.stack([c.astype(np.int64, copy=False) for c in cols])
+        return self._matrix
+
+    @classmethod
+    def of_columns(cls, cols: SegmentColumns) -> ListColumns:
+        """Of a list of `PayloadSegment`, validated (`segment_columns`)."""
         names, n = cols.file, len(cols.file)
         if n and names.count(names[0]) == n:  # one file (found out at C speed)
-            self.files: tuple[str, ...] = (names[0],)
-            self.fcode = np.zeros(n, np.intp)
+            files: tuple[str, ...] = (names[0],)
+            fcode = np.zeros(n, np.intp)
         else:
             codes = FirstSeen()
-            self.fcode = np.fromiter(map(codes.__getitem__, names), np.intp, n)
-            self.files = tuple(codes)
-        self._fields: dict[str, FieldColumns] = {}
+            fcode = np.fromiter(map(codes.__getitem__, names), np.intp, n)
+            files = tuple(codes)
+        fields = cols.field
+
+        def select(name: str) -> np.ndarray:
+            if fields.count(name) == len(fields):
+                return np.arange(len(fields))
+            return np.flatnonzero(np.fromiter(map(name.__eq__, fields), bool, len(fields)))
+
+        return cls(files, fcode, (cols.offset, cols.pos, cols.rows, cols.row_nbytes),
+                   cols.kind, cols.kinds, select)  # fmt: skip
+
+    @classmethod
+    def of_list(cls, sl: SegmentList) -> ListColumns:
+        """Of a `SegmentList` (already valid)."""
+        return cls(sl.files, sl.file, (sl.offset, sl.pos, sl.rows, sl.row_nbytes), sl.kind,
+                   sl.kinds, sl.indices_of, (sl.fields, sl.field))  # fmt: skip
 
     def field(self, name: str) -> FieldColumns:
         """The columns of the segments of field ``name`` (made once per list and field)."""
         got = self._fields.get(name)
         if got is None:
-            names = self.cols.field
-            if names.count(name) == len(names):
-                mine = np.arange(len(names))
-            else:
-                mine = np.flatnonzero(np.fromiter(map(name.__eq__, names), bool, len(names)))
-            got = self._fields[name] = FieldColumns(self, mine)
+            if self._codes is None:
+                got = FieldColumns(self, self._select(name))
+            else:  # every field's segments sorted at once, by file and offset
+                order, ordered, bounds = self._sorted_by_field()
+                try:
+                    code = self._codes[0].index(name)
+                except ValueError:
+                    code = len(bounds) - 1  # no segment: an empty slice
+                    bounds = [*bounds, bounds[-1]]
+                a, b = bounds[code], bounds[code + 1]
+                got = FieldColumns(self, order[a:b], ordered[:, a:b])
+            self._fields[name] = got
         return got
+
+    def _sorted_by_field(self) -> tuple[np.ndarray, np.ndarray, list[int]]:
+        """The list's order by field, file and offset, its `matrix` in that order, and where
+        each field's segments start in it (field codes, a last entry the list's length)."""
+        if self._by_field is None:
+            assert self._codes is not None
+            fields, field = self._codes
+            m = self.matrix()
+            order = np.lexsort((m[0], m[4], field))
+            bounds = np.searchsorted(field[order], np.arange(len(fields) + 1)).tolist()
+            self._by_field = (order, m[:, order], bounds)
+        return self._by_field
 
 
 class FieldColumns:
@@ -302,31 +363,35 @@ class FieldColumns:
     """
 
     __slots__ = ("_base", "_fcode", "_fend", "_kind", "_link", "_one", "_pos", "_rb", "_stop",
-                 "disjoint", "kinds", "lc", "mine")  # fmt: skip
+                 "checks", "disjoint", "kinds", "lc", "mine")  # fmt: skip
 
-    def __init__(self, lc: ListColumns, mine: np.ndarray) -> None:
-        cols = lc.cols
+    def __init__(
+        self, lc: ListColumns, mine: np.ndarray, ordered: np.ndarray | None = None
+    ) -> None:
         self.lc, self.mine = lc, mine
-        kind = cols.kind[mine]
-        uniq = np.unique(kind).tolist()
-        self.kinds = [cols.kinds[k] for k in uniq]
+        self.checks: dict[Any, tuple[np.dtype[Any], int | float]] = {}
+        # offset, pos, rows, row size, file, kind: one array (``ordered``: of the segments
+        # ``mine`` sorted by file and offset already)
+        sub = lc.matrix()[:, mine] if ordered is None else ordered
+        kind = sub[5]
+        one = kind.size and (kind == kind[0]).all()
+        uniq = [int(kind[0])] if one else distinct(kind)
+        self.kinds = [lc.kinds[k] for k in uniq]
         self._one = uniq[0] if len(uniq) == 1 else None
-        rows = cols.rows[mine]
-        m = mine[rows > 0]  # placeholders have no rows: no window reads them
-        pos, stop = cols.pos[m], cols.pos[m] + cols.rows[m]
-        by_pos = np.argsort(pos, kind="stable")
-        self.disjoint = not (pos[by_pos][1:] < np.maximum.accumulate(stop[by_pos])[:-1]).any()
+        if not sub[2].all():
+            sub = sub[:, sub[2] > 0]  # placeholders have no rows: no window reads them
+        pos, stop = sub[1], sub[1] + sub[2]
+        if pos.size > 1 and not (pos[1:] >= pos[:-1]).all():
+            by_pos = np.argsort(pos, kind="stable")
+            pos, stop = pos[by_pos], stop[by_pos]
+        self.disjoint = not (pos[1:] < np.maximum.accumulate(stop)[:-1]).any()
         if not self.disjoint:
+            self.mine = np.sort(mine)  # list order: later segments win
             return
-        base, fcode = cols.offset[m], lc.fcode[m]
-        order = np.lexsort((base, fcode))
-        self._pos, self._stop, self._base = pos[order], stop[order], base[order]
-        self._rb, self._fcode, self._kind = (
-            cols.row_nbytes[m][order],
-            fcode[order],
-            cols.kind[m][order],
-        )
-        self._fend = self._base + (self._stop - self._pos) * self._rb
+        ordered = sub if ordered is not None else sub[:, np.lexsort((sub[0], sub[4]))]
+        self._base, self._pos, rows, self._rb, self._fcode, self._kind = ordered
+        self._stop = self._pos + rows
+        self._fend = self._base + rows * self._rb
         # each segment and the next (in file order) back to back in the file and in positions
         self._link = (
             (self._fcode[1:] == self._fcode[:-1])
@@ -340,32 +405,33 @@ class FieldColumns:
         and the kinds (indices into the list's kinds) of the segments that intersect it."""
         hit = (self._pos < hi) & (self._stop > lo)  # (an empty window has no hit)
         idx = np.flatnonzero(hit) if lo < hi else np.zeros(0, np.intp)
+        first = last = idx
         if idx.size > 1:
             brk = (idx[1:] != idx[:-1] + 1) | ~self._link[idx[:-1]]
-            first = idx[np.concatenate(([True], brk))]
-            last = idx[np.concatenate((brk, [True]))]
-        else:
-            first = last = idx
+            cut = np.flatnonzero(brk)
+            first = idx[np.concatenate(([0], cut + 1))] if cut.size else idx[:1]
+            last = idx[np.concatenate((cut, [idx.size - 1]))] if cut.size else idx[-1:]
         start = np.maximum(self._pos[first], lo)
         rows = np.minimum(self._stop[last], hi) - start
         rb = self._rb[first]
         off = self._base[first] + (start - self._pos[first]) * rb
         fcode, fend = self._fcode[first], self._fend[last]
         files = self.lc.files
-        if len(files) == 1:
-            ends = {files[0]: int(fend.max())} if fend.size else {}
-        else:
-            reach = np.full(len(files), -1, np.int64)
-            np.maximum.at(reach, fcode, fend)
-            used = np.flatnonzero(reach >= 0).tolist()
-            ends = {files[i]: e for i, e in zip(used, reach[used].tolist(), strict=True)}
+        if not fend.size:
+            ends = {}
+        elif len(files) == 1:
+            ends = {files[0]: int(fend.max())}
+        else:  # pieces sorted by file: the largest end of each file's run of pieces
+            at = np.flatnonzero(np.concatenate(([True], fcode[1:] != fcode[:-1])))
+            reach = np.maximum.reduceat(fend, at).tolist()
+            ends = dict(zip(map(files.__getitem__, fcode[at].tolist()), reach, strict=True))
         kinds = self._kind[first]
         table = PieceTable(
-            files, tuple(self.lc.cols.kinds), fcode, off, rows * rb, fend, start - lo, rows, kinds
+            files, tuple(self.lc.kinds), fcode, off, rows * rb, fend, start - lo, rows, kinds
         )
         if not idx.size:
             return table, ends, []
-        return table, ends, [self._one] if self._one is not None else np.unique(kinds).tolist()
+        return table, ends, [self._one] if self._one is not None else distinct(kinds)
 
 
 _CACHED: list[tuple[tuple[PayloadSegment, ...], ListColumns]] = []
@@ -376,18 +442,22 @@ _CACHE_LISTS = 2
 def list_columns(segments: Sequence[PayloadSegment]) -> ListColumns:
     """`ListColumns` of ``segments``, validated as `validate_segments` does (same errors).
 
+    A `SegmentList`'s are made once and kept with it (it is valid already).
+
     The last lists' columns are kept: a list equal to one of them (the same segments, as
     values; compared at C speed, identity first) is not validated or taken apart again.
     Segments are values (`PayloadSegment` is frozen): a ``shape`` list changed in place
     after a read is not seen.
     """
+    if isinstance(segments, SegmentList):
+        return segments.derived(ListColumns, ListColumns.of_list)
     if not isinstance(segments, list | tuple):
-        return ListColumns(segment_columns(segments))  # validates, raises for non-lists
+        return ListColumns.of_columns(segment_columns(segments))  # raises for non-lists
     key = tuple(segments)
     for cached_key, cached in _CACHED:
         if cached_key == key:
             return cached
-    got = ListColumns(segment_columns(key))
+    got = ListColumns.of_columns(segment_columns(key))
     _CACHED[:] = [(key, got), *_CACHED[: _CACHE_LISTS - 1]]
     return got
 
@@ -407,7 +477,7 @@ def table_of_columns(
         ``intp``: the distinct kinds (indices into ``cols.kinds``) of the intersecting
         segments.
     """
-    cols = lc.cols
+    cols = lc
     pos, nrows_all = cols.pos[mine], cols.rows[mine]
     start = np.maximum(pos, lo)
     stop = np.minimum(pos + nrows_all, hi)
@@ -451,7 +521,7 @@ def table_of_columns(
             end = np.maximum.reduceat(end, at)
             fcode, off, dst, kind = fcode[at], off[at], dst[at], kind[at]
     table = PieceTable(files, tuple(cols.kinds), fcode, off, nbytes, end, dst, rows, kind)
-    return table, ends, np.unique(cols.kind[h])
+    return table, ends, np.array(distinct(cols.kind[h]), np.intp)
 
 
 def _winners(dst: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -466,112 +536,3 @@ def _winners(dst: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray,
     keep = winner >= 0
     first = bounds[:-1][keep]
     return first, bounds[1:][keep] - first, winner[keep]
-
-
-def _check_fill(fill: Any, dtype: np.dtype[Any]) -> int | float:
-    if type(fill) is int and dtype.kind in "iu":  # the usual case, quickly
-        lo, hi = _int_range(dtype)
-        if lo <= fill <= hi:
-            return fill
-        raise _bad_fill(fill, dtype)
-    if isinstance(fill, bool) or not isinstance(fill, int | float | np.integer | np.floating):
-        raise InvalidRequestError(f"fill must be a number, got {type(fill).__name__}")
-    if dtype.kind in "iu":
-        lo, hi = _int_range(dtype)  # an int fill is compared as it is, never through float
-        if isinstance(fill, float | np.floating) and not float(fill).is_integer():
-            raise _bad_fill(fill, dtype)
-        if not lo <= fill <= hi:
-            raise _bad_fill(fill, dtype)
-        return int(fill)
-    try:
-        value = float(fill)
-    except OverflowError:  # an int no float holds
-        raise _bad_fill(fill, dtype) from None
-    if math.isfinite(value) and abs(value) > _float_max(dtype):  # NaN and inf are values
-        raise _bad_fill(fill, dtype)
-    return value
-
-
-def _bad_fill(fill: Any, dtype: np.dtype[Any]) -> InvalidRequestError:
-    return InvalidRequestError(f"fill {str(fill)[:40]} does not fit the output dtype {dtype}")
-
-
-@functools.lru_cache(maxsize=64)
-def _float_max(dtype: np.dtype[Any]) -> float:
-    return float(np.finfo(dtype).max)
-
-
-@functools.lru_cache(maxsize=64)
-def _int_range(dtype: np.dtype[Any]) -> tuple[int, int]:
-    info = np.iinfo(dtype)
-    return int(info.min), int(info.max)
-
-
-def _output_dtype(field: str, stored: frozenset[str], dtype: Any) -> np.dtype[Any]:
-    """The output dtype: int32/float32 by default (docs/contract.md, "Reading a window"), else ``dtype`` if it holds
-    every stored dtype of the field without loss."""
-    try:
-        try:
-            return _output_dtype_cached(stored, dtype)
-        except TypeError:  # an unhashable dtype argument: not cached
-            return _output_dtype_of(stored, dtype)
-    except _NarrowDtypeError as exc:
-        raise InvalidRequestError(
-            f"dtype {exc.args[0]} cannot hold the {exc.args[1]} rows of field {field!r}"
-        ) from None
-
-
-class _NarrowDtypeError(Exception):
-    """Raised (and cached nowhere) when an output dtype cannot hold a stored dtype."""
-
-
-def _output_dtype_of(stored: frozenset[str], dtype: Any) -> np.dtype[Any]:
-    float_field = any(_KIND[d] == "f" for d in stored)
-    if dtype is None:
-        return np.dtype(np.float32 if float_field else np.int32)
-    try:
-        out = np.dtype(dtype)
-    except TypeError:
-        raise InvalidRequestError(f"dtype {dtype!r} is not a numpy dtype") from None
-    if out.kind not in "iuf":
-        raise InvalidRequestError(f"dtype must be an integer or float dtype, got {out}")
-    narrow = sorted(d for d in stored if not np.can_cast(d, out, "safe"))
-    if narrow:
-        raise _NarrowDtypeError(out, ", ".join(narrow))
-    native: np.dtype[Any] = out.newbyteorder("=")
-    return native
-
-
-_output_dtype_cached = functools.lru_cache(maxsize=256)(_output_dtype_of)
-
-
-def check_kinds(
-    field: str, kinds: Iterable[Kind], fill: Any, dtype: Any
-) -> tuple[np.dtype[Any], int | float]:
-    """The output dtype and fill of a field whose segments have these row kinds.
-
-    Raises
-    ------
-    InvalidSegmentError
-        Row shapes of different ranks; integer and float dtypes mixed.
-    InvalidRequestError
-        A ``dtype`` or ``fill`` that does not fit.
-    """
-    kinds = list(kinds)
-    if len(kinds) == 1:
-        stored = frozenset((kinds[0][0],))
-        out_dtype = _output_dtype(field, stored, dtype)
-        return out_dtype, _check_fill(fill, out_dtype)
-    ranks = {len(shape) for _, shape in kinds}
-    if len(ranks) > 1:
-        raise InvalidSegmentError(
-            f"segments of field {field!r} have row shapes of different ranks {sorted(ranks)}",
-            field="shape",
-        )
-    stored = frozenset(d for d, _ in kinds)
-    if len(stored) > 1 and len({_KIND[d] == "f" for d in stored}) > 1:
-        raise InvalidSegmentError(
-            f"segments of field {field!r} mix integer and float dtypes", field="dtype"
-        )
-    out_dtype = _output_dtype(field, stored, dtype)
-    return out_dtype, _check_fill(fill, out_dtype)

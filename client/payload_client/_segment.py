@@ -25,6 +25,8 @@ __all__ = [
     "check_int",
     "check_name",
     "check_relative_path",
+    "check_shift",
+    "check_window",
     "row_nbytes",
     "segment_columns",
     "segment_end",
@@ -104,6 +106,35 @@ def check_int(value: Any, what: str, *, minimum: int = 0) -> int:
     if not minimum <= number <= INT64_MAX:
         raise InvalidRequestError(f"{what} must be in [{minimum}, 2**63 - 1], got {number}")
     return number
+
+
+def check_window(lo: Any, hi: Any) -> tuple[int, int]:
+    """Return ``(lo, hi)`` if both are integers with ``0 <= lo <= hi``.
+
+    Raises
+    ------
+    InvalidRequestError
+        Naming the bound that is not such an integer, or ``lo > hi``.
+    """
+    lo = check_int(lo, "lo")
+    hi = check_int(hi, "hi")
+    if lo > hi:
+        raise InvalidRequestError(f"window [lo, hi) needs lo <= hi, got lo={lo} > hi={hi}")
+    return lo, hi
+
+
+def check_shift(pos: int, end: int, delta: int, index: int) -> None:
+    """Refuse a shift of segment ``index`` (``[pos, end)``) that leaves ``[0, INT64_MAX]``.
+
+    Raises
+    ------
+    InvalidRequestError
+        Naming the segment, when ``pos + delta < 0`` or ``end + delta > INT64_MAX``.
+    """
+    if pos + delta < 0:
+        raise InvalidRequestError(f"segment {index}: shift by {delta} makes pos {pos + delta} < 0")
+    if end + delta > INT64_MAX:
+        raise InvalidRequestError(f"segment {index}: shift by {delta} overflows int64")
 
 
 def check_name(value: Any, what: str) -> str:

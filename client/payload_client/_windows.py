@@ -15,13 +15,12 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from ._dtypes import check_kinds
 from ._errors import InvalidRequestError
 from ._fields import check_patterns
-from ._ops import _check_window
 from ._plan import (
     Piece,
     PieceTable,
-    check_kinds,
     list_columns,
     pieces_of_hits,
     table_of_columns,
@@ -30,6 +29,7 @@ from ._plan import (
 from ._segment import (
     SUPPORTED_DTYPES,
     PayloadSegment,
+    check_window,
     validate_segments,
 )
 
@@ -43,7 +43,6 @@ __all__ = [
     "WindowPlan",
     "assemble",
     "coverage",
-    "direct_view",
     "node_of",
     "page_matched",
     "place",
@@ -157,15 +156,20 @@ class WindowPlan:
         Every file a segment intersecting the window names (the rows of some may all be
         overwritten by later segments), with the largest segment end in it: the file must
         be at least that long.
+    narrow : bool, default False
+        Whether some piece's rows are narrower than ``row_shape`` (rows of several widths).
 
     Attributes
     ----------
     count, nbytes, covered_rows : int
         Pieces; the bytes they need; the output rows they write.
+    filled : bool
+        Set by `prepare_output` when it has set every entry of the output to fill (pieces
+        then write only their values).
     """
 
-    __slots__ = ("_pieces", "_table", "count", "covered_rows", "dtype", "ends", "fill", "hi",
-                 "lo", "nbytes", "parts", "row_shape")  # fmt: skip
+    __slots__ = ("_pieces", "_table", "count", "covered_rows", "dtype", "ends", "fill",
+                 "filled", "hi", "lo", "narrow", "nbytes", "parts", "row_shape")  # fmt: skip
 
     def __init__(
         self,
@@ -176,9 +180,11 @@ class WindowPlan:
         fill: int | float,
         parts: tuple[Piece, ...] | PieceTable = (),
         ends: Mapping[str, int] | None = None,
+        narrow: bool = False,
     ) -> None:
         self.lo, self.hi, self.row_shape, self.dtype, self.fill = lo, hi, row_shape, dtype, fill
         self.parts = parts
+        self.narrow, self.filled = narrow, False
         self.ends: Mapping[str, int] = {} if ends is None else ends
         self._pieces: tuple[Piece, ...] | None = None
         self._table: PieceTable | None = None
@@ -232,7 +238,9 @@ class WindowPlan:
             parts = parts._replace(**{c: getattr(parts, c)[keep] for c in _COLUMNS})
         else:
             parts = tuple(p for p in parts if node_of(p.file) == node)
-        return WindowPlan(self.lo, self.hi, self.row_shape, self.dtype, self.fill, parts, ends)
+        return WindowPlan(
+            self.lo, self.hi, self.row_shape, self.dtype, self.fill, parts, ends, self.narrow
+        )
 
     def covered(self) -> np.ndarray:
         """A fresh ``bool [hi - lo]``: the output rows some piece writes."""
@@ -371,25 +379,35 @@ def plan_window(
     a few segments is planned over numpy columns: its cost is a few array operations, not
     Python work per segment.
     """
-    lo, hi = _check_window(lo, hi)
-    if isinstance(segments, list | tuple) and len(segments) <= _SMALL:
+    lo, hi = check_window(lo, hi)
+    if isinstance(segments, list | tuple) and len(segments) <= _SMALL:  # not a SegmentList
         return _plan_few(validate_segments(segments), field, lo, hi, fill, dtype, ragged)
     lc = list_columns(segments)
     fc = lc.field(field)
     if not fc.mine.size:
         return None
-    if ragged is not None and len(fc.kinds) > 1:
-        check_patterns(segments, field, [k[1] for k in fc.kinds], ragged)
-    out_dtype, fill = check_kinds(field, fc.kinds, fill, dtype)
+    try:  # the checks of the field's kinds, once a list for each fill and dtype
+        key: Any = (ragged, type(fill), fill, type(dtype), dtype)
+        checked = fc.checks.get(key)
+    except TypeError:  # unhashable: checked every time
+        key, checked = None, None
+    if checked is None:
+        if ragged is not None and len(fc.kinds) > 1:
+            check_patterns(segments, field, [k[1] for k in fc.kinds], ragged)
+        checked = check_kinds(field, fc.kinds, fill, dtype)
+        if key is not None:
+            fc.checks[key] = checked
+    out_dtype, fill = checked
     if fc.disjoint:
         table, ends, hit_kinds = fc.table(lo, hi)
     else:
         table, ends, hits = table_of_columns(lc, fc.mine, lo, hi)
         hit_kinds = hits.tolist()
-    kinds = lc.cols.kinds
+    kinds = lc.kinds
     shapes = [kinds[k][1] for k in hit_kinds] or [k[1] for k in fc.kinds]
     row_shape = shapes[0] if len(shapes) == 1 else tuple(map(max, zip(*shapes, strict=True)))
-    return WindowPlan(lo, hi, row_shape, out_dtype, fill, table, ends)
+    narrow = len(hit_kinds) > 1 and len(set(shapes)) > 1
+    return WindowPlan(lo, hi, row_shape, out_dtype, fill, table, ends, narrow)
 
 
 def _plan_few(
@@ -426,13 +444,15 @@ def _plan_few(
         a, b = max(s.pos, lo), min(s.pos + s.rows, hi)
         if a < b:
             hits.append((s, a, b))
+    narrow = False
     if len(hits) == 1:
         row_shape = tuple(hits[0][0].shape)
     else:
         shapes: list[Sequence[int]] = [s.shape for s, _, _ in hits] or [k[1] for k in kinds]
         row_shape = tuple(max(dims) for dims in zip(*shapes, strict=True))
+        narrow = len(hits) > 1 and len({tuple(s) for s in shapes}) > 1
     pieces, ends = pieces_of_hits(hits, lo) if hits else ((), {})
-    return WindowPlan(lo, hi, row_shape, out_dtype, fill, pieces, ends)
+    return WindowPlan(lo, hi, row_shape, out_dtype, fill, pieces, ends, narrow)
 
 
 def prepare_output(plan: WindowPlan, out: np.ndarray | None = None) -> np.ndarray:
@@ -471,8 +491,9 @@ def prepare_output(plan: WindowPlan, out: np.ndarray | None = None) -> np.ndarra
         if not out.flags.writeable:
             raise InvalidRequestError("out is read-only")
         wider = out.shape != want
-    if wider:
+    if wider or plan.narrow:  # rows narrower than the output's: fill first, all at once
         out[...] = plan.fill
+        plan.filled = True
         return out
     # every row a piece touches is written whole; only the others start as fill
     n = plan.hi - plan.lo
@@ -510,34 +531,10 @@ def coverage(plan: WindowPlan | None, lo: int, hi: int) -> np.ndarray:
     InvalidRequestError
         ``lo > hi`` or a bound that is not an integer.
     """
-    lo, hi = _check_window(lo, hi)
+    lo, hi = check_window(lo, hi)
     if plan is None:
         return np.zeros(hi - lo, dtype=bool)
     return plan.covered()
-
-
-def direct_view(
-    plan: WindowPlan, out: np.ndarray, piece: Piece, *, kernel: bool = True
-) -> memoryview | None:
-    """The bytes of ``out`` a piece's rows can be read straight into, or ``None``.
-
-    Possible when ``out`` is C-contiguous, little-endian, has the piece's dtype and row shape:
-    then the stored bytes are the output bytes (a stored-dtype read needs no copy). ``None``
-    too, when ``kernel`` (the kernel copies into them), if those bytes start 1 to 63 bytes
-    past the piece's offset modulo `PAGE`: the kernel's copy is up to ten times slower there
-    than a read into a page-matched buffer plus numpy's copy (see `page_matched`).
-    """
-    if (
-        piece.shape != out.shape[1:]
-        or out.dtype != _STORED[piece.dtype]  # the same type, little-endian
-        or not out.flags.c_contiguous
-    ):
-        return None
-    row = out.itemsize * math.prod(piece.shape)
-    start = piece.dst * row
-    if kernel and 0 < (out.ctypes.data + start - piece.offset) % PAGE < _ALIASED:
-        return None
-    return out.data.cast("B")[start : start + piece.rows * row]
 
 
 def place(plan: WindowPlan, out: np.ndarray, piece: Piece, data: Any) -> None:

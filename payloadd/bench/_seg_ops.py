@@ -12,6 +12,9 @@ Timed, each once a sample, in microseconds per input segment:
 - msgpack decode of the encoded list with `decode_segments` (msgspec's typed decoder
   ``list[PayloadSegment]``, the garbage collector paused), and that decode followed by
   ``validate_segments``;
+- the same on a `SegmentList` (the list as columns): ``clip_segments``, ``shift_segments``,
+  ``merge_pd_segments`` (array operations), and `decode_columns` of the columnar wire form
+  (``encode_segments(segments, "columns")``; validated on the way, as every `SegmentList`);
 - baseline: msgpack encode of the same list (msgspec), the least a list of segments costs to
   move.
 """
@@ -26,8 +29,11 @@ import numpy as np
 
 from payload_client import (
     PayloadSegment,
+    SegmentList,
     clip_segments,
+    decode_columns,
     decode_segments,
+    encode_segments,
     merge_pd_segments,
     shift_segments,
     validate_segments,
@@ -78,6 +84,9 @@ def _ops(segs: list[PayloadSegment]) -> list[tuple[str, Callable[[], Any], int]]
     encoder = msgspec.msgpack.Encoder()
     wire = encoder.encode(segs)
     n = len(segs)
+    cols = SegmentList(segs)
+    pre_cols, dec_cols = cols[:half], cols[half - 1 :]
+    columns = encode_segments(cols, "columns")
     return [
         (BASELINE, lambda: encoder.encode(segs), n),
         ("segments: clip_segments", lambda: clip_segments(segs, lo, hi), n),
@@ -87,6 +96,11 @@ def _ops(segs: list[PayloadSegment]) -> list[tuple[str, Callable[[], Any], int]]
         ("segments: msgpack decode", lambda: decode_segments(wire), n),
         ("segments: msgpack decode + validate",
          lambda: validate_segments(decode_segments(wire)), n),
+        ("segments: clip_segments, columns", lambda: clip_segments(cols, lo, hi), n),
+        ("segments: shift_segments, columns", lambda: shift_segments(cols, 65_536), n),
+        ("segments: merge_pd_segments, columns",
+         lambda: merge_pd_segments(pre_cols, dec_cols), len(pre_cols) + len(dec_cols)),
+        ("segments: decode_columns (validated)", lambda: decode_columns(columns), n),
     ]  # fmt: skip
 
 

@@ -4,8 +4,9 @@ bench``).
 The micro batch of `payloadd.bench._packed` (8 samples x 2,048 tokens, 30 turns each, each
 sample in a step of its own, packed back to back): 480 segments in the list, routing ``uint8
 [t, 48, 8]`` and the sampling mask ``int32 [t, w]`` (``w <= 64``) per turn. A trainer rank
-receives each micro batch's list as msgpack bytes from the orchestrator (`encode_segments`,
-done once beforehand), and one measured call is the rank's step:
+receives each micro batch's list as bytes from the orchestrator (`encode_segments`, done once
+beforehand: the array of segment arrays for the direct reader, the columnar form for
+payloadd), and one measured call is the rank's step:
 
 - decode the bytes (inside the timed call: nothing is kept of an earlier decode, the list is
   a new object every call);
@@ -30,8 +31,15 @@ its routing read worked out of the list, as a rank's does):
   allocates a list a segment), then per segment that meets the
   window one ``os.preadv`` (routing into its rows; the mask into a scratch buffer, copied into
   its rows' leading ``w`` columns, fill in the others).
-- **payloadd**: `decode_segments`, then ``read_field`` of each field into its ``out=`` on the
-  data plane (the client's descriptors of the files are kept between calls, as a rank's are).
+- **payloadd**: `decode_columns` of the columnar form (``encode_segments(segments,
+  "columns")``: a `SegmentList`, no object a segment), then one ``read_many`` of both windows
+  into their ``out=`` on the data plane (the client's descriptors of the files are kept
+  between calls, as a rank's are), as docs/guide.md has a rank read its windows;
+- **payloadd, arrays of segments** (its own row, no ratio): the same from the array-of-arrays
+  form the direct reader decodes (`decode_columns` takes it into columns);
+- **payloadd, load-balanced** (CP 4 only): the columnar list, then ``read_cp`` of each field at
+  the rank's chunks ``r`` and ``2 cp - 1 - r`` of ``2 cp`` (Megatron's layout), into the same
+  outputs; its ratio row is the contiguous step's time over its own.
 
 Each sample is the mean time of a call over ``k`` calls (32 at CP 1, 64 at CP 4, a quarter
 with ``--quick``) after two warm-up calls (then the lists the client keeps are of this
@@ -52,7 +60,14 @@ from typing import Any
 
 import numpy as np
 
-from payload_client import PayloadClient, PayloadSegment, decode_segments, encode_segments
+from payload_client import (
+    PayloadClient,
+    PayloadSegment,
+    Window,
+    decode_columns,
+    decode_segments,
+    encode_segments,
+)
 from payloadd.bench._measure import Add, page_aligned, rotated, timed
 from payloadd.bench._packed import MAX_WIDTH, DirectReader, PackedBatch, write_packed
 from payloadd.bench._rl_batch import LAYERS, MASK, MASK_FILL, ROUTED, ROUTED_FILL, TOP_K
@@ -60,12 +75,16 @@ from payloadd.bench._rl_batch import LAYERS, MASK, MASK_FILL, ROUTED, ROUTED_FIL
 __all__ = [
     "DIRECT",
     "PAYLOADD",
+    "PAYLOADD_ARRAYS",
+    "BALANCED",
+    "VS_CONTIGUOUS",
     "RAW",
     "TRAINER",
     "VS_DIRECT",
     "VS_RAW",
     "Extent",
     "StepOutputs",
+    "balanced_step",
     "bench_trainer_step",
     "direct_step",
     "format_trainer_summary",
@@ -81,6 +100,9 @@ TRAINER = "trainer step"
 RAW = "trainer step raw preadv, CP {cp}"
 DIRECT = "trainer step direct reader, CP {cp}"
 PAYLOADD = "trainer step: new list, routing + mask, CP {cp} (data plane)"
+PAYLOADD_ARRAYS = "trainer step: new list as arrays of segments, CP {cp} (data plane)"
+BALANCED = "trainer step: new list, load-balanced CP {cp} (data plane)"
+VS_CONTIGUOUS = "trainer step CP {cp}: load-balanced speed / contiguous (higher is better)"
 VS_DIRECT = "trainer step CP {cp}: payloadd speed / direct (higher is better)"
 VS_RAW = "trainer step CP {cp}: payloadd speed / raw (higher is better)"
 RUN = "bench-trainer-step"
@@ -182,11 +204,23 @@ def direct_step(reader: DirectReader, wire: bytes, lo: int, hi: int, outs: StepO
 
 def payloadd_step(client: PayloadClient, wire: bytes, lo: int, hi: int,
                   outs: StepOutputs) -> None:  # fmt: skip
-    """Decode the list; ``read_field`` of routing over ``[lo, hi)`` and of the mask over
-    ``[lo + 1, hi + 1)``, into the outputs."""
-    segments = decode_segments(wire)
-    client.read_field(segments, ROUTED, lo, hi, ROUTED_FILL, out=outs.routed)
-    client.read_field(segments, MASK, lo + 1, hi + 1, MASK_FILL, out=outs.mask)
+    """Decode the list into columns (`decode_columns`: either wire form); one ``read_many`` of
+    routing over ``[lo, hi)`` and the mask over ``[lo + 1, hi + 1)``, into the outputs."""
+    segments = decode_columns(wire)
+    client.read_many([Window(segments, ROUTED, lo, hi, ROUTED_FILL, outs.routed),
+                      Window(segments, MASK, lo + 1, hi + 1, MASK_FILL, outs.mask)])  # fmt: skip
+
+
+def balanced_step(client: PayloadClient, wire: bytes, rank: int, length: int, cp: int,
+                  outs: StepOutputs) -> None:  # fmt: skip
+    """Decode the list into columns; ``read_cp`` of routing and of the mask (at label
+    positions) at rank ``rank``'s chunks ``rank`` and ``2 cp - 1 - rank`` of ``2 cp``
+    (load-balanced context parallelism), into the outputs."""
+    segments = decode_columns(wire)
+    client.read_cp(segments, ROUTED, length, cp, rank, ROUTED_FILL, load_balanced=True,
+                   out=outs.routed)  # fmt: skip
+    client.read_cp(segments, MASK, length, cp, rank, MASK_FILL, labels=True,
+                   load_balanced=True, out=outs.mask)  # fmt: skip
 
 
 def stored_mask_rows(segments: Sequence[PayloadSegment], lo: int, hi: int,
@@ -228,7 +262,7 @@ def bench_trainer_step(
     copies = 3 if quick else 8
     with PayloadClient(socket) as client:
         batches = [write_packed(spec, client, RUN, c * spec.samples) for c in range(copies)]
-        wires = [encode_segments(b) for b in batches]
+        wires = [(encode_segments(b), encode_segments(b, "columns")) for b in batches]
         reader = DirectReader(root, [s for b in batches for s in b])
         try:
             ops = []
@@ -247,6 +281,9 @@ def bench_trainer_step(
                     mine = took[PAYLOADD.format(cp=cp)]
                     add(VS_DIRECT.format(cp=cp), size, "x", took[DIRECT.format(cp=cp)] / mine, None)
                     add(VS_RAW.format(cp=cp), size, "x", took[RAW.format(cp=cp)] / mine, None)
+                    if BALANCED.format(cp=cp) in took:
+                        add(VS_CONTIGUOUS.format(cp=cp), size, "x",
+                            mine / took[BALANCED.format(cp=cp)], None)  # fmt: skip
         finally:
             reader.close()
 
@@ -255,7 +292,7 @@ def _ops(
     spec: PackedBatch,
     cp: int,
     batches: list[list[PayloadSegment]],
-    wires: list[bytes],
+    wires: list[tuple[bytes, bytes]],
     reader: DirectReader,
     client: PayloadClient,
 ) -> list[tuple[str, Callable[[], Any]]]:
@@ -267,8 +304,10 @@ def _ops(
     raws = itertools.cycle(
         [raw_extents(batches[c], reader.fds, lo, hi, outs) for c, lo, hi in plan]
     )
-    steps = [(wires[c], lo, hi) for c, lo, hi in plan]
-    direct_turn, mine_turn = itertools.cycle(steps), itertools.cycle(steps)
+    arrays = [(wires[c][0], lo, hi) for c, lo, hi in plan]
+    columns = [(wires[c][1], lo, hi) for c, lo, hi in plan]
+    direct_turn, mine_turn = itertools.cycle(arrays), itertools.cycle(columns)
+    arrays_turn = itertools.cycle(arrays)
 
     def raw() -> None:
         raw_step(next(raws))
@@ -279,8 +318,19 @@ def _ops(
     def mine() -> None:
         payloadd_step(client, *next(mine_turn), outs)
 
-    return [(RAW.format(cp=cp), raw), (DIRECT.format(cp=cp), direct),
-            (PAYLOADD.format(cp=cp), mine)]  # fmt: skip
+    def mine_arrays() -> None:
+        payloadd_step(client, *next(arrays_turn), outs)
+
+    ops = [(RAW.format(cp=cp), raw), (DIRECT.format(cp=cp), direct),
+           (PAYLOADD.format(cp=cp), mine), (PAYLOADD_ARRAYS.format(cp=cp), mine_arrays)]  # fmt: skip
+    if cp > 1:
+        turns = itertools.cycle([(wires[i % n][1], i % cp) for i in range(math.lcm(n, cp))])
+
+        def balanced() -> None:
+            balanced_step(client, *next(turns), spec.length, cp, outs)
+
+        ops.append((BALANCED.format(cp=cp), balanced))
+    return ops
 
 
 def trainer_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -296,8 +346,10 @@ def trainer_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     -------
     list of dict
         Keys ``cp``, ``size``, ``raw_ms``, ``direct_ms``, ``payloadd_ms``,
-        ``payloadd_vs_direct_higher_is_better``, ``payloadd_vs_raw_higher_is_better``; empty
-        when the report has no trainer-step row.
+        ``payloadd_vs_direct_higher_is_better``, ``payloadd_vs_raw_higher_is_better``,
+        ``payloadd_arrays_ms``, ``load_balanced_ms`` and
+        ``load_balanced_vs_contiguous_higher_is_better`` (``None`` without their rows);
+        empty when the report has no trainer-step row.
     """
     by = {r["name"]: r for r in rows if r["name"].startswith(TRAINER)}
     out = []
@@ -306,10 +358,14 @@ def trainer_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if not all(n in by for n in names):
             continue
         raw, direct, mine, vs_direct, vs_raw = (by[n]["median"] for n in names)
+        extra = [by.get(f.format(cp=cp), {}).get("median")
+                 for f in (PAYLOADD_ARRAYS, BALANCED, VS_CONTIGUOUS)]  # fmt: skip
         out.append({"cp": cp, "size": by[names[0]]["size"], "raw_ms": raw,
                     "direct_ms": direct, "payloadd_ms": mine,
                     "payloadd_vs_direct_higher_is_better": vs_direct,
-                    "payloadd_vs_raw_higher_is_better": vs_raw})  # fmt: skip
+                    "payloadd_vs_raw_higher_is_better": vs_raw,
+                    "payloadd_arrays_ms": extra[0], "load_balanced_ms": extra[1],
+                    "load_balanced_vs_contiguous_higher_is_better": extra[2]})  # fmt: skip
     return out
 
 
@@ -318,13 +374,20 @@ def format_trainer_summary(summary: list[dict[str, Any]]) -> str:
     if not summary:
         return ""
     head = (f"{'trainer step, new list, routing + mask':40} {'raw':>8} {'direct':>8} "
-            f"{'payloadd':>9}  {'payloadd/direct':>15}  {'payloadd/raw':>12}")  # fmt: skip
-    lines = ["medians, ms a rank's step; ratios: speed, higher is better", head]
+            f"{'payloadd':>9}  {'payloadd/direct':>15}  {'payloadd/raw':>12}"
+            f"  {'arrays':>8}  {'balanced':>8}  {'balanced/contiguous':>19}")  # fmt: skip
+    lines = ["medians, ms a rank's step; ratios: speed, higher is better; arrays: the list "
+             "sent as arrays of segments; balanced: load-balanced CP", head]  # fmt: skip
     for s in summary:
         what = f"CP {s['cp']} ({'whole batch' if s['cp'] == 1 else 'each rank in turn'})"
+        arrays, balanced = s.get("payloadd_arrays_ms"), s.get("load_balanced_ms")
+        vs = s.get("load_balanced_vs_contiguous_higher_is_better")
         lines.append(
             f"{what:40} {s['raw_ms']:>8.3g} {s['direct_ms']:>8.3g} {s['payloadd_ms']:>9.3g}"
             f"  {s['payloadd_vs_direct_higher_is_better']:>14.2f}x"
             f"  {s['payloadd_vs_raw_higher_is_better']:>11.2f}x"
+            f"  {'-' if arrays is None else format(arrays, '.3g'):>8}"
+            f"  {'-' if balanced is None else format(balanced, '.3g'):>8}"
+            f"  {'-' if vs is None else format(vs, '.2f') + 'x':>19}"
         )
     return "\n".join(lines)

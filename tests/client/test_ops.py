@@ -100,7 +100,7 @@ def test_clip_keeps_placeholders_inside_closed_window() -> None:
 @pytest.mark.parametrize(("lo", "hi"), [(5, 4), (-1, 3), (0.5, 3), (True, 3)])
 def test_clip_refuses_bad_windows(lo: object, hi: int) -> None:
     with pytest.raises(InvalidRequestError):
-        clip_segments([mk(R, 0, 1)], lo, hi)  # type: ignore[arg-type]
+        clip_segments([mk(R, 0, 1)], lo, hi)  # type: ignore[call-overload]
 
 
 def test_ops_refuse_invalid_segments() -> None:

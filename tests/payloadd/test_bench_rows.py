@@ -148,6 +148,11 @@ def test_the_segment_list_and_its_operations() -> None:
     assert ops["segments: merge_pd_segments"][1] == len(segs) + 1
     assert ops["segments: msgpack decode"][0]() == segs
     assert ops["segments: msgpack decode + validate"][0]() == segs
+    # the same operations on columns give the same segments
+    assert ops["segments: clip_segments, columns"][0]() == clipped
+    assert ops["segments: shift_segments, columns"][0]() == ops["segments: shift_segments"][0]()
+    assert ops["segments: merge_pd_segments, columns"][0]() == segs
+    assert ops["segments: decode_columns (validated)"][0]() == segs
 
 
 def test_the_bare_app_answers_the_bytes_asked(tmp_path: Path) -> None:

@@ -14,12 +14,16 @@ from payloadd.bench._bench import Result, report
 from payloadd.bench._packed import MAX_WIDTH, DirectReader, PackedBatch, write_packed
 from payloadd.bench._rl_batch import MASK_FILL
 from payloadd.bench._trainer_step import (
+    BALANCED,
     DIRECT,
     PAYLOADD,
+    PAYLOADD_ARRAYS,
     RAW,
+    VS_CONTIGUOUS,
     VS_DIRECT,
     VS_RAW,
     StepOutputs,
+    balanced_step,
     bench_trainer_step,
     direct_step,
     format_trainer_summary,
@@ -58,17 +62,21 @@ def test_the_three_readers_read_the_same_bytes_the_rows_inference_wrote(
 ) -> None:
     assert len(batch) == 2 * SPEC.samples * SPEC.turns  # 480 at 8 x 30: both fields
     want_r, want_m = written(SPEC)
-    wire = encode_segments(batch)  # as from the orchestrator
+    wire = encode_segments(batch)  # as from the orchestrator: arrays of segments
+    columns = encode_segments(batch, "columns")  # and as columns
     reader = DirectReader(daemon.root, batch)
     try:
         with PayloadClient(daemon.socket) as c:
             for lo, hi in [*SPEC.windows(1), *SPEC.windows(4)]:
-                raw, direct, mine = (StepOutputs(hi - lo) for _ in range(3))
-                for o in (raw, direct, mine):  # garbage a reader must overwrite
+                raw, direct, mine, arrays = (StepOutputs(hi - lo) for _ in range(4))
+                for o in (raw, direct, mine, arrays):  # garbage a reader must overwrite
                     o.routed[...], o.mask[...], o.scratch[...] = 77, 12345, 99
                 raw_step(raw_extents(batch, reader.fds, lo, hi, raw))
                 direct_step(reader, wire, lo, hi, direct)
-                payloadd_step(c, wire, lo, hi, mine)
+                payloadd_step(c, columns, lo, hi, mine)
+                payloadd_step(c, wire, lo, hi, arrays)
+                np.testing.assert_array_equal(arrays.routed, want_r[lo:hi])
+                np.testing.assert_array_equal(arrays.mask, want_m[lo + 1 : hi + 1])
                 np.testing.assert_array_equal(raw.routed, want_r[lo:hi])
                 np.testing.assert_array_equal(direct.routed, want_r[lo:hi])
                 np.testing.assert_array_equal(mine.routed, want_r[lo:hi])
@@ -81,6 +89,25 @@ def test_the_three_readers_read_the_same_bytes_the_rows_inference_wrote(
                 assert (raw.scratch[len(stored) :] == 99).all()  # and no more
     finally:
         reader.close()
+
+
+def test_the_load_balanced_step_reads_each_rank_its_two_chunks(
+    daemon: Daemon, batch: list[PayloadSegment]
+) -> None:
+    want_r, want_m = written(SPEC)
+    columns = encode_segments(batch, "columns")
+    c2 = SPEC.length // (2 * SPEC.cp)  # chunk r and 2 cp - 1 - r of 2 cp
+    with PayloadClient(daemon.socket) as c:
+        for rank in range(SPEC.cp):
+            outs = StepOutputs(2 * c2)
+            outs.routed[...], outs.mask[...] = 77, 12345  # garbage the read must overwrite
+            balanced_step(c, columns, rank, SPEC.length, SPEC.cp, outs)
+            chunks = [(rank * c2, (rank + 1) * c2), ((2 * SPEC.cp - 1 - rank) * c2,
+                                                     (2 * SPEC.cp - rank) * c2)]  # fmt: skip
+            routed = np.concatenate([want_r[a:b] for a, b in chunks])
+            mask = np.concatenate([want_m[a + 1 : b + 1] for a, b in chunks])  # labels
+            np.testing.assert_array_equal(outs.routed, routed)
+            np.testing.assert_array_equal(outs.mask, mask)
 
 
 def test_the_raw_reads_are_one_extent_a_sample_file(
@@ -109,10 +136,10 @@ def test_a_small_run_reports_every_figure_and_its_ratios(daemon: Daemon) -> None
     bench_trainer_step(add, daemon.socket, daemon.root, 2, True, SPEC)
     rows = {r["name"]: r for r in report(list(results.values()))}
     for cp in (1, 4):
-        times = [rows[f.format(cp=cp)] for f in (RAW, DIRECT, PAYLOADD)]
+        times = [rows[f.format(cp=cp)] for f in (RAW, DIRECT, PAYLOADD, PAYLOADD_ARRAYS)]
         assert all(r["unit"] == "ms" and len(r["samples"]) == 2 for r in times)
         assert all(s > 0 for r in times for s in r["samples"])
-        raw, direct, mine = (r["samples"] for r in times)
+        raw, direct, mine, _ = (r["samples"] for r in times)
         vs_direct, vs_raw = rows[VS_DIRECT.format(cp=cp)], rows[VS_RAW.format(cp=cp)]
         assert vs_direct["unit"] == vs_raw["unit"] == "x"
         # per repetition: the baseline's time over payloadd's (payloadd's speed over it)
@@ -121,6 +148,12 @@ def test_a_small_run_reports_every_figure_and_its_ratios(daemon: Daemon) -> None
         )
         assert vs_raw["samples"] == pytest.approx([r / m for r, m in zip(raw, mine, strict=True)])
         assert "higher is better" in vs_direct["name"] and "higher is better" in vs_raw["name"]
+    balanced, vs_contiguous = rows[BALANCED.format(cp=4)], rows[VS_CONTIGUOUS.format(cp=4)]
+    contiguous = rows[PAYLOADD.format(cp=4)]["samples"]
+    assert vs_contiguous["samples"] == pytest.approx(
+        [m / b for m, b in zip(contiguous, balanced["samples"], strict=True)]
+    )
+    assert BALANCED.format(cp=1) not in rows  # one rank: no layout to balance
     assert {r["size"] for r in rows.values()} == {"192"}
     summary = trainer_summary(list(rows.values()))
     assert [s["cp"] for s in summary] == [1, 4]

@@ -223,8 +223,8 @@ def read_cached(
             cache.end()
         return True
     finally:
-        if layout.stage is not None:
-            scratch.give(layout.stage)
+        for stage in layout.stages:
+            scratch.give(stage)
 
 
 def _read_extents(layout: ReadLayout, fds: dict[str, int]) -> None:
@@ -253,6 +253,7 @@ def read_steps(
     enough) before it is used. ``leases`` gets the fields table at the first read that asks
     the daemon anyway (and with it the removal generation, for appends).
     """
+    yield Fresh()  # the checks `read_now` found due (removed files, a restart), done here
     layout = ReadLayout(plans, outs, kernel=True, alloc=scratch.take)
     ends = layout.ends
     if not ends:
@@ -315,5 +316,5 @@ def read_steps(
         cache.end()
         for fd in once:
             os.close(fd)
-        if layout.stage is not None:
-            scratch.give(layout.stage)
+        for stage in layout.stages:
+            scratch.give(stage)
