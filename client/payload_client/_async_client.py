@@ -15,7 +15,7 @@ from typing import Any, Literal, TypeVar, overload
 import numpy as np
 
 from ._base import BaseClient, Items, Planned, Segments
-from ._cp import cp_read
+from ._cp import Spans, cp_read
 from ._ready import ready_steps
 from ._segment import PayloadSegment
 from ._transports import (
@@ -64,7 +64,7 @@ class AsyncPayloadClient(BaseClient[AsyncHTTPTransport, AsyncDataPlane, AsyncPee
         return done if done is not None else await self._send(self._append_call_of(headers, bodies))
 
     async def _read(
-        self, windows: Sequence[WindowLike], cover: bool | None = None
+        self, windows: Sequence[WindowLike | Spans], cover: bool | None = None
     ) -> list[ReadResult]:
         if self._table is None:  # the checks that need no table come first
             self._read_plans(windows, cover)

@@ -19,7 +19,7 @@ import httpx
 import msgspec
 import numpy as np
 
-from ._cp import host_array
+from ._cp import Spans, host_array, plan_spans
 from ._dataplane_wire import DATA_SOCKET_SUFFIX
 from ._errors import InvalidRequestError, PayloadError, ProtocolError
 from ._fields import check_read_field, is_ragged
@@ -340,7 +340,7 @@ class BaseClient(Generic[HTTPT, DataPlaneT, PeerT]):
             ) from None
 
     @staticmethod
-    def _covered(w: Window, coverage: bool) -> Window:
+    def _covered(w: Window | Spans, coverage: bool) -> Window | Spans:
         """``w`` read with the coverage of its call (`PayloadClient.read_many`)."""
         asked: object = w.coverage  # typed bool, but any value a caller passed
         if not isinstance(asked, bool | np.bool_):
@@ -376,7 +376,7 @@ class BaseClient(Generic[HTTPT, DataPlaneT, PeerT]):
 
     @staticmethod
     def _read_plans(
-        windows: Sequence[WindowLike],
+        windows: Sequence[WindowLike | Spans],
         cover: bool | None = None,
         table: FieldsTable | None = None,
     ) -> Planned:
@@ -392,7 +392,7 @@ class BaseClient(Generic[HTTPT, DataPlaneT, PeerT]):
         results: list[ReadResult] = []  # the outs, filled in place by the I/O below
         total, files = 0, False
         for i, w in enumerate(windows):
-            if type(w) is not Window:
+            if not isinstance(w, Window | Spans):
                 w = BaseClient._window(i, w)
             try:
                 if cover is not None:
@@ -403,7 +403,10 @@ class BaseClient(Generic[HTTPT, DataPlaneT, PeerT]):
                 dtype = getattr(w.out, "dtype", None) if w.dtype is None else w.dtype
                 spec = None if table is None else table.fields.get(w.field)
                 ragged = None if table is None else is_ragged(spec)
-                plan = plan_window(w.segments, w.field, w.lo, w.hi, w.fill, dtype, ragged)
+                if type(w) is Spans:  # a CP rank's chunks, into one output
+                    plan = plan_spans(w.segments, w.field, w.spans, w.fill, dtype, ragged)
+                else:
+                    plan = plan_window(w.segments, w.field, w.lo, w.hi, w.fill, dtype, ragged)
                 if table is not None and spec is None:  # after the checks of the list
                     check_read_field(table, w.field, plan is not None)
                 if plan is None and w.required:

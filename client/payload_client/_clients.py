@@ -18,7 +18,7 @@ from typing import Any, Literal, TypeVar, overload
 import numpy as np
 
 from ._base import BaseClient, Items, Planned, Segments
-from ._cp import cp_read
+from ._cp import Spans, cp_read
 from ._ready import ready_steps
 from ._segment import PayloadSegment
 from ._transports import (
@@ -95,7 +95,7 @@ class PayloadClient(BaseClient[HTTPTransport, SyncDataPlane, SyncPeerTransport])
         done = dp.append_now(headers, bodies) if (dp := self._data_plane_first()) else None
         return done if done is not None else self._send(self._append_call_of(headers, bodies))
 
-    def _read(self, windows: Sequence[WindowLike], cover: bool | None = None) -> list[ReadResult]:
+    def _read(self, windows: Sequence[WindowLike | Spans], cover: bool | None = None) -> list[ReadResult]:  # fmt: skip
         if self._table is None:  # the checks that need no table come first
             self._read_plans(windows, cover)
         return self._read_planned(self._read_plans(windows, cover, self._fields_table()))
@@ -377,7 +377,7 @@ class PayloadClient(BaseClient[HTTPTransport, SyncDataPlane, SyncPeerTransport])
         InvalidRequestError
             What `cp_chunks` refuses (``length`` not a multiple of ``cp_size``, or of ``2 *
             cp_size``; ``rank`` outside ``[0, cp_size)``, ...); an ``out`` of another number of
-            rows; `read_field`'s errors (naming the chunk ``window i`` when the rank has two).
+            rows; `read_field`'s errors (``out``: for the widest row of the rank's chunks).
         InvalidSegmentError, FileMissingError, FileGoneError, SegmentFileError, TransportError
             As `read_field`.
         """

@@ -16,10 +16,14 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ._errors import InvalidRequestError
-from ._segment import PayloadSegment
-from ._windows import ReadResult, Window, plan_window
+from ._plan import Piece, PieceTable
+from ._read_checks import checked_field, row_shape_of
+from ._segment import PayloadSegment, check_window
+from ._windows import ReadResult, Window, WindowPlan, plan_window
 
-__all__ = ["CPRead", "cp_chunks", "cp_read", "host_array"]
+__all__ = ["CPRead", "Spans", "cp_chunks", "cp_read", "host_array", "join_plans", "plan_spans"]
+
+_COLUMNS = ("file", "offset", "nbytes", "end", "dst", "rows", "kind")
 
 
 def _integer(value: Any, what: str, minimum: int, hint: str) -> int:
@@ -109,21 +113,138 @@ def cp_chunks(
     return [(rank * c, (rank + 1) * c), (mirror * c, (mirror + 1) * c)]
 
 
+class Spans(NamedTuple):
+    """Several ranges of token positions of one field read into one output, their rows one
+    after another (a CP rank's chunks): a window of ``read_many`` planned by `plan_spans`.
+
+    Attributes
+    ----------
+    segments, field, fill, out, dtype, coverage, required
+        As `Window`'s; ``out`` has the rows of every span.
+    spans : tuple of (int, int)
+        The ranges ``[a, b)``, in the output's order.
+    """
+
+    segments: Sequence[PayloadSegment]
+    field: str
+    spans: tuple[tuple[int, int], ...]
+    fill: int | float
+    out: Any = None
+    dtype: Any = None
+    coverage: bool = False
+    required: bool = False
+
+    @property
+    def lo(self) -> int:
+        """0: the output's first row (its rows are counted from there, over every span)."""
+        return 0
+
+    @property
+    def hi(self) -> int:
+        """The output's rows, of every span."""
+        return sum(b - a for a, b in self.spans)
+
+
+def plan_spans(
+    segments: Sequence[PayloadSegment],
+    field: str,
+    spans: Sequence[tuple[int, int]],
+    fill: int | float,
+    dtype: Any = None,
+    ragged: bool | None = None,
+) -> WindowPlan | None:
+    """Plan the read of ``field`` over several ranges into one output (`join_plans` of each
+    range's `plan_window`; ``None`` when no segment has the field).
+
+    Raises
+    ------
+    InvalidRequestError, InvalidSegmentError
+        As `plan_window`, for the first range that has them.
+    """
+    short = isinstance(segments, list | tuple) and len(segments) <= 8
+    if len(spans) > 1 and not short:
+        for a, b in spans:
+            check_window(a, b)
+        got = checked_field(segments, field, fill, dtype, ragged)
+        if got is None:
+            return None
+        lc, fc, out_dtype, fill = got
+        if fc.disjoint:  # one plan of every window's pieces (the usual list)
+            table, ends, hit_kinds, missed = fc.table_spans(spans)
+            kinds = [*hit_kinds, *fc.kind_codes] if missed else hit_kinds  # (as one window)
+            row_shape, narrow = row_shape_of(lc, fc, kinds)
+            rows = sum(b - a for a, b in spans)
+            return WindowPlan(0, rows, row_shape, out_dtype, fill, table, ends, narrow)
+    plans = [plan_window(segments, field, a, b, fill, dtype, ragged) for a, b in spans]
+    if plans[0] is None:
+        return None
+    return join_plans([p for p in plans if p is not None])
+
+
+def join_plans(plans: Sequence[WindowPlan]) -> WindowPlan:
+    """One plan of several windows' plans (of one field, fill and dtype) whose outputs are
+    one array, their rows one after another: positions ``[0, rows of all)`` of the output,
+    row shape the element-wise maximum of theirs, pieces moved to their rows (sorted by
+    file and offset), the files' ends the largest of each."""
+    at, moved = 0, []
+    for p in plans:
+        moved.append(at)
+        at += p.hi - p.lo
+    shapes = {p.row_shape for p in plans}
+    row_shape = plans[0].row_shape
+    if len(shapes) > 1:
+        row_shape = tuple(map(max, zip(*shapes, strict=True)))
+    narrow = len(shapes) > 1 or any(p.narrow for p in plans)
+    ends: dict[str, int] = {}
+    for p in plans:
+        for f, e in p.ends.items():
+            if ends.get(f, -1) < e:
+                ends[f] = e
+    first = plans[0]
+    parts: PieceTable | tuple[Piece, ...] | None = _joined_table(plans, moved)
+    if parts is None:  # pieces as tuples (a short list's plans): moved one by one
+        parts = tuple(sorted(c._replace(dst=c.dst + m)
+                             for p, m in zip(plans, moved, strict=True) for c in p.pieces))  # fmt: skip
+    return WindowPlan(0, at, row_shape, first.dtype, first.fill, parts, ends, narrow)
+
+
+def _joined_table(plans: Sequence[WindowPlan], moved: list[int]) -> PieceTable | None:
+    """The plans' piece tables as one (``None`` unless each is a table of the same files
+    and kinds), sorted by file and offset."""
+    tables = [p.parts for p in plans if isinstance(p.parts, PieceTable)]
+    if len(tables) < len(plans):
+        return None
+    head = tables[0]
+    if not all(t.files == head.files and t.kinds == head.kinds for t in tables):
+        return None
+    cols = [np.concatenate([getattr(t, c) for t in tables]) for c in _COLUMNS]
+    cols[4] = np.concatenate([t.dst + m for t, m in zip(tables, moved, strict=True)])
+    if cols[0].size > 1 and not _sorted(cols[0], cols[1]):
+        order = np.lexsort((cols[1], cols[0]))
+        cols = [a[order] for a in cols]
+    return PieceTable(head.files, head.kinds, *cols)
+
+
+def _sorted(file: np.ndarray, offset: np.ndarray) -> bool:
+    """Whether pieces are in (file, offset) order."""
+    df = np.diff(file)
+    return bool(((df > 0) | ((df == 0) & (np.diff(offset) >= 0))).all())
+
+
 class CPRead(NamedTuple):
     """A CP rank's read of one field, planned (`cp_read`): the windows to read, in one call.
 
     Attributes
     ----------
-    windows : list of Window
-        One per chunk, in the rank's order; with more than one, their ``out`` are consecutive
-        row slices of one array.
+    windows : list of Window or Spans
+        One `Window` (one chunk), or one `Spans` of the rank's chunks, in its order.
     out : numpy.ndarray, torch.Tensor or None
         What the read returns once the field is present: the caller's ``out`` as given, or
         the array the client allocated; ``None`` for one chunk without ``out`` (the read
         returns the window's own result, as ``read_field``).
     """
 
-    windows: list[Window]
+    windows: list[Window | Spans]
     out: Any
 
     def result(self, results: Sequence[ReadResult]) -> Any:
@@ -151,12 +272,13 @@ def cp_read(
 
     Each chunk ``[a, b)`` of `cp_chunks` is read at ``[a, b)``, or at ``[a + 1, b + 1)``
     with ``labels`` (the label shift of sampling masks, across each chunk boundary). One
-    chunk is one window, exactly as ``read_field`` reads it. Several go into consecutive row
-    slices of one array: the caller's ``out`` (a torch tensor through `host_array`), else one
-    the client allocates, ``[L // cp_size, *row_shape]`` of the read's dtype, with
-    ``row_shape`` the element-wise maximum of the chunks' row shapes, each that of one window
-    (the shapes of the field's segments that intersect the chunk, of all of them when none
-    does): every chunk's rows then fit.
+    chunk is one window, exactly as ``read_field`` reads it. Several are one `Spans` window,
+    planned as one (`plan_spans`: every chunk's pieces in one plan) into consecutive rows of
+    one array: the caller's ``out`` (a torch tensor through `host_array`), else one the
+    client allocates, ``[L // cp_size, *row_shape]`` of the read's dtype, with ``row_shape``
+    the element-wise maximum of the chunks' row shapes, each that of one window (the shapes
+    of the field's segments that intersect the chunk, of all of them when none does): every
+    chunk's rows then fit.
 
     Parameters
     ----------
@@ -178,8 +300,8 @@ def cp_read(
     ------
     InvalidRequestError
         As `cp_chunks`; ``labels`` not a bool; an ``out`` of another number of rows, or one
-        `host_array` refuses; a window's errors (``fill``, ``dtype``, ``out``), naming the
-        chunk as ``window i`` when the rank has two. An output too large to allocate.
+        `host_array` refuses; a window's errors (``fill``, ``dtype``, ``out`` narrower than
+        the widest row of the rank's chunks). An output too large to allocate.
     InvalidSegmentError
         Any invalid segment in the list.
     """
@@ -201,26 +323,9 @@ def cp_read(
                 f"out has shape {arr.shape}, rank {rank}'s positions need {rows} rows "
                 f"(length // cp_size = {length} // {cp_size})"
             )
-    else:
-        plans = [plan_window(segments, field, lo, hi, fill, dtype) for lo, hi in spans]
-        first = plans[0]
-        if first is None:  # no segment of the field: each window reads as None
-            absent = [Window(segments, field, lo, hi, fill, None, dtype) for lo, hi in spans]
-            return CPRead(absent, None)
-        shapes = [p.row_shape for p in plans if p is not None]  # all: the field is there
-        row_shape = tuple(max(dims) for dims in zip(*shapes, strict=True))
-        try:
-            arr = out = np.empty((rows, *row_shape), dtype=first.dtype)
-        except (MemoryError, ValueError) as exc:
-            raise InvalidRequestError(
-                f"the output {[rows, *row_shape]} {first.dtype} cannot be allocated: {exc}"
-            ) from None
-    windows: list[Window] = []
-    at = 0
-    for lo, hi in spans:
-        windows.append(Window(segments, field, lo, hi, fill, arr[at : at + hi - lo], dtype))
-        at += hi - lo
-    return CPRead(windows, out)
+    # one window of every chunk: one plan, one output (the caller's, else one the read
+    # allocates, as read_field's)
+    return CPRead([Spans(segments, field, tuple(spans), fill, out, dtype)], out)
 
 
 def _is_torch(obj: Any) -> bool:

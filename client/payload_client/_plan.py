@@ -8,7 +8,7 @@ any order. They are sorted by ``(file, offset)``, and pieces that follow each ot
 in the output and are of one row kind are merged: back-to-back appends of one lease become one
 piece, one ``preadv``.
 
-Two planners give the same pieces: `pieces_of_hits` in plain Python for the few segments of a
+Two planners give the same pieces: `payload_client._few.pieces_of_hits` in plain Python for the few segments of a
 small read (its cost is a handful of Python operations), `table_of_columns` over numpy
 columns (`payload_client._segment.SegmentColumns`) for many, where no Python loop runs per
 segment unless segments overlap.
@@ -16,6 +16,7 @@ segment unless segments overlap.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -27,7 +28,6 @@ from ._segment import (
     FirstSeen,
     PayloadSegment,
     SegmentColumns,
-    _row_nbytes,
     segment_columns,
 )
 
@@ -39,7 +39,6 @@ __all__ = [
     "Piece",
     "PieceTable",
     "list_columns",
-    "pieces_of_hits",
     "table_of_columns",
     "table_of_pieces",
 ]
@@ -143,103 +142,6 @@ def table_of_pieces(pieces: Sequence[Piece]) -> PieceTable:
     return PieceTable(
         tuple(files), tuple(kinds), fcode, col(1), col(2), col(3), col(4), col(5), kcode
     )
-
-
-def _free(a: int, b: int, taken: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """The parts of ``[a, b)`` outside ``taken`` (sorted, disjoint intervals)."""
-    out, cur = [], a
-    for x, y in taken:
-        if y <= cur:
-            continue
-        if x >= b:
-            break
-        if x > cur:
-            out.append((cur, x))
-        cur = max(cur, y)
-        if cur >= b:
-            return out
-    if cur < b:
-        out.append((cur, b))
-    return out
-
-
-def pieces_of_hits(
-    hits: Sequence[tuple[PayloadSegment, int, int]], lo: int
-) -> tuple[tuple[Piece, ...], dict[str, int]]:
-    """Pieces of a few segments that intersect a window, and the end each file must reach.
-
-    Parameters
-    ----------
-    hits : sequence of (segment, start, stop)
-        Valid segments in list order with the positions ``[start, stop)`` of the window they
-        have (non-empty).
-    lo : int
-        The window's first position.
-
-    Returns
-    -------
-    pieces : tuple of Piece
-        Disjoint in output rows (later hits win), sorted by ``(file, offset)``, merged.
-    ends : dict
-        Each file any hit names, with the largest segment end in it (bytes).
-    """
-    ends: dict[str, int] = {}
-    spans: list[tuple[PayloadSegment, int, int, int]] = []  # (segment, row bytes, x, y)
-    if len(hits) == 1:
-        s, a, b = hits[0]
-        rb = _row_nbytes(s)
-        ends[s.file] = s.offset + s.rows * rb
-        spans.append((s, rb, a, b))
-    else:
-        taken: list[tuple[int, int]] = []
-        for s, a, b in reversed(hits):  # the last hit has its rows; earlier ones what is left
-            rb = _row_nbytes(s)
-            end = s.offset + s.rows * rb
-            if ends.get(s.file, -1) < end:
-                ends[s.file] = end
-            for x, y in _free(a, b, taken):
-                spans.append((s, rb, x, y))
-            taken = _merged([*taken, (a, b)])
-    pieces = sorted(
-        Piece(
-            s.file,
-            s.offset + (x - s.pos) * rb,
-            (y - x) * rb,
-            s.offset + s.rows * rb,
-            x - lo,
-            y - x,
-            s.dtype,
-            tuple(s.shape),
-        )
-        for s, rb, x, y in spans
-    )
-    merged: list[Piece] = []
-    for p in pieces:
-        if merged:
-            q = merged[-1]
-            if (
-                q.file == p.file
-                and q.offset + q.nbytes == p.offset
-                and q.dst + q.rows == p.dst
-                and q.dtype == p.dtype
-                and q.shape == p.shape
-            ):
-                merged[-1] = q._replace(
-                    nbytes=q.nbytes + p.nbytes, rows=q.rows + p.rows, end=max(q.end, p.end)
-                )
-                continue
-        merged.append(p)
-    return tuple(merged), ends
-
-
-def _merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    out: list[tuple[int, int]] = []
-    for a, b in sorted(spans):
-        if out and a <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], b))
-        else:
-            out.append((a, b))
-    return out
 
 
 class ListColumns:
@@ -357,13 +259,15 @@ class FieldColumns:
         ``intp``: their indices in the list, in list order.
     kinds : list of Kind
         Their distinct row kinds (placeholders included).
+    kind_codes : list of int
+        The indices of ``kinds`` into the list's kinds.
     disjoint : bool
         Whether no two of them share a token position: then no window needs "later wins",
         and `table` plans one from columns sorted by file and offset once, for all windows.
     """
 
-    __slots__ = ("_base", "_fcode", "_fend", "_kind", "_link", "_one", "_pos", "_rb", "_stop",
-                 "checks", "disjoint", "kinds", "lc", "mine")  # fmt: skip
+    __slots__ = ("_base", "_by_pos", "_fcode", "_fend", "_kind", "_link", "_one", "_pos", "_rb", "_stop",
+                 "checks", "disjoint", "kind_codes", "kinds", "lc", "mine")  # fmt: skip
 
     def __init__(
         self, lc: ListColumns, mine: np.ndarray, ordered: np.ndarray | None = None
@@ -377,6 +281,7 @@ class FieldColumns:
         one = kind.size and (kind == kind[0]).all()
         uniq = [int(kind[0])] if one else distinct(kind)
         self.kinds = [lc.kinds[k] for k in uniq]
+        self.kind_codes = uniq
         self._one = uniq[0] if len(uniq) == 1 else None
         if not sub[2].all():
             sub = sub[:, sub[2] > 0]  # placeholders have no rows: no window reads them
@@ -389,11 +294,15 @@ class FieldColumns:
             self.mine = np.sort(mine)  # list order: later segments win
             return
         ordered = sub if ordered is not None else sub[:, np.lexsort((sub[0], sub[4]))]
+        by_pos = ordered[1]
+        self._by_pos = by_pos.size < 2 or bool((by_pos[1:] >= by_pos[:-1]).all())
         self._base, self._pos, rows, self._rb, self._fcode, self._kind = ordered
         self._stop = self._pos + rows
         self._fend = self._base + rows * self._rb
         # each segment and the next (in file order) back to back in the file and in positions
-        self._link = (
+        # (the last one: with none after it, False)
+        self._link = np.zeros(self._pos.size, bool)
+        self._link[:-1] = (
             (self._fcode[1:] == self._fcode[:-1])
             & (self._fend[:-1] == self._base[1:])
             & (self._stop[:-1] == self._pos[1:])
@@ -403,19 +312,34 @@ class FieldColumns:
     def table(self, lo: int, hi: int) -> tuple[PieceTable, dict[str, int], list[int]]:
         """The pieces of ``[lo, hi)`` of a `disjoint` field, the end each file must reach,
         and the kinds (indices into the list's kinds) of the segments that intersect it."""
-        hit = (self._pos < hi) & (self._stop > lo)  # (an empty window has no hit)
-        idx = np.flatnonzero(hit) if lo < hi else np.zeros(0, np.intp)
-        first = last = idx
-        if idx.size > 1:
-            brk = (idx[1:] != idx[:-1] + 1) | ~self._link[idx[:-1]]
-            cut = np.flatnonzero(brk)
-            first = idx[np.concatenate(([0], cut + 1))] if cut.size else idx[:1]
-            last = idx[np.concatenate((cut, [idx.size - 1]))] if cut.size else idx[-1:]
-        start = np.maximum(self._pos[first], lo)
-        rows = np.minimum(self._stop[last], hi) - start
+        table, ends, kinds, _ = self.table_spans(((lo, hi),))
+        return table, ends, kinds
+
+    def table_spans(
+        self, spans: Sequence[tuple[int, int]]
+    ) -> tuple[PieceTable, dict[str, int], list[int], bool]:
+        """`table` of several windows read into one output, their rows one after another
+        (a CP rank's chunks): the pieces (output rows counted over every window, sorted by
+        file and offset), the files' ends, the kinds that intersect any window, and whether
+        some window meets no segment."""
+        pos, stop = self._pos, self._stop
+        if self._by_pos:  # in position order too: each window's segments are a range
+            first, last, lo_of, hi_of, zero_of, missed = self._runs_in_order(spans)
+        else:
+            first, last, lo_of, hi_of, zero_of, missed = self._runs_hit(spans)
+        several = len(spans) > 1
+        start = np.maximum(pos[first], lo_of)
+        rows = np.minimum(stop[last], hi_of) - start
         rb = self._rb[first]
-        off = self._base[first] + (start - self._pos[first]) * rb
-        fcode, fend = self._fcode[first], self._fend[last]
+        off = self._base[first] + (start - pos[first]) * rb
+        fcode, fend, kinds = self._fcode[first], self._fend[last], self._kind[first]
+        dst = start - zero_of
+        ascending = self._by_pos and all(b <= c for (_, b), (c, _) in itertools.pairwise(spans))
+        if several and fcode.size > 1 and not ascending and not _in_file_order(fcode, off):
+            order = np.lexsort((off, fcode))  # windows one after another: by file again
+            fcode, off, rows, rb, fend, dst, kinds = (
+                a[order] for a in (fcode, off, rows, rb, fend, dst, kinds)
+            )
         files = self.lc.files
         if not fend.size:
             ends = {}
@@ -425,13 +349,85 @@ class FieldColumns:
             at = np.flatnonzero(np.concatenate(([True], fcode[1:] != fcode[:-1])))
             reach = np.maximum.reduceat(fend, at).tolist()
             ends = dict(zip(map(files.__getitem__, fcode[at].tolist()), reach, strict=True))
-        kinds = self._kind[first]
         table = PieceTable(
-            files, tuple(self.lc.kinds), fcode, off, rows * rb, fend, start - lo, rows, kinds
+            files, tuple(self.lc.kinds), fcode, off, rows * rb, fend, dst, rows, kinds
         )
-        if not idx.size:
-            return table, ends, []
-        return table, ends, [self._one] if self._one is not None else distinct(kinds)
+        if not first.size:
+            return table, ends, [], missed
+        hit = [self._one] if self._one is not None else distinct(kinds)
+        return table, ends, hit, missed
+
+    def _runs_in_order(self, spans: Sequence[tuple[int, int]]) -> tuple[Any, ...]:
+        """`_runs_hit` when the segments are in position order (a window's segments are
+        then a range of them, found by bisection)."""
+        pos, stop, link = self._pos, self._stop, self._link
+        got: list[tuple[np.ndarray, np.ndarray, int, int, int]] = []
+        at, missed = 0, False
+        for a, b in spans:
+            i0 = int(np.searchsorted(stop, a, "right")) if a < b else 0
+            i1 = int(np.searchsorted(pos, b, "left")) if a < b else 0
+            if i0 < i1:
+                cut = np.flatnonzero(~link[i0 : i1 - 1]) + i0  # (link[i]: i runs into i + 1)
+                got.append((np.concatenate(([i0], cut + 1)), np.concatenate((cut, [i1 - 1])),
+                            a, b, a - at))  # fmt: skip
+            else:
+                missed = True
+            at += b - a
+        if len(got) == 1 or not got:
+            first, last, lo, hi, zero = got[0] if got else (_NONE, _NONE, 0, 0, 0)
+            return first, last, lo, hi, zero, missed
+        counts = [g[0].size for g in got]
+        bounds = np.array([g[2:] for g in got], np.int64).T.repeat(counts, axis=1)
+        first, last = np.concatenate([g[0] for g in got]), np.concatenate([g[1] for g in got])
+        return first, last, *bounds, missed
+
+    def _runs_hit(self, spans: Sequence[tuple[int, int]]) -> tuple[Any, ...]:
+        """The first and last segment of each run of linked segments a window meets (not
+        across windows), each run's window (its first position, end and the position of
+        the output's first row: scalars for one window), and whether a window meets none."""
+        pos, stop = self._pos, self._stop
+        if len(spans) == 1:
+            lo, hi = spans[0]  # (an empty window has no hit)
+            idx = np.flatnonzero((pos < hi) & (stop > lo)) if lo < hi else _NONE
+            bounds: Any = (lo, hi, lo)
+            sid = None
+            missed = not idx.size
+        else:
+            hits = [np.flatnonzero((pos < b) & (stop > a)) if a < b else _NONE
+                    for a, b in spans]  # fmt: skip
+            counts = [h.size for h in hits]
+            idx, sid = np.concatenate(hits), np.repeat(np.arange(len(spans)), counts)
+            at, zeros = 0, []
+            for a, b in spans:  # the position of each window's first output row
+                zeros.append(a - at)
+                at += b - a
+            bounds = np.array([[a for a, _ in spans], [b for _, b in spans], zeros], np.int64)
+            missed = 0 in counts
+        fi: Any = slice(None)  # where each run's first and last segments are in idx
+        li: Any = fi
+        first = last = idx
+        if idx.size > 1:
+            brk = (idx[1:] != idx[:-1] + 1) | ~self._link[idx[:-1]]
+            if sid is not None:
+                brk |= sid[1:] != sid[:-1]
+            cut = np.flatnonzero(brk)
+            if cut.size or sid is not None:
+                fi, li = np.concatenate(([0], cut + 1)), np.concatenate((cut, [idx.size - 1]))
+            else:  # one run
+                fi, li = slice(0, 1), slice(idx.size - 1, idx.size)
+            first, last = idx[fi], idx[li]
+        if sid is None:
+            return first, last, *bounds, missed
+        return first, last, *bounds[:, sid[fi]], missed
+
+
+_NONE = np.zeros(0, np.intp)
+
+
+def _in_file_order(fcode: np.ndarray, offset: np.ndarray) -> bool:
+    """Whether pieces are sorted by file and offset."""
+    df = np.diff(fcode)
+    return bool(((df > 0) | ((df == 0) & (offset[1:] >= offset[:-1]))).all())
 
 
 _CACHED: list[tuple[tuple[PayloadSegment, ...], ListColumns]] = []

@@ -17,15 +17,15 @@ import numpy as np
 
 from ._dtypes import check_kinds
 from ._errors import InvalidRequestError
+from ._few import pieces_of_hits
 from ._fields import check_patterns
 from ._plan import (
     Piece,
     PieceTable,
-    list_columns,
-    pieces_of_hits,
     table_of_columns,
     table_of_pieces,
 )
+from ._read_checks import checked_field, row_shape_of
 from ._segment import (
     SUPPORTED_DTYPES,
     PayloadSegment,
@@ -382,31 +382,16 @@ def plan_window(
     lo, hi = check_window(lo, hi)
     if isinstance(segments, list | tuple) and len(segments) <= _SMALL:  # not a SegmentList
         return _plan_few(validate_segments(segments), field, lo, hi, fill, dtype, ragged)
-    lc = list_columns(segments)
-    fc = lc.field(field)
-    if not fc.mine.size:
+    got = checked_field(segments, field, fill, dtype, ragged)
+    if got is None:
         return None
-    try:  # the checks of the field's kinds, once a list for each fill and dtype
-        key: Any = (ragged, type(fill), fill, type(dtype), dtype)
-        checked = fc.checks.get(key)
-    except TypeError:  # unhashable: checked every time
-        key, checked = None, None
-    if checked is None:
-        if ragged is not None and len(fc.kinds) > 1:
-            check_patterns(segments, field, [k[1] for k in fc.kinds], ragged)
-        checked = check_kinds(field, fc.kinds, fill, dtype)
-        if key is not None:
-            fc.checks[key] = checked
-    out_dtype, fill = checked
+    lc, fc, out_dtype, fill = got
     if fc.disjoint:
         table, ends, hit_kinds = fc.table(lo, hi)
     else:
         table, ends, hits = table_of_columns(lc, fc.mine, lo, hi)
         hit_kinds = hits.tolist()
-    kinds = lc.kinds
-    shapes = [kinds[k][1] for k in hit_kinds] or [k[1] for k in fc.kinds]
-    row_shape = shapes[0] if len(shapes) == 1 else tuple(map(max, zip(*shapes, strict=True)))
-    narrow = len(hit_kinds) > 1 and len(set(shapes)) > 1
+    row_shape, narrow = row_shape_of(lc, fc, hit_kinds)
     return WindowPlan(lo, hi, row_shape, out_dtype, fill, table, ends, narrow)
 
 

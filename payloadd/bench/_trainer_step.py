@@ -37,9 +37,11 @@ its routing read worked out of the list, as a rank's does):
   between calls, as a rank's are), as docs/guide.md has a rank read its windows;
 - **payloadd, arrays of segments** (its own row, no ratio): the same from the array-of-arrays
   form the direct reader decodes (`decode_columns` takes it into columns);
-- **payloadd, load-balanced** (CP 4 only): the columnar list, then ``read_cp`` of each field at
-  the rank's chunks ``r`` and ``2 cp - 1 - r`` of ``2 cp`` (Megatron's layout), into the same
-  outputs; its ratio row is the contiguous step's time over its own.
+- **payloadd, load-balanced** and **contiguous, read_cp** (CP 4 only): the columnar list, then
+  ``read_cp`` of each field at the rank's chunks ``r`` and ``2 cp - 1 - r`` of ``2 cp``
+  (Megatron's layout), or at its contiguous window, into the same outputs; the ratio row is
+  the contiguous one's time over the load-balanced one's (the same calls, only the layout
+  differs).
 
 Each sample is the mean time of a call over ``k`` calls (32 at CP 1, 64 at CP 4, a quarter
 with ``--quick``) after two warm-up calls (then the lists the client keeps are of this
@@ -77,6 +79,7 @@ __all__ = [
     "PAYLOADD",
     "PAYLOADD_ARRAYS",
     "BALANCED",
+    "CONTIGUOUS",
     "VS_CONTIGUOUS",
     "RAW",
     "TRAINER",
@@ -101,7 +104,8 @@ RAW = "trainer step raw preadv, CP {cp}"
 DIRECT = "trainer step direct reader, CP {cp}"
 PAYLOADD = "trainer step: new list, routing + mask, CP {cp} (data plane)"
 PAYLOADD_ARRAYS = "trainer step: new list as arrays of segments, CP {cp} (data plane)"
-BALANCED = "trainer step: new list, load-balanced CP {cp} (data plane)"
+BALANCED = "trainer step: new list, load-balanced CP {cp}, read_cp (data plane)"
+CONTIGUOUS = "trainer step: new list, contiguous CP {cp}, read_cp (data plane)"
 VS_CONTIGUOUS = "trainer step CP {cp}: load-balanced speed / contiguous (higher is better)"
 VS_DIRECT = "trainer step CP {cp}: payloadd speed / direct (higher is better)"
 VS_RAW = "trainer step CP {cp}: payloadd speed / raw (higher is better)"
@@ -212,15 +216,16 @@ def payloadd_step(client: PayloadClient, wire: bytes, lo: int, hi: int,
 
 
 def balanced_step(client: PayloadClient, wire: bytes, rank: int, length: int, cp: int,
-                  outs: StepOutputs) -> None:  # fmt: skip
+                  outs: StepOutputs, balanced: bool = True) -> None:  # fmt: skip
     """Decode the list into columns; ``read_cp`` of routing and of the mask (at label
     positions) at rank ``rank``'s chunks ``rank`` and ``2 cp - 1 - rank`` of ``2 cp``
-    (load-balanced context parallelism), into the outputs."""
+    (load-balanced context parallelism; ``balanced=False``: its contiguous window), into
+    the outputs."""
     segments = decode_columns(wire)
-    client.read_cp(segments, ROUTED, length, cp, rank, ROUTED_FILL, load_balanced=True,
+    client.read_cp(segments, ROUTED, length, cp, rank, ROUTED_FILL, load_balanced=balanced,
                    out=outs.routed)  # fmt: skip
     client.read_cp(segments, MASK, length, cp, rank, MASK_FILL, labels=True,
-                   load_balanced=True, out=outs.mask)  # fmt: skip
+                   load_balanced=balanced, out=outs.mask)  # fmt: skip
 
 
 def stored_mask_rows(segments: Sequence[PayloadSegment], lo: int, hi: int,
@@ -283,7 +288,8 @@ def bench_trainer_step(
                     add(VS_RAW.format(cp=cp), size, "x", took[RAW.format(cp=cp)] / mine, None)
                     if BALANCED.format(cp=cp) in took:
                         add(VS_CONTIGUOUS.format(cp=cp), size, "x",
-                            mine / took[BALANCED.format(cp=cp)], None)  # fmt: skip
+                            took[CONTIGUOUS.format(cp=cp)] / took[BALANCED.format(cp=cp)],
+                            None)  # fmt: skip
         finally:
             reader.close()
 
@@ -323,13 +329,17 @@ def _ops(
 
     ops = [(RAW.format(cp=cp), raw), (DIRECT.format(cp=cp), direct),
            (PAYLOADD.format(cp=cp), mine), (PAYLOADD_ARRAYS.format(cp=cp), mine_arrays)]  # fmt: skip
-    if cp > 1:
-        turns = itertools.cycle([(wires[i % n][1], i % cp) for i in range(math.lcm(n, cp))])
+    if cp > 1:  # the same calls, each layout
+        ranks = [(wires[i % n][1], i % cp) for i in range(math.lcm(n, cp))]
+        turns, contiguous_turns = itertools.cycle(ranks), itertools.cycle(ranks)
 
         def balanced() -> None:
             balanced_step(client, *next(turns), spec.length, cp, outs)
 
-        ops.append((BALANCED.format(cp=cp), balanced))
+        def contiguous() -> None:
+            balanced_step(client, *next(contiguous_turns), spec.length, cp, outs, False)
+
+        ops += [(CONTIGUOUS.format(cp=cp), contiguous), (BALANCED.format(cp=cp), balanced)]
     return ops
 
 

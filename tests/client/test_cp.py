@@ -15,9 +15,12 @@ from payload_client import (
     InvalidRequestError,
     PayloadClient,
     PayloadSegment,
+    SegmentList,
     cp_chunks,
+    plan_window,
     shift_segments,
 )
+from payload_client._cp import join_plans, plan_spans
 from tests.conftest import Daemon
 
 ROUTED, MASK = "routed_experts", "sampling_mask"
@@ -201,8 +204,8 @@ def test_read_cp_refuses_what_does_not_fit(client: PayloadClient, batch: Batch) 
     with pytest.raises(InvalidRequestError, match=r"out has shape \(5, 6\), rank 0's positions"):
         client.read_cp(segs, MASK, L, 8, 0, -1, load_balanced=True, out=np.zeros((5, 6), np.int32))
     with pytest.raises(
-        InvalidRequestError, match=r"window 0: out has shape \(6, 1\), the window needs \(6, 2\)"
-    ):  # too narrow
+        InvalidRequestError, match=r"out has shape \(12, 1\), the window needs \(12, 6\)"
+    ):  # too narrow for the widest row of the rank's two chunks
         client.read_cp(segs, MASK, L, 4, 0, -1, load_balanced=True, labels=True,
                        out=np.zeros((12, 1), np.int32))  # fmt: skip
     one: Any = 1
@@ -277,3 +280,59 @@ def test_bad_cp_arguments_are_refused_before_any_io(offline: PayloadClient) -> N
         offline.read_cp([], ROUTED, 16, 2, 2, 0)
     with pytest.raises(InvalidRequestError, match="not a multiple of 2 \\* cp_size"):
         offline.read_cp([], ROUTED, 6, 2, 0, 0, load_balanced=True)
+
+
+def _packed_list(rng: np.random.Generator) -> list[PayloadSegment]:
+    """Random samples of random turns packed back to back: routing and ragged masks, each
+    sample's turns back to back in its files (a list every field of which is disjoint)."""
+    segs, pos = [], 0
+    for sample in range(int(rng.integers(1, 5))):
+        off_r = off_m = 0
+        for _ in range(int(rng.integers(1, 6))):
+            n, w = int(rng.integers(1, 9)), int(rng.integers(1, 7))
+            segs.append(PayloadSegment(ROUTED, f"n/r/{sample}/r.bin", off_r, pos, n, "uint8",
+                                       [48, 8]))  # fmt: skip
+            segs.append(PayloadSegment(MASK, f"n/r/{sample}/m.bin", off_m, pos + 1, n, "int32",
+                                       [w]))  # fmt: skip
+            off_r, off_m, pos = off_r + n * 384, off_m + n * 4 * w, pos + n
+    return segs
+
+
+def test_one_plan_of_a_ranks_chunks_is_the_plans_of_each_joined() -> None:
+    """`plan_spans` plans a rank's chunks of a `SegmentList` in one pass over its columns;
+    joining each chunk's own plan (`join_plans`, of the short lists' plain planner) gives the
+    same pieces, ends, row shape and output rows, whatever the chunks meet."""
+    rng = np.random.default_rng(5)
+    for case in range(300):
+        segs = _packed_list(rng)
+        if case % 2:  # files first seen out of position order: windows found by a mask
+            segs = [segs[i] for i in rng.permutation(len(segs))]
+        cp = int(rng.choice([2, 4]))
+        end = max(s.pos + s.rows for s in segs)
+        length = -(-(end + 1) // (2 * cp)) * 2 * cp
+        length += 2 * cp * int(rng.integers(0, 3))  # chunks past every segment too
+        rank, labels = int(rng.integers(0, cp)), bool(rng.integers(0, 2))
+        field, fill = (MASK, MASK_FILL) if labels else (ROUTED, ROUTED_FILL)
+        spans = [
+            (a + labels, b + labels) for a, b in cp_chunks(length, cp, rank, load_balanced=True)
+        ]
+        one = plan_spans(SegmentList(segs), field, spans, fill, None, labels)
+        each = [plan_window(segs[:8], field, a, b, fill, None, labels) for a, b in spans]
+        joined = join_plans([p for p in each if p is not None]) if each[0] else None
+        if len(segs) > 8:  # the reference: each chunk over the whole list, object by object
+            each = [plan_window(list(segs), field, a, b, fill, None, labels) for a, b in spans]
+            joined = join_plans([p for p in each if p is not None]) if each[0] else None
+        assert one is not None and joined is not None, case
+        assert (one.lo, one.hi, one.row_shape, one.dtype, one.fill) == (
+            joined.lo,
+            joined.hi,
+            joined.row_shape,
+            joined.dtype,
+            joined.fill,
+        ), case
+        assert dict(one.ends) == dict(joined.ends), case
+        assert sorted(one.pieces) == sorted(joined.pieces), case
+        assert list(one.pieces) == sorted(
+            one.pieces, key=lambda p: (one.table.files.index(p.file), p.offset)
+        ), case
+        np.testing.assert_array_equal(one.covered(), joined.covered())

@@ -15,6 +15,7 @@ from payloadd.bench._packed import MAX_WIDTH, DirectReader, PackedBatch, write_p
 from payloadd.bench._rl_batch import MASK_FILL
 from payloadd.bench._trainer_step import (
     BALANCED,
+    CONTIGUOUS,
     DIRECT,
     PAYLOADD,
     PAYLOADD_ARRAYS,
@@ -108,6 +109,10 @@ def test_the_load_balanced_step_reads_each_rank_its_two_chunks(
             mask = np.concatenate([want_m[a + 1 : b + 1] for a, b in chunks])  # labels
             np.testing.assert_array_equal(outs.routed, routed)
             np.testing.assert_array_equal(outs.mask, mask)
+            balanced_step(c, columns, rank, SPEC.length, SPEC.cp, outs, balanced=False)
+            lo, hi = SPEC.windows(SPEC.cp)[rank]  # the contiguous window, the same calls
+            np.testing.assert_array_equal(outs.routed, want_r[lo:hi])
+            np.testing.assert_array_equal(outs.mask, want_m[lo + 1 : hi + 1])
 
 
 def test_the_raw_reads_are_one_extent_a_sample_file(
@@ -149,7 +154,7 @@ def test_a_small_run_reports_every_figure_and_its_ratios(daemon: Daemon) -> None
         assert vs_raw["samples"] == pytest.approx([r / m for r, m in zip(raw, mine, strict=True)])
         assert "higher is better" in vs_direct["name"] and "higher is better" in vs_raw["name"]
     balanced, vs_contiguous = rows[BALANCED.format(cp=4)], rows[VS_CONTIGUOUS.format(cp=4)]
-    contiguous = rows[PAYLOADD.format(cp=4)]["samples"]
+    contiguous = rows[CONTIGUOUS.format(cp=4)]["samples"]
     assert vs_contiguous["samples"] == pytest.approx(
         [m / b for m, b in zip(contiguous, balanced["samples"], strict=True)]
     )
