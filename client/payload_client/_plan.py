@@ -364,12 +364,16 @@ class FieldColumns:
         got: list[tuple[np.ndarray, np.ndarray, int, int, int]] = []
         at, missed = 0, False
         for a, b in spans:
-            i0 = int(np.searchsorted(stop, a, "right")) if a < b else 0
-            i1 = int(np.searchsorted(pos, b, "left")) if a < b else 0
+            i0 = int(stop.searchsorted(a, "right")) if a < b else 0
+            i1 = int(pos.searchsorted(b, "left")) if a < b else 0
             if i0 < i1:
-                cut = np.flatnonzero(~link[i0 : i1 - 1]) + i0  # (link[i]: i runs into i + 1)
-                got.append((np.concatenate(([i0], cut + 1)), np.concatenate((cut, [i1 - 1])),
-                            a, b, a - at))  # fmt: skip
+                cut = (~link[i0 : i1 - 1]).nonzero()[0]  # (link[i]: i runs into i + 1)
+                if cut.size:
+                    cut += i0
+                    runs = np.concatenate(([i0], cut + 1)), np.concatenate((cut, [i1 - 1]))
+                else:  # one run
+                    runs = np.array([i0]), np.array([i1 - 1])
+                got.append((*runs, a, b, a - at))
             else:
                 missed = True
             at += b - a
