@@ -114,6 +114,7 @@ def decode_segments(data: Any) -> list[PayloadSegment]:
         ``data`` is not a list of segments (naming the item and the attribute), or bytes
         that are neither msgpack nor JSON of one.
     """
+    data = _contiguous(data)
     enabled = gc.isenabled()
     gc.disable()  # the decoded objects hold no cycle: nothing for the collector to find
     try:
@@ -167,6 +168,7 @@ def decode_columns(data: Any) -> SegmentList:
     """
     if isinstance(data, SegmentList):
         return data
+    data = _contiguous(data)
     if isinstance(data, bytes | bytearray | memoryview | str):
         if not isinstance(data, str) and _is_columns(data):
             return _from_columns(data)
@@ -210,6 +212,14 @@ def _from_arrays(data: bytes | bytearray | memoryview | str) -> SegmentList | No
     return SegmentList.from_columns(
         tuple(fields), codes[0], tuple(files), codes[1], tuple(kinds), codes[2], *ints
     )
+
+
+def _contiguous(data: Any) -> Any:
+    """``data``, a memoryview of scattered bytes as the bytes themselves (the decoders read
+    contiguous buffers only)."""
+    if isinstance(data, memoryview) and not data.c_contiguous:
+        return data.tobytes()
+    return data
 
 
 def _is_columns(data: bytes | bytearray | memoryview) -> bool:

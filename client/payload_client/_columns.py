@@ -144,8 +144,10 @@ class SegmentList(Sequence[PayloadSegment]):
             for name in SegmentList.__slots__:
                 setattr(self, name, getattr(segments, name))
             return
-        if not isinstance(segments, Sequence | PayloadSegment):
-            segments = list(segments)
+        if isinstance(segments, Iterable) and not isinstance(
+            segments, Sequence | PayloadSegment | bytes | str
+        ):
+            segments = list(segments)  # (anything else: refused by segment_columns)
         cols = segment_columns(segments)  # validates (the errors of validate_segments)
         fields, files = FirstSeen(), FirstSeen()
         n = len(cols.field)
@@ -223,6 +225,11 @@ class SegmentList(Sequence[PayloadSegment]):
         if any(c.ndim != 1 or c.size != n for c in (*codes, *ints)):
             got = [c.shape for c in (*codes, *ints)]
             raise InvalidSegmentError(f"segment columns must be 1-d, one entry a segment: {got}")
+        for name, table in (("fields", fields), ("files", files), ("kinds", kinds)):
+            if not isinstance(table, Sequence) or isinstance(table, str | bytes):
+                raise InvalidSegmentError(
+                    f"the {name} of segment columns must be a list, got {type(table).__name__}"
+                )
         fields, files = tuple(fields), tuple(files)
         if not set(map(type, fields)) | set(map(type, files)) <= _STR:
             raise InvalidSegmentError("the fields and files of segment columns must be strings")
@@ -389,6 +396,10 @@ class SegmentList(Sequence[PayloadSegment]):
         InvalidSegmentError
             A part that is not a valid list (as `SegmentList`).
         """
+        if not isinstance(parts, Iterable):
+            raise InvalidSegmentError(
+                f"parts must be lists of segments, got {type(parts).__name__}"
+            )
         lists = [p if isinstance(p, SegmentList) else SegmentList(p) for p in parts]
         fields, files, kinds = FirstSeen(), FirstSeen(), FirstSeen()
         cols: list[list[np.ndarray]] = [[] for _ in range(6)]

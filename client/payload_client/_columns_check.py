@@ -4,7 +4,6 @@ first invalid segment."""
 
 from __future__ import annotations
 
-import math
 import operator
 from collections.abc import Sequence
 from typing import Any
@@ -16,6 +15,7 @@ from ._segment import (
     INT64_MAX,
     SUPPORTED_DTYPES,
     PayloadSegment,
+    bounded_prod,
     check_relative_path,
     validate_segment,
 )
@@ -28,7 +28,10 @@ _ITEMSIZE = {name: np.dtype(name).itemsize for name in SUPPORTED_DTYPES}
 
 def int_column(column: Any, dtype: type[np.integer[Any]]) -> np.ndarray:
     """``column`` as an array of ``dtype``, if it holds integers that fit int64."""
-    a = np.asarray(column)
+    try:
+        a = np.asarray(column)
+    except (ValueError, TypeError) as exc:  # ragged nesting, ...
+        raise InvalidSegmentError(f"segment columns must be integer arrays: {exc}") from None
     if not a.size:
         return np.zeros(a.shape, dtype)
     if a.dtype.kind not in "iu":
@@ -37,7 +40,7 @@ def int_column(column: Any, dtype: type[np.integer[Any]]) -> np.ndarray:
         )
     if a.dtype.kind == "u" and int(a.max()) > INT64_MAX:
         raise InvalidSegmentError(f"a segment column entry {int(a.max())} is beyond int64")
-    return a.astype(dtype, copy=False)
+    return a.astype(dtype)  # a copy: the caller's array stays the caller's
 
 
 _TUPLE = frozenset((tuple,))
@@ -109,7 +112,7 @@ def _size_of(k: Any) -> int | None:
         or any(type(x) is not int or x <= 0 for x in shape)
     ):
         return None
-    size = _ITEMSIZE[d] * math.prod(shape)
+    size = _ITEMSIZE[d] * bounded_prod(shape)
     return None if size > INT64_MAX else size
 
 

@@ -6,7 +6,7 @@ import functools
 import math
 import posixpath
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from itertools import chain
 from typing import Any, NamedTuple
 
@@ -22,6 +22,7 @@ __all__ = [
     "SUPPORTED_DTYPES",
     "PayloadSegment",
     "SegmentColumns",
+    "bounded_prod",
     "check_int",
     "check_name",
     "check_relative_path",
@@ -90,6 +91,17 @@ class PayloadSegment(msgspec.Struct, array_like=True, frozen=True, gc=False):
     rows: int
     dtype: str
     shape: list[int]
+
+
+def bounded_prod(values: Iterable[int], limit: int = INT64_MAX) -> int:
+    """The product of ``values`` (integers > 0), or ``limit + 1`` as soon as it passes
+    ``limit``: a shape of many large entries costs its length, not its product's digits."""
+    product = 1
+    for v in values:
+        product *= v
+        if product > limit:
+            return limit + 1
+    return product
 
 
 def check_int(value: Any, what: str, *, minimum: int = 0) -> int:
@@ -255,7 +267,7 @@ def validate_segment(seg: Any, index: int | None = None) -> PayloadSegment:
             index=index,
             field="shape",
         )
-    nbytes = _ITEMSIZE[seg.dtype] * math.prod(shape)
+    nbytes = _ITEMSIZE[seg.dtype] * bounded_prod(shape)
     if nbytes > INT64_MAX:
         raise InvalidSegmentError("row size overflows int64", index=index, field="shape")
     if pos + rows > INT64_MAX:
@@ -519,12 +531,12 @@ def _bulk_check(segs: list[Any]) -> _Checked | None:
     )  # fmt: skip
     # the int64 bounds, coarsely first (Python ints: no overflow), exactly when that fails
     max_offset, max_pos, max_rows = ints.max(axis=1).tolist()
-    max_nbytes = max(_ITEMSIZE[d] for d in dtypes) * max(map(math.prod, shapes))
+    max_nbytes = max(_ITEMSIZE[d] for d in dtypes) * max(map(bounded_prod, shapes))
     if max_pos + max_rows > INT64_MAX and bool((pos_a > INT64_MAX - rows_a).any()):
         return None
     if max_nbytes > INT64_MAX or max_offset + max_rows * max_nbytes > INT64_MAX:
         kind, kinds = _kinds(cols)
-        sizes = [_ITEMSIZE[d] * math.prod(sh) for d, sh in kinds]
+        sizes = [_ITEMSIZE[d] * bounded_prod(sh) for d, sh in kinds]
         if max(sizes) > INT64_MAX:
             return None
         nbytes = np.array(sizes, dtype=np.int64)[kind]

@@ -34,6 +34,7 @@ from payload_client import (
     assemble,
     clip_segments,
     decode_columns,
+    decode_segments,
     encode_segments,
     merge_pd_segments,
     plan_window,
@@ -41,6 +42,7 @@ from payload_client import (
     validate_segments,
 )
 from payload_client._columns import COLUMNS_VERSION
+from payload_client._segment import bounded_prod
 from tests.client.test_bulk import (
     ITEMSIZE,
     R,
@@ -687,3 +689,80 @@ def test_reads_from_a_daemon_are_the_same_bit_for_bit(
             for array in got:
                 the_same_array(array, want)
     assert read >= 20  # most windows have rows
+
+
+# -- a review's findings (each failed before its fix) -------------------------------------
+
+
+def test_a_list_made_of_columns_owns_them() -> None:
+    base = np.zeros(4, np.intp)
+    codes, offset = base[:2], np.array([0, 8], np.int64)
+    sl = SegmentList.from_columns(("f",), codes, ("a/b.bin",), codes, (("uint8", (8,)),),
+                                  codes, offset, [0, 1], [1, 1])  # fmt: skip
+    base[1], offset[0] = 7, -5  # the caller's arrays: still theirs, still writeable
+    assert sl.field.tolist() == [0, 0] and sl.offset.tolist() == [0, 8]
+    assert sl[1] == PayloadSegment("f", "a/b.bin", 8, 1, 1, "uint8", [8])
+    assert not sl.offset.flags.writeable
+
+
+def test_a_row_shape_of_many_large_entries_is_refused_without_its_product() -> None:
+    def entries() -> Iterator[int]:
+        yield from (2**40, 2**40)  # past int64 here: nothing after this may be read
+        raise AssertionError("multiplied past the bound")
+
+    assert bounded_prod(entries()) == INT64_MAX + 1
+    assert bounded_prod([3, 4, 5]) == 60
+    wide = [2**62] * 20_000  # its product has 1.2 million digits
+    sl = encode_segments([PayloadSegment("f", "a/b.bin", 0, 0, 1, "uint8", [8])], "columns")
+    wire = msgspec.msgpack.decode(sl)
+    wire["kinds"] = [["uint8", wide]]
+    with pytest.raises(InvalidSegmentError, match="row size overflows int64"):
+        decode_columns(msgspec.msgpack.encode(wire))
+    arrays = msgspec.msgpack.encode([["f", "a/b.bin", 0, 0, 1, "uint8", wide]])
+    with pytest.raises(InvalidSegmentError, match="row size overflows int64"):
+        decode_columns(arrays)
+
+
+def test_bytes_in_a_strided_memoryview_are_read() -> None:
+    segs = [PayloadSegment("f", "a/b.bin", 0, 0, 1, "uint8", [8])]
+    for data in (encode_segments(segs, "columns"), encode_segments(segs)):
+        spread = np.zeros(2 * len(data), np.uint8)
+        spread[::2] = np.frombuffer(data, np.uint8)
+        view = memoryview(spread.data)[::2]
+        assert not view.c_contiguous
+        assert decode_columns(view) == segs and decode_segments(view) == segs
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ((("f",), [[0], [0, 0]], ("a",), [0], [("uint8", (1,))], [0], [0], [0], [1]),
+         "segment columns must be integer arrays"),
+        ((None, [0], ("a",), [0], [("uint8", (1,))], [0], [0], [0], [1]),
+         "the fields of segment columns must be a list, got NoneType"),
+        ((("f",), [0], "ab", [0], [("uint8", (1,))], [0], [0], [0], [1]),
+         "the files of segment columns must be a list, got str"),
+        ((("f",), [0], ("a",), [0], None, [0], [0], [0], [1]),
+         "the kinds of segment columns must be a list, got NoneType"),
+    ],
+)  # fmt: skip
+def test_columns_of_other_shapes_are_refused(args: tuple[Any, ...], message: str) -> None:
+    with pytest.raises(InvalidSegmentError, match=message):
+        SegmentList.from_columns(*args)
+
+
+def test_what_is_no_list_is_refused_as_the_list_functions_refuse_it() -> None:
+    good = SegmentList([PayloadSegment("f", "a/b.bin", 0, 0, 1, "uint8", [8])])
+    bad: Any
+    for bad in (None, 5):
+        with pytest.raises(InvalidSegmentError, match="segments must be a list of PayloadSegment"):
+            SegmentList(bad)
+        with pytest.raises(InvalidSegmentError) as got:
+            SegmentList.merge_pd(bad, good)
+        with pytest.raises(InvalidSegmentError) as want:
+            merge_pd_segments(bad, [])
+        assert str(got.value) == str(want.value)
+        with pytest.raises(InvalidSegmentError):
+            SegmentList.concat(bad)
+        with pytest.raises(InvalidSegmentError):
+            SegmentList.concat([good, bad])
