@@ -285,7 +285,9 @@ class GarbageCollector:
         ledger = self.store.ledger(node)
         mark = ledger.mark(run, load=True)
         if mark is None or through > mark:
-            with os_errors(self.store.root):  # a full disk: 507, nothing is removed
+            # under the lock leases check the watermark under: a lease that checked it
+            # before has created its file by now (the step lists it), later ones are refused
+            with self.store.placing_lock(), os_errors(self.store.root):  # full disk: 507
                 ledger.record(run, "watermark", [], 0, through)
 
     @staticmethod

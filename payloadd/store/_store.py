@@ -13,9 +13,8 @@ Every reservation is checked against the disk limits first (`payloadd.store._dis
 or lease that does not fit under ``max_root_bytes`` or above ``min_free_bytes`` fails with
 `StorageFullError` before anything is reserved.
 
-The store is composed of parts it owns: the files open for appends (`FileTable`, whose lock
-is the store's), the read side (`Readers`), removals (`Removals`) and the counters
-(`Counts`).
+Its parts: the files open for appends (`FileTable`, whose lock is the store's), the read side
+(`Readers`), removals (`Removals`) and the counters (`Counts`).
 """
 
 from __future__ import annotations
@@ -26,15 +25,12 @@ import logging
 import os
 import re
 import secrets
+import threading
 import time
 from collections.abc import Collection, Sequence
 from typing import Any, Literal
 
-from payload_client import (
-    InvalidRequestError,
-    PayloadSegment,
-    PayloadTooLargeError,
-)
+from payload_client import InvalidRequestError, PayloadSegment, PayloadTooLargeError
 from payload_client.protocol import (
     AppendItem,
     Extent,
@@ -180,6 +176,10 @@ class Store:
     check_root = staticmethod(check_root)
 
     # -- appends ------------------------------------------------------------------------
+
+    def placing_lock(self) -> threading.Lock:
+        """The lock appends and leases are placed (and their watermark checked) under."""
+        return self._table.lock
 
     def new_owner(self) -> int:
         """A new owner id for files private to one client (a data-plane connection)."""
