@@ -137,7 +137,18 @@ class BusyError(PayloadError):
 
     Nothing of the request was done; the same request may succeed a moment later. The
     message names the limit.
+
+    Attributes
+    ----------
+    reason : str or None
+        Which limit, where the daemon raised it: ``"descriptors"``, ``"inflight"`` or
+        ``"connections"`` (what ``payloadd_refused_total`` counts it under); ``None`` for
+        one rebuilt from an answer (the message says it).
     """
+
+    def __init__(self, message: str = "", *, reason: str | None = None) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class ServerError(PayloadError):

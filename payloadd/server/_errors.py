@@ -90,12 +90,12 @@ def wire_error(exc: Exception, where: str, logger: logging.Logger = log) -> Wire
 
 def refusal(exc: Exception) -> str | None:
     """The reason ``payloadd_refused_total`` counts ``exc`` under, ``None`` if it is no
-    refusal: ``"stalled"`` (`RequestTimeoutError`), ``"inflight"`` or ``"descriptors"``
-    (503, `BusyError`)."""
+    refusal: ``"stalled"`` (`RequestTimeoutError`), or a 503's `BusyError.reason`
+    (``"inflight"``, ``"descriptors"``; ``"descriptors"`` when it names none)."""
     if not isinstance(exc, PayloadError):
         return None
     if isinstance(exc, RequestTimeoutError):
         return "stalled"
     if status_of(exc) == 503:
-        return "inflight" if "max_inflight_bytes" in str(exc) else "descriptors"
+        return getattr(exc, "reason", None) or "descriptors"
     return None

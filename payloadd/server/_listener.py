@@ -214,7 +214,9 @@ class Listener:
             assert self._listener is not None
             shed, _ = self._listener.accept()
             with shed:
-                busy = out_of_descriptors(exc) or BusyError(f"daemon busy ({exc}); try again")
+                busy = out_of_descriptors(exc) or BusyError(
+                    f"daemon busy ({exc}); try again", reason="descriptors"
+                )
                 shed.setblocking(False)
                 shed.send(
                     framed(error_reply(busy, self.name, self.log))

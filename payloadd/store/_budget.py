@@ -142,7 +142,9 @@ def out_of_descriptors(exc: OSError) -> BusyError | None:
     (``EMFILE``, ``ENFILE``), else ``None``: the one message for it, wherever it meets one."""
     if exc.errno not in (errno.EMFILE, errno.ENFILE):
         return None
-    return BusyError(f"daemon out of file descriptors for now ({exc.strerror}); try again")
+    return BusyError(
+        f"daemon out of file descriptors for now ({exc.strerror}); try again", reason="descriptors"
+    )
 
 
 def open_descriptors() -> int:
@@ -289,7 +291,8 @@ class Descriptors:
                 raise BusyError(
                     f"daemon out of file descriptors for now: {what} needs {n}, "
                     f"{cap - self._taken} of {cap} are free (RLIMIT_NOFILE "
-                    f"{self.shares.limit}); try again"
+                    f"{self.shares.limit}); try again",
+                    reason="descriptors",
                 )
             if remote:
                 part = max(1, cap // REMOTE_SHARE)
@@ -298,7 +301,8 @@ class Descriptors:
                     raise BusyError(
                         f"daemon busy: {what} needs {n} file descriptors, {part - self._remote}"
                         f" of the {part} that requests over the network may hold are free; "
-                        "try again"
+                        "try again",
+                        reason="descriptors",
                     )
                 self._remote += n
             self._taken += n
@@ -372,7 +376,10 @@ class InFlight:
 
     def _refuse(self, n: int, bound: str) -> BusyError:
         self.refused += 1
-        return BusyError(f"daemon busy: {n} bytes of request would go above {bound}; try again")
+        return BusyError(
+            f"daemon busy: {n} bytes of request would go above {bound}; try again",
+            reason="inflight",
+        )
 
     def _count(self, n: int, host: str | None) -> None:
         self.used += n
