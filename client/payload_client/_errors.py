@@ -141,9 +141,9 @@ class BusyError(PayloadError):
     Attributes
     ----------
     reason : str or None
-        Which limit, where the daemon raised it: ``"descriptors"``, ``"inflight"`` or
-        ``"connections"`` (what ``payloadd_refused_total`` counts it under); ``None`` for
-        one rebuilt from an answer (the message says it).
+        Which limit, where the daemon raised it: ``"descriptors"`` or ``"inflight"`` (what
+        ``payloadd_refused_total`` counts it under); ``None`` for one rebuilt from an answer
+        (the message says it).
     """
 
     def __init__(self, message: str = "", *, reason: str | None = None) -> None:
