@@ -16,14 +16,14 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ._errors import InvalidRequestError
-from ._plan import Piece, PieceTable
+from ._plan import Piece, PieceTable, in_file_order
 from ._read_checks import checked_field, row_shape_of
 from ._segment import PayloadSegment, check_window
 from ._windows import ReadResult, Window, WindowPlan, plan_window
 
 __all__ = ["CPRead", "Spans", "cp_chunks", "cp_read", "host_array", "join_plans", "plan_spans"]
 
-_COLUMNS = ("file", "offset", "nbytes", "end", "dst", "rows", "kind")
+_COLUMNS = PieceTable._fields[2:]  # the array columns, after the files and kinds
 
 
 def _integer(value: Any, what: str, minimum: int, hint: str) -> int:
@@ -219,16 +219,10 @@ def _joined_table(plans: Sequence[WindowPlan], moved: list[int]) -> PieceTable |
         return None
     cols = [np.concatenate([getattr(t, c) for t in tables]) for c in _COLUMNS]
     cols[4] = np.concatenate([t.dst + m for t, m in zip(tables, moved, strict=True)])
-    if cols[0].size > 1 and not _sorted(cols[0], cols[1]):
+    if cols[0].size > 1 and not in_file_order(cols[0], cols[1]):
         order = np.lexsort((cols[1], cols[0]))
         cols = [a[order] for a in cols]
     return PieceTable(head.files, head.kinds, *cols)
-
-
-def _sorted(file: np.ndarray, offset: np.ndarray) -> bool:
-    """Whether pieces are in (file, offset) order."""
-    df = np.diff(file)
-    return bool(((df > 0) | ((df == 0) & (np.diff(offset) >= 0))).all())
 
 
 class CPRead(NamedTuple):

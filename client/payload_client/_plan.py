@@ -33,6 +33,7 @@ from ._segment import (
 
 __all__ = [
     "FieldColumns",
+    "in_file_order",
     "distinct",
     "Kind",
     "ListColumns",
@@ -335,7 +336,7 @@ class FieldColumns:
         fcode, fend, kinds = self._fcode[first], self._fend[last], self._kind[first]
         dst = start - zero_of
         ascending = self._by_pos and all(b <= c for (_, b), (c, _) in itertools.pairwise(spans))
-        if several and fcode.size > 1 and not ascending and not _in_file_order(fcode, off):
+        if several and fcode.size > 1 and not ascending and not in_file_order(fcode, off):
             order = np.lexsort((off, fcode))  # windows one after another: by file again
             fcode, off, rows, rb, fend, dst, kinds = (
                 a[order] for a in (fcode, off, rows, rb, fend, dst, kinds)
@@ -428,8 +429,8 @@ class FieldColumns:
 _NONE = np.zeros(0, np.intp)
 
 
-def _in_file_order(fcode: np.ndarray, offset: np.ndarray) -> bool:
-    """Whether pieces are sorted by file and offset."""
+def in_file_order(fcode: np.ndarray, offset: np.ndarray) -> bool:
+    """Whether pieces (``file`` codes and ``offset`` columns) are sorted by file and offset."""
     df = np.diff(fcode)
     return bool(((df > 0) | ((df == 0) & (offset[1:] >= offset[:-1]))).all())
 
