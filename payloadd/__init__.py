@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from payloadd._version import __version__
 
 if TYPE_CHECKING:
-    from payloadd.server._app import create_app
+    from payloadd.server.http._app import create_app
     from payloadd.settings._settings import Settings
     from payloadd.store._appends import PendingAppend
     from payloadd.store._store import Store
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 __all__ = ["PendingAppend", "Settings", "Store", "__version__", "create_app"]
 
 _LAZY = {
-    "create_app": "payloadd.server._app",
+    "create_app": "payloadd.server.http._app",
     "PendingAppend": "payloadd.store._appends",
     "Settings": "payloadd.settings._settings",
     "Store": "payloadd.store._store",

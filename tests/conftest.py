@@ -2,18 +2,30 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 import socket
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import pytest_asyncio
 
 from payload_client import AsyncPayloadClient, PayloadClient
-from payloadd.bench._daemon_process import start_daemon
+from tests._daemons import Daemon, Daemons, Started, await_until, wait_until
+
+__all__ = [
+    "TEST_FIELDS",
+    "Daemon",
+    "Daemons",
+    "Started",
+    "await_until",
+    "default_env",
+    "free_port",
+    "wait_until",
+]
 
 INTEGERS = ["uint8", "int8", "uint16", "int16", "int32"]
 TEST_FIELDS = {
@@ -43,31 +55,42 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@dataclass(frozen=True)
-class Daemon:
-    """A running daemon: its payload root and socket."""
+@pytest.fixture
+def daemons(tmp_path: Path) -> Iterator[Daemons]:
+    """Start real daemons on the test's ``tmp_path`` (``daemons.start(*flags, node=...)``,
+    ``daemons.start_all(nodes, *flags)``); every one is stopped at the test's end."""
+    with Daemons(tmp_path) as d:
+        yield d
 
-    root: Path
-    socket: Path
+
+@pytest.fixture
+def run_name(request: pytest.FixtureRequest) -> str:
+    """A run name of this test's own, from its node id (tests share session daemons)."""
+    return run_name_of(request.node.nodeid)
+
+
+def run_name_of(nodeid: str) -> str:
+    """A valid run name (``[A-Za-z0-9._-]``, at most 128 characters) unique to ``nodeid``."""
+    digest = hashlib.blake2b(nodeid.encode(), digest_size=4).hexdigest()
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", nodeid.rsplit("::", 1)[-1]).strip("-.")
+    return f"{name[:100]}-{digest}"
 
 
 @pytest.fixture(scope="session")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     """One real daemon for the session (default settings, node ``test``)."""
-    tmp = tmp_path_factory.mktemp("daemon")
-    d = Daemon(tmp / "root", tmp / "payloadd.sock")
-    with start_daemon(d.root, d.socket, "--node", "test"):
-        yield d
+    with Daemons(tmp_path_factory.mktemp("daemon")) as d:
+        started = d.start(node="test", socket=d.folder / "payloadd.sock")
+        yield Daemon(started.root, started.socket)
 
 
 @pytest.fixture(scope="session")
 def small_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     """A real daemon that rotates files at 4096 bytes and takes bodies of at most 1 MiB."""
-    tmp = tmp_path_factory.mktemp("small")
-    d = Daemon(tmp / "root", tmp / "payloadd.sock")
-    extra = ("--node", "small", "--max-file-bytes", "4096", "--max-request-bytes", str(1 << 20))
-    with start_daemon(d.root, d.socket, *extra):
-        yield d
+    extra = ("--max-file-bytes", "4096", "--max-request-bytes", str(1 << 20))
+    with Daemons(tmp_path_factory.mktemp("small")) as d:
+        started = d.start(*extra, node="small", socket=d.folder / "payloadd.sock")
+        yield Daemon(started.root, started.socket)
 
 
 TRANSPORTS = ["data-plane", "http"]

@@ -81,7 +81,7 @@ def test_the_scan_covers_the_tree() -> None:
         "README.md",
         "docs/index.md",
         "docs/contract.md",
-        "client/payload_client/_windows.py",
+        "client/payload_client/reads/_windows.py",
         "payloadd/store/_store.py",
         "deploy/README.md",
     ):

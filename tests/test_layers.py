@@ -7,6 +7,9 @@ Read from the source (every ``import``, at module level, in functions and under
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,8 +20,16 @@ PACKAGES = {"payloadd": ROOT / "payloadd", "payload_client": ROOT / "client" / "
 MAX_LINES = 600
 
 # package -> the packages of the project it must not import (its layer is below theirs)
+_CLIENT_LAYERS = ("segments", "wire", "reads", "transports", "clients", "vllm")
 FORBIDDEN = {
     "payload_client": ("payloadd",),
+    # the client's packages, each below the ones after it (and below protocol, its surface)
+    **{
+        f"payload_client.{below}": tuple(
+            f"payload_client.{above}" for above in (*_CLIENT_LAYERS[i + 1 :], "protocol")
+        )
+        for i, below in enumerate(_CLIENT_LAYERS[:-1])
+    },
     "payloadd.settings": ("payloadd.store", "payloadd.server", "payloadd.cli"),
     "payloadd.store": ("payloadd.server", "payloadd.cli", "payloadd.bench", "payloadd.soak"),
     "payloadd.server": ("payloadd.cli", "payloadd.bench", "payloadd.soak"),
@@ -157,3 +168,35 @@ def test_the_layer_check_sees_a_circle() -> None:
         assert ["payloadd.store._fake_a", "payloadd.store._fake_b"] in _cycles()
     finally:
         del GRAPH["payloadd.store._fake_a"], GRAPH["payloadd.store._fake_b"]
+
+
+def test_the_client_is_in_packages_by_concern() -> None:
+    """Every client module but the error tree, size formatting and the public surfaces sits in
+    a package of its concern."""
+    top = sorted(
+        m.removeprefix("payload_client.")
+        for m, path in MODULES.items()
+        if m.count(".") == 1 and m.startswith("payload_client.") and path.name != "__init__.py"
+    )
+    assert top == ["_errors", "_sizes", "protocol"]
+
+
+def test_segments_reads_and_the_wire_load_without_httpx() -> None:
+    """An orchestrator imports segments, their operations, the codec and the planner without
+    the HTTP stack: httpx is refused at import, and only the clients need it."""
+    code = (
+        "import sys; sys.modules['httpx'] = None\n"
+        "import payload_client.segments, payload_client.reads, payload_client.wire\n"
+        "from payload_client import (SegmentList, clip_segments, decode_segments, plan_window,\n"
+        "    merge_pd_responses, PayloadError)\n"
+        "try:\n"
+        "    from payload_client import PayloadClient\n"
+        "except ImportError:\n"
+        "    print('clients need httpx')\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "client")}
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "clients need httpx\n"

@@ -3,15 +3,25 @@
 Import what you need from here; the ``_*`` modules are private.
 
 >>> from payload_client import PayloadClient, clip_segments
+
+The package by concern, each importing only those above it::
+
+    _errors       the error tree, rooted at PayloadError
+    segments/     the segment model, its pure operations, lists as columns, the codec
+    wire/         the wire: Structs of HTTP, the data plane and the peer port; frames; fields
+    reads/        window reads: semantics, the planner, the layout of a read's extents, CP
+    transports/   one interface, three ways: HTTP, the data plane, the peer port
+    clients/      the I/O-free BaseClient, its sync and async shells, the cluster clients
+
+The clients (and `Timeout`) are loaded on first use: an orchestrator that imports segments,
+their operations and their codec never loads httpx.
 """
 
-from ._async_client import AsyncPayloadClient
-from ._base import DEFAULT_SOCKET
-from ._clients import PayloadClient
-from ._cluster import NODES_ENV, AsyncClusterClient, ClusterClient, load_nodes
-from ._codec import decode_columns, decode_segments, encode_segments
-from ._columns import SegmentList, SegmentListWire
-from ._cp import cp_chunks
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from ._errors import (
     STATUS_BY_ERROR,
     AppendInDoubtError,
@@ -34,18 +44,8 @@ from ._errors import (
     TransportError,
     UnauthorizedError,
 )
-from ._ops import clip_segments, merge_pd_segments, shift_segments
-from ._router import merge_pd_responses, prefill_has_routed_experts
-from ._segment import (
-    SUPPORTED_DTYPES,
-    PayloadSegment,
-    row_nbytes,
-    segment_end,
-    validate_segment,
-    validate_segments,
-)
-from ._timeout import Timeout
-from ._windows import (
+from .reads._cp import cp_chunks
+from .reads._windows import (
     CoveredRead,
     Piece,
     ReadResult,
@@ -55,7 +55,19 @@ from ._windows import (
     coverage,
     plan_window,
 )
-from ._wire import (
+from .segments._codec import decode_columns, decode_segments, encode_segments
+from .segments._columns import SegmentList, SegmentListWire
+from .segments._ops import clip_segments, merge_pd_segments, shift_segments
+from .segments._router import merge_pd_responses, prefill_has_routed_experts
+from .segments._segment import (
+    SUPPORTED_DTYPES,
+    PayloadSegment,
+    row_nbytes,
+    segment_end,
+    validate_segment,
+    validate_segments,
+)
+from .wire._http import (
     FieldSpec,
     FieldsTable,
     GcCount,
@@ -68,6 +80,40 @@ from ._wire import (
     StepUsage,
     Usage,
 )
+
+if TYPE_CHECKING:
+    from .clients._async import AsyncPayloadClient
+    from .clients._base import DEFAULT_SOCKET
+    from .clients._cluster import NODES_ENV, AsyncClusterClient, ClusterClient, load_nodes
+    from .clients._sync import PayloadClient
+    from .transports._timeout import Timeout
+
+_LOADED_ON_USE = {
+    "AsyncPayloadClient": ".clients._async",
+    "DEFAULT_SOCKET": ".clients._base",
+    "NODES_ENV": ".clients._cluster",
+    "AsyncClusterClient": ".clients._cluster",
+    "ClusterClient": ".clients._cluster",
+    "load_nodes": ".clients._cluster",
+    "PayloadClient": ".clients._sync",
+    "Timeout": ".transports._timeout",
+}
+"""The names whose modules import httpx, and where each is; loaded at their first use."""
+
+
+def __getattr__(name: str) -> Any:
+    """The clients and `Timeout`, imported at their first use (PEP 562)."""
+    module = _LOADED_ON_USE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'payload_client' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
 
 __version__ = "0.1.0"
 

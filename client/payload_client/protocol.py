@@ -28,30 +28,16 @@ by appending fields with defaults.
 
 from __future__ import annotations
 
-from ._base import DEFAULT_SOCKET
-from ._dataplane_wire import (
-    DATA_SOCKET_SUFFIX,
-    AbortRequest,
-    CommitReply,
-    CommitRequest,
-    DataReply,
-    DataRequest,
-    ErrorReply,
-    FieldsReply,
-    FieldsRequest,
-    LeaseGrant,
-    LeaseReply,
-    LeaseRequest,
-    NoteRequest,
-    OpenReply,
-    OpenRequest,
-    ReservedExtent,
-    ReserveReply,
-    ReserveRequest,
-    ShapesRequest,
-)
 from ._errors import STATUS_BY_ERROR, UnauthorizedError, status_of
-from ._fields import (
+from ._sizes import format_size
+from .clients._base import DEFAULT_SOCKET
+from .reads._few import merge_ranges
+from .reads._windows import PAGE, page_matched
+from .segments._segment import INT64_MAX, check_name, check_relative_path
+from .transports import LEASE_ALONG, LEASES, MAX_FDS
+from .wire import _dataplane, _frames, _http, _peer
+from .wire._dataplane import *  # noqa: F403  (every Struct of the data plane)
+from .wire._fields import (
     DECLARE,
     DEFAULT_FIELDS,
     check_field,
@@ -61,109 +47,27 @@ from ._fields import (
     row_pattern,
     shape_mismatch,
 )
-from ._peer_wire import (
-    HELLO_BYTES,
-    PEER_PORT_HEADER,
-    PEER_VERSION,
-    PeerBytes,
-    PeerHello,
-    PeerRead,
-    PeerReply,
-    PeerRequest,
-    PeerWelcome,
-)
-from ._segment import INT64_MAX, check_name, check_relative_path
-from ._sizes import format_size
-from ._transports import LEASES, MAX_FDS
-from ._windows import PAGE, page_matched
-from ._wire import (
-    APPEND_CONTENT_TYPE,
-    FRAME_PREFIX,
-    MSGPACK_CONTENT_TYPE,
-    AppendItem,
-    AppendRequest,
-    AppendResponse,
-    ErrorBody,
-    Extent,
-    FieldSpec,
-    FieldsTable,
-    GcCount,
-    GcEntry,
-    GcReport,
-    GcRequest,
-    Health,
-    Prefetched,
-    ReadRequest,
-    RunUsage,
-    Stats,
-    StepUsage,
-    Usage,
-)
+from .wire._frames import *  # noqa: F403  (the frame codec)
+from .wire._http import *  # noqa: F403  (every Struct of HTTP)
+from .wire._peer import *  # noqa: F403  (every Struct of the peer port)
 
 __all__ = [
-    "APPEND_CONTENT_TYPE",
-    "DATA_SOCKET_SUFFIX",
     "DECLARE",
     "DEFAULT_FIELDS",
     "DEFAULT_SOCKET",
-    "FRAME_PREFIX",
-    "HELLO_BYTES",
-    "PEER_PORT_HEADER",
-    "PEER_VERSION",
     "INT64_MAX",
     "LEASES",
+    "LEASE_ALONG",
     "MAX_FDS",
-    "MSGPACK_CONTENT_TYPE",
     "PAGE",
     "STATUS_BY_ERROR",
-    "AbortRequest",
-    "AppendItem",
-    "AppendRequest",
-    "AppendResponse",
-    "CommitReply",
-    "CommitRequest",
-    "DataReply",
-    "DataRequest",
-    "ErrorBody",
-    "ErrorReply",
-    "Extent",
-    "FieldSpec",
-    "FieldsReply",
-    "FieldsRequest",
-    "FieldsTable",
-    "GcCount",
-    "GcEntry",
-    "GcReport",
-    "GcRequest",
-    "Health",
-    "LeaseGrant",
-    "LeaseReply",
-    "LeaseRequest",
-    "NoteRequest",
-    "OpenReply",
-    "OpenRequest",
-    "PeerBytes",
-    "PeerHello",
-    "PeerRead",
-    "PeerReply",
-    "PeerRequest",
-    "PeerWelcome",
-    "Prefetched",
-    "ReadRequest",
-    "ReserveReply",
-    "ReserveRequest",
-    "ReservedExtent",
-    "RunUsage",
-    "ShapesRequest",
-    "Stats",
-    "StepUsage",
     "UnauthorizedError",
-    "Usage",
     "check_field",
     "check_item",
     "check_name",
     "check_relative_path",
     "is_ragged",
+    "merge_ranges",
     "format_size",
     "page_matched",
     "pattern_text",
@@ -171,3 +75,4 @@ __all__ = [
     "shape_mismatch",
     "status_of",
 ]
+__all__ += _dataplane.__all__ + _frames.__all__ + _http.__all__ + _peer.__all__

@@ -48,16 +48,13 @@ WRITE_BYTES = 43_690 * LAYERS * TOP_K
 
 
 def bench_new_keys(add: Add, socket: Path, repeat: int, steps: int = 200) -> None:
-    """Time appends that open a new key against appends to open keys, interleaved.
+    """Time appends that open a new key against appends to open keys, interleaved, in
+    milliseconds.
 
     Parameters
     ----------
-    add : Add
-        Records the samples (`Bench.add`), in milliseconds.
-    socket : Path
-        The daemon's control socket.
-    repeat : int
-        Repetitions.
+    add, socket, repeat
+        As every ``bench_*`` function's (`payloadd.bench._measure`).
     steps : int
         New steps a repetition.
     """
@@ -104,100 +101,144 @@ def _warm(nbytes: int) -> None:
 
 def bench_writes(add: Add, socket: Path, root: Path, scratch: Path, repeat: int,
                  quick: bool) -> None:  # fmt: skip
-    """Time 16 MiB appends and raw ``pwrite`` variants, call by call.
+    """Time 16 MiB appends and raw ``pwrite`` variants, call by call, in GB/s.
 
     Parameters
     ----------
-    add : Add
-        Records the samples (`Bench.add`), in GB/s.
-    socket : Path
-        The daemon's control socket.
-    root : Path
-        Its payload root (what the appends wrote is removed from it after each repetition).
+    add, socket, root, repeat
+        As every ``bench_*`` function's (`payloadd.bench._measure`); what the appends wrote
+        is removed from ``root`` after each repetition.
     scratch : Path
         A folder on the same file system for the raw files.
-    repeat : int
-        Repetitions.
     quick : bool
         2 calls of each method a repetition instead of 8.
     """
     rows = np.random.default_rng(3).integers(0, 128, (43_690, LAYERS, TOP_K), dtype=np.uint8)
-    data, n = rows.tobytes(), rows.nbytes
-    folder = scratch / "writes-16m"
-    folder.mkdir(exist_ok=True)
-    seq = [0]
-    grow = {"fd": -1, "end": 0}
-    reused = os.open(folder / "reused", os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
-
-    def fresh_fd() -> int:
-        seq[0] += 1
-        return os.open(folder / f"f{seq[0]}", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
-                       0o600)  # fmt: skip
-
-    def restart() -> None:  # every repetition starts on an empty folder and a new step
-        if grow["fd"] >= 0:
-            os.close(grow["fd"])
-        for p in folder.iterdir():
-            if p.name != "reused":
-                p.unlink()
-        grow["fd"], grow["end"] = fresh_fd(), 0
-        for d in root.glob(f"*/{WRITES_RUN}"):
-            shutil.rmtree(d, ignore_errors=True)
-
-    def timed_write(fd: int, offset: int) -> float:
-        t0 = time.perf_counter()
-        os.pwrite(fd, data, offset)
-        return time.perf_counter() - t0
-
-    def growing(warm: bool = False) -> float:
-        if warm:
-            _warm(n)
-        t = timed_write(grow["fd"], grow["end"])
-        grow["end"] += n
-        return t
-
-    def fresh(allocate: bool = False) -> float:
-        fd = fresh_fd()
-        try:
-            if allocate:
-                os.posix_fallocate(fd, 0, n)
-            return timed_write(fd, 0)
-        finally:
-            os.close(fd)
-
+    raw = _RawFiles(scratch / "writes-16m", rows.tobytes())
     with PayloadClient(socket) as c:
 
         def append(warm: bool = False) -> float:
             if warm:
-                _warm(n)
+                _warm(rows.nbytes)
             t0 = time.perf_counter()
             c.append(ROUTED, rows, 0, run=WRITES_RUN, step=0)
             return time.perf_counter() - t0
 
-        base = "writes: raw pwrite, growing file"
-        methods: list[tuple[str, Callable[[], float], str | None]] = [
-            (base, growing, None),
-            ("writes: raw pwrite, fresh file a call", fresh, base),
-            ("writes: raw pwrite, fallocated fresh file", lambda: fresh(True), base),
-            ("writes: raw pwrite, file rewritten", lambda: timed_write(reused, 0), base),
-            ("writes: append (data plane)", append, base),
-            ("writes: raw pwrite, growing, warm", lambda: growing(True), None),
-            ("writes: append (data plane), warm", lambda: append(True), "writes: raw pwrite, growing, warm"),
-        ]  # fmt: skip
+        methods = _write_methods(raw, append)
         k = 2 if quick else 8
         try:
-            timed_write(reused, 0)  # the rewritten file's pages are in the page cache
+            raw.rewritten()  # the rewritten file's pages are in the page cache
             for r in range(repeat):
-                restart()
+                _restart(raw, root)
                 append()  # connected, fields table fetched
-                took: dict[str, list[float]] = {name: [] for name, _, _ in methods}
-                for i in range(k):
-                    for name, op, _ in rotated(methods, r * k + i):
-                        took[name].append(op())
+                took = _calls(methods, k, r * k)
                 for name, _, b in methods:
-                    add(name, "16MiB", "GB/s", n / statistics.fmean(took[name]) / 1e9, b)
+                    add(name, "16MiB", "GB/s", rows.nbytes / statistics.fmean(took[name]) / 1e9, b)
         finally:
-            restart()
-            os.close(grow["fd"])
-            os.close(reused)
-            shutil.rmtree(folder, ignore_errors=True)
+            _restart(raw, root)
+            raw.close()
+
+
+_Method = tuple[str, Callable[[], float], str | None]
+"""A write measured: ``(row name, timed call, baseline row or None)``."""
+
+
+def _write_methods(raw: _RawFiles, append: Callable[[bool], float]) -> list[_Method]:
+    """The raw ``pwrite`` variants and payloadd's append, cold and warm."""
+    base, warm = "writes: raw pwrite, growing file", "writes: raw pwrite, growing, warm"
+    return [
+        (base, raw.growing, None),
+        ("writes: raw pwrite, fresh file a call", raw.fresh, base),
+        ("writes: raw pwrite, fallocated fresh file", lambda: raw.fresh(True), base),
+        ("writes: raw pwrite, file rewritten", raw.rewritten, base),
+        ("writes: append (data plane)", lambda: append(False), base),
+        (warm, lambda: raw.growing(True), None),
+        ("writes: append (data plane), warm", lambda: append(True), warm),
+    ]
+
+
+def _calls(methods: list[_Method], k: int, first: int) -> dict[str, list[float]]:
+    """``k`` calls of each method, one of each in turn, the order `rotated` at every call
+    (call ``i`` by ``first + i``): the seconds of each method's calls."""
+    took: dict[str, list[float]] = {name: [] for name, _, _ in methods}
+    for i in range(k):
+        for name, op, _ in rotated(methods, first + i):
+            took[name].append(op())
+    return took
+
+
+def _restart(raw: _RawFiles, root: Path) -> None:
+    """Every repetition starts on an empty folder of raw files (a new growing file) and with
+    no step of the appends' run under ``root``."""
+    raw.restart()
+    for d in root.glob(f"*/{WRITES_RUN}"):
+        shutil.rmtree(d, ignore_errors=True)
+
+
+class _RawFiles:
+    """The raw ``pwrite`` baselines' files in ``folder`` (made here), each call writing
+    ``data``: a growing file, a fresh file a call and a file rewritten in place (``reused``).
+
+    Parameters
+    ----------
+    folder : Path
+        Their folder, on the file system of the payload root.
+    data : bytes
+        What every call writes.
+    """
+
+    def __init__(self, folder: Path, data: bytes) -> None:
+        self.folder, self.data, self.n = folder, data, len(data)
+        folder.mkdir(exist_ok=True)
+        self.seq = 0
+        self.grow_fd, self.grow_end = -1, 0
+        self.reused = os.open(folder / "reused", os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+
+    def _fresh_fd(self) -> int:
+        self.seq += 1
+        return os.open(self.folder / f"f{self.seq}",
+                       os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)  # fmt: skip
+
+    def restart(self) -> None:
+        """Remove every file but ``reused``; a new, empty growing file."""
+        if self.grow_fd >= 0:
+            os.close(self.grow_fd)
+        for p in self.folder.iterdir():
+            if p.name != "reused":
+                p.unlink()
+        self.grow_fd, self.grow_end = self._fresh_fd(), 0
+
+    def close(self) -> None:
+        """Close the files and remove the folder."""
+        if self.grow_fd >= 0:
+            os.close(self.grow_fd)
+            self.grow_fd = -1
+        os.close(self.reused)
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+    def _timed_write(self, fd: int, offset: int) -> float:
+        t0 = time.perf_counter()
+        os.pwrite(fd, self.data, offset)
+        return time.perf_counter() - t0
+
+    def growing(self, warm: bool = False) -> float:
+        """Write at the end of the growing file (``warm``: just after `_warm`)."""
+        if warm:
+            _warm(self.n)
+        t = self._timed_write(self.grow_fd, self.grow_end)
+        self.grow_end += self.n
+        return t
+
+    def fresh(self, allocate: bool = False) -> float:
+        """Write a fresh file (``allocate``: ``posix_fallocate``-d first, untimed)."""
+        fd = self._fresh_fd()
+        try:
+            if allocate:
+                os.posix_fallocate(fd, 0, self.n)
+            return self._timed_write(fd, 0)
+        finally:
+            os.close(fd)
+
+    def rewritten(self) -> float:
+        """Rewrite ``reused`` in place."""
+        return self._timed_write(self.reused, 0)

@@ -356,7 +356,7 @@ class Bench:
         pyzmq."""
         if importlib.util.find_spec("zmq") is None:
             return "the RL batch: pyzmq is not installed: pip install 'payloadd[bench]'"
-        size = f"{spec.samples}x{spec.tokens // 1024}k"
+        size = spec.label
         res = bench_rl(spec, self.socket, self.root.parent, self.repeat)
         for key, (label, unit) in RL_MEASURES.items():
             for value in res["inline"][key]:
@@ -375,33 +375,41 @@ class Bench:
 
     def ray(self, spec: RLBatch) -> str | None:
         """The RL job end to end on Ray's object store and on payloadd; a note if no Ray."""
-        note = ray_available()
-        if note is not None:
-            return note
-        size = f"{spec.samples}x{spec.tokens // 1024}k"
-        # at most 3: every repetition writes the batch anew and nothing frees it before
-        # GC; on a VM that hands freed memory back, fresh page cache costs time
-        times = bench_ray(spec, self.socket, min(self.repeat, 3))
-        base = f"RL job ({RAY})"
-        for value in times[RAY]:
-            self.add(base, size, "s", value, None)
-        for value in times[PAYLOADD]:
-            self.add(f"RL job ({PAYLOADD})", size, "s", value, base)
-        return None
+
+        def run(spec: RLBatch, socket: Path, repeat: int) -> dict[str, dict[str, list[float]]]:
+            return {name: {"job": t} for name, t in bench_ray(spec, socket, repeat).items()}
+
+        return self._peer_job(spec, ray_available(), run, {"job": ("RL job", "s")},
+                              RAY, PAYLOADD)  # fmt: skip
 
     def transferqueue(self, spec: RLBatch) -> str | None:
         """The RL job end to end on TransferQueue and on payloadd; a note if no TransferQueue."""
-        note = transferqueue_available()
+        return self._peer_job(spec, transferqueue_available(), bench_transferqueue, TQ_MEASURES,
+                              TQ, f"{PAYLOADD} vs TQ")  # fmt: skip
+
+    def _peer_job(
+        self,
+        spec: RLBatch,
+        note: str | None,
+        run: Callable[[RLBatch, Path, int], dict[str, dict[str, list[float]]]],
+        measures: dict[str, tuple[str, str]],
+        peer: str,
+        mine: str,
+    ) -> str | None:
+        """The RL job on ``peer`` and on payloadd (``run``), a row ``label (peer)`` and a row
+        ``label (mine)`` against it per measure of ``measures`` (key to label and unit);
+        ``note`` instead, if not ``None`` (the peer cannot be imported)."""
         if note is not None:
             return note
-        size = f"{spec.samples}x{spec.tokens // 1024}k"
-        stats = bench_transferqueue(spec, self.socket, min(self.repeat, 3))  # as Ray's
-        for key, (label, unit) in TQ_MEASURES.items():
-            base = f"{label} ({TQ})"
-            for value in stats[TQ][key]:
-                self.add(base, size, unit, value, None)
+        # at most 3: every repetition writes the batch anew and nothing frees it before
+        # GC; on a VM that hands freed memory back, fresh page cache costs time
+        stats = run(spec, self.socket, min(self.repeat, 3))
+        for key, (label, unit) in measures.items():
+            base = f"{label} ({peer})"
+            for value in stats[peer][key]:
+                self.add(base, spec.label, unit, value, None)
             for value in stats[PAYLOADD][key]:
-                self.add(f"{label} ({PAYLOADD} vs TQ)", size, unit, value, base)
+                self.add(f"{label} ({mine})", spec.label, unit, value, base)
         return None
 
 

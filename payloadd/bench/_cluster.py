@@ -36,14 +36,14 @@ import numpy as np
 
 from payload_client import ClusterClient, PayloadClient, PayloadSegment
 from payloadd.bench._daemon_process import start_daemon
-from payloadd.bench._measure import Add, page_aligned, rotated, timed
+from payloadd.bench._measure import Add, Op, measure_gbps, page_aligned
 from payloadd.bench._packed import (
-    DirectReader,
     PackedBatch,
     client_reads,
     direct_reads,
-    stored_bytes,
-    write_packed,
+    measure_reads,
+    routed_outputs,
+    stored_copies,
 )
 from payloadd.bench._rl_batch import LAYERS, ROUTED, ROUTED_FILL, TOP_K
 
@@ -178,11 +178,7 @@ def _cross_node(
                     for s in writer.append(ROUTED, rows, 0, run=RUN, step=0)]  # fmt: skip
             out = page_aligned(rows.nbytes).reshape(rows.shape)
             ops = _cross_node_ops(raw, root, segs, out, peer, http)
-            k = max(2, budget // rows.nbytes)
-            for r in range(repeat):
-                for name, op, base in rotated(ops, r):
-                    op()  # warm
-                    add(name, label, "GB/s", rows.nbytes / timed(op, k) / 1e9, base)
+            measure_gbps(add, ops, label, max(2, budget // rows.nbytes), repeat)
             if not np.array_equal(out, rows):
                 raise RuntimeError("a cross-node read gave other rows than were written")
 
@@ -194,7 +190,7 @@ def _cross_node_ops(
     out: np.ndarray,
     peer: ClusterClient,
     http: ClusterClient,
-) -> list[tuple[str, Callable[[], Any], str | None]]:
+) -> list[Op]:
     """The raw TCP read and payloadd's, each of the next stored copy into ``out``."""
     view = memoryview(out.reshape(-1).data)
     paths = [os.fsencode(root / s.file) for s in segs]
@@ -217,9 +213,9 @@ def _cross_node_ops(
         return read
 
     return [
-        (RAW, bare, None),
-        ("cross-node read uint8 out= (peer port)", reader(peer), RAW),
-        ("cross-node read uint8 out= (http)", reader(http), RAW),
+        (RAW, bare, out.nbytes, None),
+        ("cross-node read uint8 out= (peer port)", reader(peer), out.nbytes, RAW),
+        ("cross-node read uint8 out= (http)", reader(http), out.nbytes, RAW),
     ]
 
 
@@ -234,23 +230,17 @@ def _packed(
     quick: bool,
 ) -> None:
     spec = PackedBatch()
-    size = f"{spec.samples}x{spec.tokens // 1024}k"
     clients = [writers[n] for n in NODES]  # sample i written on node i % 3
-    batches = [write_packed(spec, clients, RUN, c * spec.samples) for c in range(3 if quick else 8)]
     view = tmp / "all-roots"  # one folder showing every node's prefix, for the direct reader
     view.mkdir(exist_ok=True)
     for node, root in roots.items():
         with contextlib.suppress(FileExistsError):
             (view / node).symlink_to(root / node)
-    reader = DirectReader(view, [s for b in batches for s in b])
-    try:
+    with stored_copies(spec, clients, RUN, view, 3 if quick else 8) as (batches, reader):
         turn = itertools.cycle(batches)
-        ops: list[tuple[str, Callable[[], Any], int, str | None]] = []
+        ops: list[Op] = []
         for cp in (1, spec.cp):
-            wins = spec.windows(cp)
-            n = wins[0][1] - wins[0][0]
-            out = page_aligned(n * LAYERS * TOP_K).reshape(n, LAYERS, TOP_K)
-            nbytes = sum(stored_bytes(batches[0], ROUTED, lo, hi) for lo, hi in wins)
+            wins, out, nbytes = routed_outputs(spec, cp, batches)
             base = f"cluster packed: direct reader uint8, CP {cp}"
             direct = direct_reads(reader, turn, wins, out, None)
 
@@ -264,13 +254,7 @@ def _packed(
                 (f"cluster packed read uint8 out=, CP {cp} (3 nodes, http)", cluster(http),
                  nbytes, base),
             ]  # fmt: skip
-        k = max(2, ((24 << 20) if quick else (64 << 20)) // (spec.length * LAYERS * TOP_K))
-        for r in range(repeat):
-            for name, op, nbytes, base in rotated(ops, r):
-                op()  # warm
-                add(name, size, "GB/s", nbytes / timed(op, k) / 1e9, base)
-    finally:
-        reader.close()
+        measure_reads(add, ops, spec, repeat, quick)
 
 
 if __name__ == "__main__":

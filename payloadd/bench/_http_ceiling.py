@@ -30,7 +30,7 @@ import numpy as np
 
 from payload_client import PayloadClient
 from payloadd.bench._daemon_process import run_child
-from payloadd.bench._measure import Add, page_aligned, rotated, timed
+from payloadd.bench._measure import Add, Op, measure_gbps, page_aligned
 from payloadd.bench._rl_batch import LAYERS, ROUTED, TOP_K
 
 __all__ = ["BareApp", "bench_http_ceiling", "main", "start_bare"]
@@ -129,16 +129,11 @@ def bench_http_ceiling(
 
     Parameters
     ----------
-    add : Add
-        Records the samples (`Bench.add`).
-    socket : Path
-        The daemon's control socket.
-    root : Path
-        Its payload root (the bare app preads the stored files there).
+    add, socket, root, repeat
+        As every ``bench_*`` function's (`payloadd.bench._measure`); the bare app preads the
+        stored files under ``root``.
     tmp : Path
         Folder for the bare app's socket.
-    repeat : int
-        Repetitions.
     quick : bool
         Reads rotate over 16 MiB of stored copies instead of 64 MiB, and a sample moves
         16 MiB instead of 64 MiB (at least 2 calls).
@@ -179,17 +174,13 @@ def _one_size(
         s = next(turn)
         http.read_field([s], ROUTED, s.pos, s.pos + s.rows, 0, dtype=np.uint8, out=out)
 
-    ops: list[tuple[str, Callable[[], Any], str | None]] = [
+    ops: list[Op] = [
         ("HTTP ceiling: bare uvicorn, bytes object",
-         lambda: _into(hc, f"/bytes?n={rows.nbytes}", out), None),
-        (CEILING, lambda: _into(hc, next(urls), out), None),
-        ("read uint8 out= (http), vs the ceiling", payloadd, CEILING),
+         lambda: _into(hc, f"/bytes?n={rows.nbytes}", out), rows.nbytes, None),
+        (CEILING, lambda: _into(hc, next(urls), out), rows.nbytes, None),
+        ("read uint8 out= (http), vs the ceiling", payloadd, rows.nbytes, CEILING),
     ]  # fmt: skip
-    k = max(2, budget // rows.nbytes)
-    for r in range(repeat):
-        for name, op, base in rotated(ops, r):
-            op()  # warm
-            add(name, label, "GB/s", rows.nbytes / timed(op, k) / 1e9, base)
+    measure_gbps(add, ops, label, max(2, budget // rows.nbytes), repeat)
 
 
 if __name__ == "__main__":

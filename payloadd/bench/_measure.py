@@ -1,5 +1,14 @@
 """What every ``payloadd bench`` measurement shares: timing, page-aligned buffers, percentiles,
-and the callback that records a sample (`Add`)."""
+and the callback that records a sample (`Add`).
+
+The ``bench_*`` functions of the measurements' modules name their common parameters alike:
+
+- ``add`` (`Add`): records the samples (`Bench.add`);
+- ``socket`` (Path): the control socket of the daemon measured;
+- ``root`` (Path): its payload root, where the baselines open the files it stored;
+- ``repeat`` (int): repetitions, each a sample of every row;
+- ``quick`` (bool): fewer and smaller calls (each function says which).
+"""
 
 from __future__ import annotations
 
@@ -11,7 +20,7 @@ import numpy as np
 
 from payload_client.protocol import PAGE, page_matched
 
-__all__ = ["Add", "page_aligned", "pct", "rotated", "timed"]
+__all__ = ["Add", "Op", "measure_gbps", "page_aligned", "pct", "rotated", "timed"]
 
 
 class Add(Protocol):
@@ -44,6 +53,33 @@ def timed(op: Callable[[], Any], k: int) -> float:
     for _ in range(k):
         op()
     return (time.perf_counter() - t0) / k
+
+
+Op = tuple[str, Callable[[], Any], int, str | None]
+"""A method measured in GB/s: ``(row name, call, bytes a call moves, baseline row or None)``."""
+
+
+def measure_gbps(add: Add, ops: list[Op], size: str, k: int, repeat: int) -> None:
+    """Time each of ``ops`` in GB/s: ``repeat`` rounds, the order `rotated` each round, each
+    method a warm call, then ``k`` timed calls (one sample of its row).
+
+    Parameters
+    ----------
+    add : Add
+        Records the samples.
+    ops : list of Op
+        The methods.
+    size : str
+        The size column of every row.
+    k : int
+        Timed calls a sample.
+    repeat : int
+        Rounds.
+    """
+    for r in range(repeat):
+        for name, op, nbytes, base in rotated(ops, r):
+            op()  # warm
+            add(name, size, "GB/s", nbytes / timed(op, k) / 1e9, base)
 
 
 def page_aligned(nbytes: int) -> np.ndarray:

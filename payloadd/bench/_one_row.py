@@ -100,18 +100,13 @@ def _row_bytes(s: PayloadSegment) -> int:
 def bench_one_rows(
     add: Add, socket: Path, root: Path, repeat: int, quick: bool, counts: tuple[int, ...] = COUNTS
 ) -> None:
-    """Measure one window over ``N`` one-row segments, per segment, against preads.
+    """Measure one window over ``N`` one-row segments, per segment, against preads, in
+    microseconds per segment.
 
     Parameters
     ----------
-    add : Add
-        Records the samples (`Bench.add`), in microseconds per segment.
-    socket : Path
-        The daemon's control socket.
-    root : Path
-        Its payload root (the baselines open the file there).
-    repeat : int
-        Repetitions.
+    add, socket, root, repeat
+        As every ``bench_*`` function's (`payloadd.bench._measure`).
     quick : bool
         Fewer calls a sample.
     counts : tuple of int
@@ -180,16 +175,13 @@ def _ops(
 
 
 def bench_one_row_reads(add: Add, socket: Path, repeat: int, quick: bool) -> None:
-    """Round trips of one-row reads, p50 and p99 of each repetition, on both transports.
+    """Round trips of one-row reads, p50 and p99 of each repetition, on both transports, in
+    milliseconds.
 
     Parameters
     ----------
-    add : Add
-        Records the samples (`Bench.add`), in milliseconds.
-    socket : Path
-        The daemon's control socket.
-    repeat : int
-        Repetitions.
+    add, socket, repeat
+        As every ``bench_*`` function's (`payloadd.bench._measure`).
     quick : bool
         100 reads a repetition instead of 500.
     """

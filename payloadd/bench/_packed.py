@@ -36,6 +36,7 @@ import itertools
 import math
 import os
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,7 +44,7 @@ from typing import Any
 import numpy as np
 
 from payload_client import ClusterClient, PayloadClient, PayloadSegment, shift_segments
-from payloadd.bench._measure import Add, page_aligned, rotated, timed
+from payloadd.bench._measure import Add, Op, measure_gbps, page_aligned
 from payloadd.bench._rl_batch import (
     EXPERTS,
     LAYERS,
@@ -61,8 +62,12 @@ __all__ = [
     "PackedBatch",
     "bench_packed",
     "client_reads",
+    "covering",
     "direct_reads",
+    "measure_reads",
+    "routed_outputs",
     "stored_bytes",
+    "stored_copies",
     "write_packed",
 ]
 
@@ -101,6 +106,11 @@ class PackedBatch:
     def length(self) -> int:
         """Tokens of the micro batch."""
         return self.samples * self.tokens
+
+    @property
+    def label(self) -> str:
+        """The size column of its rows: ``8x2k`` (``str(length)`` under 1,024 tokens a sample)."""
+        return f"{self.samples}x{self.tokens // 1024}k" if self.tokens >= 1024 else str(self.length)
 
     def windows(self, cp: int) -> list[tuple[int, int]]:
         """The CP windows ``[lo, hi)`` of the micro batch (docs/contract.md, "Context-parallel windows"):
@@ -214,21 +224,9 @@ class DirectReader:
         """
         flat = out.reshape(-1).view(np.uint8)
         row = out[0].nbytes if len(out) else 0
-        done = 0  # rows of out written so far
-        for s in segments:
-            if s.field != field:
-                continue
-            a, b = max(lo, s.pos), min(hi, s.pos + s.rows)
-            if a >= b:
-                continue
-            if a - lo > done:
-                out[done : a - lo] = fill
-            nbytes = (b - a) * row
+        for s, a, b in _meeting(segments, field, lo, hi, out, fill):
             self._pread(s, flat[(a - lo) * row : (b - lo) * row], s.offset + (a - s.pos) * row,
-                        nbytes)  # fmt: skip
-            done = b - lo
-        if done < len(out):
-            out[done:] = fill
+                        (b - a) * row)  # fmt: skip
 
     def read_ragged(
         self, segments: Sequence[PayloadSegment], field: str, lo: int, hi: int,
@@ -240,12 +238,8 @@ class DirectReader:
 
         Parameters
         ----------
-        segments : sequence of PayloadSegment
-            The micro batch's segments (any fields).
-        field : str
-            Field to read.
-        lo, hi : int
-            The window.
+        segments, field, lo, hi
+            As in `read_rows`.
         out : numpy.ndarray
             The output, ``W`` at least every segment's width.
         fill : int
@@ -253,15 +247,7 @@ class DirectReader:
         scratch : numpy.ndarray
             ``uint8``, at least ``out.nbytes`` bytes.
         """
-        done = 0
-        for s in segments:
-            if s.field != field:
-                continue
-            a, b = max(lo, s.pos), min(hi, s.pos + s.rows)
-            if a >= b:
-                continue
-            if a - lo > done:
-                out[done : a - lo] = fill
+        for s, a, b in _meeting(segments, field, lo, hi, out, fill):
             w = math.prod(s.shape)
             nb = w * _ITEMSIZE[s.dtype]
             buf = scratch[: (b - a) * nb]
@@ -270,18 +256,111 @@ class DirectReader:
             dest[:, :w] = buf.view(out.dtype).reshape(b - a, w)
             if w < out.shape[1]:
                 dest[:, w:] = fill
-            done = b - lo
-        if done < len(out):
-            out[done:] = fill
+
+
+def _meeting(
+    segments: Sequence[PayloadSegment], field: str, lo: int, hi: int, out: np.ndarray, fill: int
+) -> Iterator[tuple[PayloadSegment, int, int]]:
+    """`covering`, the rows of ``out`` (the window's) no segment covers set to ``fill``: those
+    before a segment as it is yielded, those after the last at the end."""
+    done = 0  # rows of out covered so far
+    for s, a, b in covering(segments, field, lo, hi):
+        if a - lo > done:
+            out[done : a - lo] = fill
+        yield s, a, b
+        done = b - lo
+    if done < len(out):
+        out[done:] = fill
+
+
+def covering(
+    segments: Sequence[PayloadSegment], field: str, lo: int, hi: int
+) -> Iterator[tuple[PayloadSegment, int, int]]:
+    """Each segment of ``field`` that meets ``[lo, hi)``, in the order of ``segments``, with
+    ``[a, b)`` the part of the window it covers.
+
+    Parameters
+    ----------
+    segments : sequence of PayloadSegment
+        Segments of any fields.
+    field : str
+        The field.
+    lo, hi : int
+        The window.
+
+    Yields
+    ------
+    tuple
+        ``(segment, a, b)``, ``lo <= a < b <= hi``.
+    """
+    for s in segments:
+        if s.field != field:
+            continue
+        a, b = max(lo, s.pos), min(hi, s.pos + s.rows)
+        if a < b:
+            yield s, a, b
 
 
 def stored_bytes(segments: Sequence[PayloadSegment], field: str, lo: int, hi: int) -> int:
-    total = 0
-    for s in segments:
-        if s.field == field:
-            a, b = max(lo, s.pos), min(hi, s.pos + s.rows)
-            total += max(0, b - a) * math.prod(s.shape) * _ITEMSIZE[s.dtype]
-    return total
+    """Stored bytes of ``field``'s rows over ``[lo, hi)``."""
+    return sum((b - a) * math.prod(s.shape) * _ITEMSIZE[s.dtype]
+               for s, a, b in covering(segments, field, lo, hi))  # fmt: skip
+
+
+@contextmanager
+def stored_copies(
+    spec: PackedBatch,
+    client: PayloadClient | Sequence[PayloadClient],
+    run: str,
+    root: Path,
+    copies: int,
+) -> Iterator[tuple[list[list[PayloadSegment]], DirectReader]]:
+    """Write ``copies`` copies of the batch (`write_packed`, copy ``c`` from step ``c *
+    samples``), and open the direct reader of them all under ``root``; closed at the end.
+
+    Parameters
+    ----------
+    spec : PackedBatch
+        The batch.
+    client : PayloadClient or sequence of PayloadClient
+        As in `write_packed`.
+    run : str
+        Run of the appends.
+    root : Path
+        The folder the segments' files are relative to (the daemon's payload root).
+    copies : int
+        Stored copies.
+
+    Yields
+    ------
+    tuple
+        The copies' segments (one list a copy), and the `DirectReader`.
+    """
+    batches = [write_packed(spec, client, run, c * spec.samples) for c in range(copies)]
+    reader = DirectReader(root, [s for b in batches for s in b])
+    try:
+        yield batches, reader
+    finally:
+        reader.close()
+
+
+def routed_outputs(
+    spec: PackedBatch, cp: int, batches: list[list[PayloadSegment]]
+) -> tuple[list[tuple[int, int]], np.ndarray, int]:
+    """The CP ``cp`` windows of the batch, a page-aligned ``uint8 [n, 48, 8]`` output of a
+    window's routing, and the stored routing bytes of all the windows (of one copy)."""
+    wins = spec.windows(cp)
+    n = wins[0][1] - wins[0][0]
+    out8 = page_aligned(n * LAYERS * TOP_K).reshape(n, LAYERS, TOP_K)
+    return wins, out8, sum(stored_bytes(batches[0], ROUTED, lo, hi) for lo, hi in wins)
+
+
+def measure_reads(add: Add, ops: list[Op], spec: PackedBatch, repeat: int, quick: bool) -> None:
+    """`measure_gbps` of reads of the batch, a sample the calls that move 24 MiB (``quick``)
+    or 64 MiB of CP-1 windows (at least 2)."""
+    window = spec.length * LAYERS * TOP_K  # stored bytes of a CP-1 read
+    k = max(2, ((24 << 20) if quick else (64 << 20)) // window)
+    measure_gbps(add, ops, spec.label, k, repeat)
 
 
 def bench_packed(
@@ -291,38 +370,22 @@ def bench_packed(
 
     Parameters
     ----------
-    add : Add
-        Records the samples (`Bench.add`).
-    socket : Path
-        The daemon's control socket.
-    root : Path
-        Its payload root (the direct reader opens the files there).
-    repeat : int
-        Repetitions.
+    add, socket, root, repeat
+        As every ``bench_*`` function's (`payloadd.bench._measure`); the direct reader opens
+        the files under ``root``.
     quick : bool
         Fewer stored copies and calls.
     spec : PackedBatch, optional
         The batch (default: 8 x 2,048 tokens, 30 turns, CP 4).
     """
     spec = spec or PackedBatch()
-    size = f"{spec.samples}x{spec.tokens // 1024}k" if spec.tokens >= 1024 else str(spec.length)
     copies = 3 if quick else 8  # more than the client keeps plans of (2 lists)
     with (
         PayloadClient(socket) as fast,
         PayloadClient(socket, data_plane=False) as http,
+        stored_copies(spec, fast, RUN, root, copies) as (batches, reader),
     ):
-        batches = [write_packed(spec, fast, RUN, c * spec.samples) for c in range(copies)]
-        reader = DirectReader(root, [s for b in batches for s in b])
-        try:
-            ops = _ops(spec, batches, reader, fast, http)
-            window = spec.length * LAYERS * TOP_K  # stored bytes of a CP-1 read
-            k = max(2, ((24 << 20) if quick else (64 << 20)) // window)
-            for r in range(repeat):
-                for name, op, nbytes, base in rotated(ops, r):
-                    op()  # warm
-                    add(name, size, "GB/s", nbytes / timed(op, k) / 1e9, base)
-        finally:
-            reader.close()
+        measure_reads(add, _ops(spec, batches, reader, fast, http), spec, repeat, quick)
 
 
 def _ops(
@@ -331,16 +394,13 @@ def _ops(
     reader: DirectReader,
     fast: PayloadClient,
     http: PayloadClient,
-) -> list[tuple[str, Callable[[], Any], int, str | None]]:
+) -> list[Op]:
     """The measured methods: ``(name, call, stored bytes a call, baseline)``."""
     turn = itertools.cycle(batches)
-    ops: list[tuple[str, Callable[[], Any], int, str | None]] = []
+    ops: list[Op] = []
     for cp in (1, spec.cp):
-        wins = spec.windows(cp)
-        n = wins[0][1] - wins[0][0]
-        out8 = page_aligned(n * LAYERS * TOP_K).reshape(n, LAYERS, TOP_K)
+        wins, out8, nbytes = routed_outputs(spec, cp, batches)
         out32 = page_aligned(out8.size * 4).view(np.int32).reshape(out8.shape)
-        nbytes = sum(stored_bytes(batches[0], ROUTED, lo, hi) for lo, hi in wins)
         direct8, direct32 = (
             f"packed direct reader uint8, CP {cp}",
             f"packed direct + int32, CP {cp}",

@@ -30,6 +30,7 @@ import os
 import time
 import uuid
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -38,7 +39,7 @@ import numpy as np
 from payload_client import PayloadClient, PayloadSegment, Window, clip_segments, shift_segments
 from payloadd.bench._rl_batch import MASK, MASK_FILL, ROUTED, ROUTED_FILL, RLBatch, Turn
 
-__all__ = ["PAYLOADD", "RAY", "bench_ray", "ray_available"]
+__all__ = ["PAYLOADD", "RAY", "alternated", "bench_ray", "ray_available", "restored_environ"]
 
 RAY, PAYLOADD = "ray object store", "payloadd"
 Key = tuple[int, int, int]
@@ -220,6 +221,26 @@ def _check(peer_out: Outputs, ours: Outputs, peer: str = "Ray") -> None:
                 )
 
 
+@contextmanager
+def restored_environ() -> Iterator[None]:
+    """``os.environ`` as it was when the block began, again after it (importing and starting
+    Ray both change it)."""
+    environ = dict(os.environ)
+    try:
+        yield
+    finally:
+        for name in os.environ.keys() - environ.keys():  # PYTHONBREAKPOINT, RAY_AUTH_MODE, ...
+            del os.environ[name]
+        os.environ.update(environ)
+
+
+def alternated(peer: str, repeat: int) -> Iterator[tuple[int, str]]:
+    """The timed runs: ``(repetition, system)``, repetitions 1 to ``repeat``, each of both
+    systems, ``peer`` first in the odd ones and payloadd in the even ones."""
+    for rep in range(1, repeat + 1):
+        yield from ((rep, name) for name in ((peer, PAYLOADD) if rep % 2 else (PAYLOADD, peer)))
+
+
 def bench_ray(spec: RLBatch, socket: Path, repeat: int) -> dict[str, list[float]]:
     """Time the RL job on Ray's object store and on payloadd.
 
@@ -252,36 +273,32 @@ def bench_ray(spec: RLBatch, socket: Path, repeat: int) -> dict[str, list[float]
     the batch's routing bytes, at least 256 MiB) and shuts it down at the end, restoring
     ``os.environ``. Refs are dropped between repetitions, which frees their objects.
     """
-    environ = dict(os.environ)  # importing and starting Ray both change it
-    ray: Any = importlib.import_module("ray")
     turns = [list(spec.turns_of(i)) for i in range(spec.samples)]
     tag = uuid.uuid4().hex[:8]
     times: dict[str, list[float]] = {RAY: [], PAYLOADD: []}
-    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
-    try:
-        ray.init(
-            num_cpus=2,
-            include_dashboard=False,
-            log_to_driver=False,
-            _node_ip_address="127.0.0.1",  # Ray 2.60 still binds its ports on every interface
-            object_store_memory=max(3 * spec.routed_bytes, 256 << 20),
-        )
-        with PayloadClient(socket) as client:
+    with restored_environ():
+        ray: Any = importlib.import_module("ray")
+        os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+        try:
+            ray.init(
+                num_cpus=2,
+                include_dashboard=False,
+                log_to_driver=False,
+                _node_ip_address="127.0.0.1",  # Ray 2.60 still binds its ports on every interface
+                object_store_memory=max(3 * spec.routed_bytes, 256 << 20),
+            )
+            with PayloadClient(socket) as client:
 
-            def job(name: str, rep: int, keep: bool) -> Outputs:
-                if name == RAY:
-                    return _ray_job(ray, spec, turns, keep)
-                return _payloadd_job(client, spec, turns, f"bench-ray-{tag}-{rep}", keep)
+                def job(name: str, rep: int, keep: bool) -> Outputs:
+                    if name == RAY:
+                        return _ray_job(ray, spec, turns, keep)
+                    return _payloadd_job(client, spec, turns, f"bench-ray-{tag}-{rep}", keep)
 
-            _check(job(RAY, 0, keep=True), job(PAYLOADD, 0, keep=True))  # untimed
-            for rep in range(1, repeat + 1):
-                for name in (RAY, PAYLOADD) if rep % 2 else (PAYLOADD, RAY):
+                _check(job(RAY, 0, keep=True), job(PAYLOADD, 0, keep=True))  # untimed
+                for rep, name in alternated(RAY, repeat):
                     t0 = time.perf_counter()
                     job(name, rep, keep=False)
                     times[name].append(time.perf_counter() - t0)
-    finally:
-        ray.shutdown()
-        for name in os.environ.keys() - environ.keys():  # PYTHONBREAKPOINT, RAY_AUTH_MODE, ...
-            del os.environ[name]
-        os.environ.update(environ)
+        finally:
+            ray.shutdown()
     return times

@@ -155,6 +155,11 @@ class RLBatch:
         return [(r * size, (r + 1) * size) for r in range(self.cp)]
 
     @property
+    def label(self) -> str:
+        """The size column of its rows: samples x thousands of tokens a sample (``16x32k``)."""
+        return f"{self.samples}x{self.tokens // 1024}k"
+
+    @property
     def routed_bytes(self) -> int:
         """Bytes of routing rows in the whole batch."""
         return self.samples * self.tokens * LAYERS * TOP_K

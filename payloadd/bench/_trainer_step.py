@@ -71,7 +71,7 @@ from payload_client import (
     encode_segments,
 )
 from payloadd.bench._measure import Add, page_aligned, rotated, timed
-from payloadd.bench._packed import MAX_WIDTH, DirectReader, PackedBatch, write_packed
+from payloadd.bench._packed import MAX_WIDTH, DirectReader, PackedBatch, covering, stored_copies
 from payloadd.bench._rl_batch import LAYERS, MASK, MASK_FILL, ROUTED, ROUTED_FILL, TOP_K
 
 __all__ = [
@@ -140,12 +140,7 @@ def _extents(segments: Sequence[PayloadSegment], field: str, lo: int, hi: int,
     """``(file, offset, nbytes)`` of ``field``'s bytes over ``[lo, hi)``, in position order,
     a segment that continues the previous one in its file merged into its extent."""
     out: list[tuple[str, int, int]] = []
-    for s in segments:
-        if s.field != field:
-            continue
-        a, b = max(lo, s.pos), min(hi, s.pos + s.rows)
-        if a >= b:
-            continue
+    for s, a, b in covering(segments, field, lo, hi):
         row = int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize
         off, nbytes = s.offset + (a - s.pos) * row, (b - a) * row
         if out and out[-1][0] == s.file and out[-1][1] + out[-1][2] == off:
@@ -233,13 +228,8 @@ def stored_mask_rows(segments: Sequence[PayloadSegment], lo: int, hi: int,
     """The stored bytes of the mask rows over ``[lo, hi)`` taken out of a placed ``mask``
     output (each row's leading ``w`` entries, ``w`` its segment's width), back to back: what
     the raw reader reads."""
-    parts = []
-    for s in segments:
-        if s.field == MASK:
-            a, b = max(lo, s.pos), min(hi, s.pos + s.rows)
-            if a < b:
-                parts.append(mask[a - lo : b - lo, : s.shape[0]].tobytes())
-    return b"".join(parts)
+    return b"".join(mask[a - lo : b - lo, : s.shape[0]].tobytes()
+                    for s, a, b in covering(segments, MASK, lo, hi))  # fmt: skip
 
 
 def bench_trainer_step(
@@ -249,49 +239,43 @@ def bench_trainer_step(
 
     Parameters
     ----------
-    add : Add
-        Records the samples (`Bench.add`).
-    socket : Path
-        The daemon's control socket.
-    root : Path
-        Its payload root (the raw and direct readers open the files there).
-    repeat : int
-        Repetitions.
+    add, socket, root, repeat, spec
+        As in `payloadd.bench._packed.bench_packed`; the raw reader, too, opens the files
+        under ``root``.
     quick : bool
         3 stored copies instead of 8, a quarter of the calls.
-    spec : PackedBatch, optional
-        The batch (default: 8 x 2,048 tokens, 30 turns, CP 4).
     """
     spec = spec or PackedBatch()
-    size = f"{spec.samples}x{spec.tokens // 1024}k" if spec.tokens >= 1024 else str(spec.length)
     copies = 3 if quick else 8
-    with PayloadClient(socket) as client:
-        batches = [write_packed(spec, client, RUN, c * spec.samples) for c in range(copies)]
+    with (
+        PayloadClient(socket) as client,
+        stored_copies(spec, client, RUN, root, copies) as (batches, reader),
+    ):
         wires = [(encode_segments(b), encode_segments(b, "columns")) for b in batches]
-        reader = DirectReader(root, [s for b in batches for s in b])
-        try:
-            ops = []
-            for cp in (1, spec.cp):
-                k = (32 if cp == 1 else 64) // (4 if quick else 1)
-                ops += [(name, op, k) for name, op in
-                        _ops(spec, cp, batches, wires, reader, client)]  # fmt: skip
-            for r in range(repeat):
-                took: dict[str, float] = {}
-                for name, op, k in rotated(ops, r):
-                    op()  # warm; twice: the lists the client keeps are then this op's
-                    op()
-                    took[name] = timed(op, k)
-                    add(name, size, "ms", took[name] * 1e3, None)
-                for cp in (1, spec.cp):
-                    mine = took[PAYLOADD.format(cp=cp)]
-                    add(VS_DIRECT.format(cp=cp), size, "x", took[DIRECT.format(cp=cp)] / mine, None)
-                    add(VS_RAW.format(cp=cp), size, "x", took[RAW.format(cp=cp)] / mine, None)
-                    if BALANCED.format(cp=cp) in took:
-                        add(VS_CONTIGUOUS.format(cp=cp), size, "x",
-                            took[CONTIGUOUS.format(cp=cp)] / took[BALANCED.format(cp=cp)],
-                            None)  # fmt: skip
-        finally:
-            reader.close()
+        ops = []
+        for cp in (1, spec.cp):
+            k = (32 if cp == 1 else 64) // (4 if quick else 1)
+            ops += [(name, op, k) for name, op in
+                    _ops(spec, cp, batches, wires, reader, client)]  # fmt: skip
+        for r in range(repeat):
+            took: dict[str, float] = {}
+            for name, op, k in rotated(ops, r):
+                op()  # warm; twice: the lists the client keeps are then this op's
+                op()
+                took[name] = timed(op, k)
+                add(name, spec.label, "ms", took[name] * 1e3, None)
+            _ratios(add, spec, took)
+
+
+def _ratios(add: Add, spec: PackedBatch, took: dict[str, float]) -> None:
+    """One repetition's ratio rows: the baselines' times over payloadd's, at each CP."""
+    for cp in (1, spec.cp):
+        mine = took[PAYLOADD.format(cp=cp)]
+        add(VS_DIRECT.format(cp=cp), spec.label, "x", took[DIRECT.format(cp=cp)] / mine, None)
+        add(VS_RAW.format(cp=cp), spec.label, "x", took[RAW.format(cp=cp)] / mine, None)
+        if BALANCED.format(cp=cp) in took:
+            add(VS_CONTIGUOUS.format(cp=cp), spec.label, "x",
+                took[CONTIGUOUS.format(cp=cp)] / took[BALANCED.format(cp=cp)], None)  # fmt: skip
 
 
 def _ops(

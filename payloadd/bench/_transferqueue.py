@@ -55,6 +55,8 @@ from payloadd.bench._ray import (
     _Piece,
     _ranks,
     _window,
+    alternated,
+    restored_environ,
 )
 from payloadd.bench._rl_batch import MASK, MASK_FILL, ROUTED, ROUTED_FILL, RLBatch, Turn
 
@@ -251,35 +253,32 @@ def _quiet_transferqueue() -> Iterator[None]:
 def _started(object_store: int) -> Iterator[dict[str, Any]]:
     """A local Ray instance and TransferQueue on it (controller and `UNITS` storage units);
     yields the modules the job uses. Shuts both down and restores ``os.environ`` after."""
-    environ = dict(os.environ)  # importing and starting Ray both change it
-    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
-    os.environ.setdefault("TQ_LOGGING_LEVEL", "ERROR")  # read at import, here and in actors
-    ray: Any = importlib.import_module("ray")
-    tq: Any = importlib.import_module("transfer_queue")
-    mods = {
-        "tq": tq,
-        "torch": importlib.import_module("torch"),
-        "TensorDict": importlib.import_module("tensordict").TensorDict,
-    }
-    try:
-        ray.init(
-            num_cpus=1 + UNITS,  # logical CPUs: the controller and each unit ask for one
-            include_dashboard=False,
-            log_to_driver=False,
-            _node_ip_address="127.0.0.1",  # TransferQueue's ZMQ servers bind the node's address
-            object_store_memory=object_store,
-        )
-        with _quiet_transferqueue():
-            tq.init({"backend": {"SimpleStorage": {"num_data_storage_units": UNITS}}})
-            yield mods
-    finally:
+    with restored_environ():
+        os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+        os.environ.setdefault("TQ_LOGGING_LEVEL", "ERROR")  # read at import, here and in actors
+        ray: Any = importlib.import_module("ray")
+        tq: Any = importlib.import_module("transfer_queue")
+        mods = {
+            "tq": tq,
+            "torch": importlib.import_module("torch"),
+            "TensorDict": importlib.import_module("tensordict").TensorDict,
+        }
         try:
-            tq.close()
+            ray.init(
+                num_cpus=1 + UNITS,  # logical CPUs: the controller and each unit ask for one
+                include_dashboard=False,
+                log_to_driver=False,
+                _node_ip_address="127.0.0.1",  # TransferQueue's ZMQ servers bind the node's address
+                object_store_memory=object_store,
+            )
+            with _quiet_transferqueue():
+                tq.init({"backend": {"SimpleStorage": {"num_data_storage_units": UNITS}}})
+                yield mods
         finally:
-            ray.shutdown()
-            for name in os.environ.keys() - environ.keys():
-                del os.environ[name]
-            os.environ.update(environ)
+            try:
+                tq.close()
+            finally:
+                ray.shutdown()
 
 
 def bench_transferqueue(spec: RLBatch, socket: Path, repeat: int) -> dict[str, Stats]:
@@ -287,14 +286,9 @@ def bench_transferqueue(spec: RLBatch, socket: Path, repeat: int) -> dict[str, S
 
     Parameters
     ----------
-    spec : RLBatch
-        The batch (generated once, before any timing).
-    socket : pathlib.Path
-        Control socket of a running payloadd daemon; every repetition writes to a run of
-        its own (``bench-tq-<id>-<n>``, step 0), left in the daemon's root.
-    repeat : int
-        Timed repetitions; within each, both systems run, alternately TransferQueue and
-        payloadd first.
+    spec, socket, repeat
+        As in `payloadd.bench._ray.bench_ray`, TransferQueue in Ray's place; payloadd's runs
+        are ``bench-tq-<id>-<n>``.
 
     Returns
     -------
@@ -334,8 +328,7 @@ def bench_transferqueue(spec: RLBatch, socket: Path, repeat: int) -> dict[str, S
                 mods["tq"].get_client().clear_partition(partition)
 
         _check(job(TQ, 0, True)[0], job(PAYLOADD, 0, True)[0], "TransferQueue")  # untimed
-        for rep in range(1, repeat + 1):
-            for name in (TQ, PAYLOADD) if rep % 2 else (PAYLOADD, TQ):
-                for m, value in job(name, rep, keep=False)[1].items():
-                    stats[name][m].append(value)
+        for rep, name in alternated(TQ, repeat):
+            for m, value in job(name, rep, keep=False)[1].items():
+                stats[name][m].append(value)
     return stats

@@ -1,10 +1,10 @@
 """The ``payloadd`` command: ``serve``, ``demo``, ``bench``, ``soak``, ``gc``, ``stat``,
 ``inspect`` and ``health``.
 
-One table of commands (`_commands`): each its help, description, flags and handler; `main`
-parses and calls the handler. A flag a handler cannot use (`FlagError`) is reported by the
-command's parser, as argparse reports one it cannot parse: the usage, ``payloadd X: error:
-...``, exit status 2.
+One table of commands (`_commands`): each its help and description (`_ABOUT`), flags and
+handler; `main` parses and calls the handler. A flag a handler cannot use (`FlagError`) is
+reported by the command's parser, as argparse reports one it cannot parse: the usage,
+``payloadd X: error: ...``, exit status 2.
 
 ``health`` (run by probes every few seconds) is handed over before anything heavy is
 imported: this module imports only the standard library and `payloadd.cli._health` at the
@@ -46,103 +46,91 @@ class _Registered(NamedTuple):
     handler: Handler
 
 
-def _commands() -> list[Command]:
-    """Every subcommand, in the order ``payloadd --help`` lists them."""
-    from payloadd.cli._bench import add_bench_flags, run_bench
-    from payloadd.cli._demo import add_demo_flags, run_demo
-    from payloadd.cli._gc import add_gc_flags, run_gc
-    from payloadd.cli._inspect import add_inspect_flags, run_inspect
-    from payloadd.cli._serve import add_serve_flags, run_serve
-    from payloadd.cli._soak import add_soak_flags, run_soak
-    from payloadd.cli._stat import add_stat_flags, run_stat
+_ABOUT = {
+    "serve": (
+        "run the daemon on a Unix socket",
+        "Run the daemon: own the payload root, serve the HTTP API on a Unix socket. "
+        "Every flag is also a PAYLOADD_* environment variable and a key of the TOML config "
+        "file (--config); a flag wins over the environment, which wins over the file. Sizes "
+        "are in bytes. "
+        "The admin token itself is only an environment variable, PAYLOADD_ADMIN_TOKEN (or "
+        "a file: --admin-token-file).",
+    ),
+    "demo": (
+        "run one RL step end to end on a temporary root",
+        "Start a daemon on a temporary root and socket, write router-replay ids and "
+        "sampling masks, pack them into micro batches, read every DP x CP window and check "
+        "it bit for bit against the inline path. Exits 1 on any mismatch.",
+    ),
+    "bench": (
+        "measure throughput and latency against raw I/O on this machine",
+        "Start a daemon on a temporary root and measure append and window-read "
+        "throughput (data plane and HTTP), one-row round trips and concurrent writers, as "
+        "ratios to raw os.pwrite/os.preadv on the same file system. Prints a table; writes "
+        "bench.json and bench.png.",
+    ),
+    "soak": (
+        "run a daemon under load for a while; fail on wrong data or growing resources",
+        "Start a daemon on a temporary root and run a busy node for --duration "
+        "seconds: writers (threads and processes, sync and async, data plane and HTTP) "
+        "append multi-turn samples step by step, trainer ranks released by one barrier read "
+        "their CP windows of each new micro batch and compare them bit for bit, GC collects "
+        "the steps read and collected segments must answer 410; optionally SIGKILL and "
+        "restart the daemon under load (--kill-every). Samples the daemon's RSS, threads and "
+        "descriptors, writes soak.json and soak.png, prints a verdict. Exit status 0 when "
+        "every check passed, 1 when one failed, 2 for bad flags.",
+    ),
+    "gc": (
+        "garbage-collect on a running daemon",
+        "Ask a running daemon to remove a run's steps up to a watermark "
+        "(--run, --through-step), a whole run (--delete-run), steps older than a TTL "
+        "(--ttl-s), orphans and empty directories; with --node, under another node's prefix "
+        "of a shared root. Prints the report as JSON. An admin call: give the "
+        "token with --token-file or $PAYLOADD_ADMIN_TOKEN when the daemon has one.",
+    ),
+    "stat": (
+        "summary of a running daemon: disk, rates, runs and steps, GC ledger",
+        "Sample a running daemon's counters (GET /v1/stats) and usage "
+        "(GET /v1/admin/usage) twice --interval seconds apart and print the daemon, its "
+        "disk and limits, rates, its runs and steps (files, bytes, bytes on disk, age) and "
+        "the last GC collections. Usage is an admin call: give the token with --token-file "
+        "or $PAYLOADD_ADMIN_TOKEN when the daemon has one.",
+    ),
+    "inspect": (
+        "print the rows a list of segments points to",
+        "Read a JSON list of segments ([field, file, offset, pos, rows, dtype, "
+        "shape] arrays) and print each one's metadata and first rows, read through a "
+        "running daemon; with --lo/--hi, the window [lo, hi) of each field, fill positions "
+        "marked. Exit status 2 for bad flags or JSON, 1 when a read fails.",
+    ),
+    "health": (
+        "check that a daemon answers on its socket (for probes)",
+        DESCRIPTION,
+    ),
+}
+"""Each command's help and description, in the order ``payloadd --help`` lists them."""
+_NO_ABBREV = ("serve", "health")
+"""Commands whose flags are not abbreviated: ``--admin-token`` must not pass for
+``--admin-token-file``."""
 
+
+def _commands() -> list[Command]:
+    """Every subcommand, in the order ``payloadd --help`` lists them (`_ABOUT`'s)."""
+    from payloadd.cli import _bench, _demo, _gc, _inspect, _serve, _soak, _stat
+
+    flags_and_run = {
+        "serve": (_serve.add_serve_flags, _serve.run_serve),
+        "demo": (_demo.add_demo_flags, _demo.run_demo),
+        "bench": (_bench.add_bench_flags, _bench.run_bench),
+        "soak": (_soak.add_soak_flags, _soak.run_soak),
+        "gc": (_gc.add_gc_flags, _gc.run_gc),
+        "stat": (_stat.add_stat_flags, _stat.run_stat),
+        "inspect": (_inspect.add_inspect_flags, _inspect.run_inspect),
+        "health": (add_health_flags, run_health),  # `main` runs it before this: see above
+    }
     return [
-        Command(
-            "serve",
-            "run the daemon on a Unix socket",
-            "Run the daemon: own the payload root, serve the HTTP API on a Unix socket. "
-            "Every flag is also a PAYLOADD_* environment variable and a key of the TOML config "
-            "file (--config); a flag wins over the environment, which wins over the file. Sizes "
-            "are in bytes. "
-            "The admin token itself is only an environment variable, PAYLOADD_ADMIN_TOKEN (or "
-            "a file: --admin-token-file).",
-            add_serve_flags,
-            run_serve,
-            allow_abbrev=False,  # "--admin-token" must not pass for "--admin-token-file"
-        ),
-        Command(
-            "demo",
-            "run one RL step end to end on a temporary root",
-            "Start a daemon on a temporary root and socket, write router-replay ids and "
-            "sampling masks, pack them into micro batches, read every DP x CP window and check "
-            "it bit for bit against the inline path. Exits 1 on any mismatch.",
-            add_demo_flags,
-            run_demo,
-        ),
-        Command(
-            "bench",
-            "measure throughput and latency against raw I/O on this machine",
-            "Start a daemon on a temporary root and measure append and window-read "
-            "throughput (data plane and HTTP), one-row round trips and concurrent writers, as "
-            "ratios to raw os.pwrite/os.preadv on the same file system. Prints a table; writes "
-            "bench.json and bench.png.",
-            add_bench_flags,
-            run_bench,
-        ),
-        Command(
-            "soak",
-            "run a daemon under load for a while; fail on wrong data or growing resources",
-            "Start a daemon on a temporary root and run a busy node for --duration "
-            "seconds: writers (threads and processes, sync and async, data plane and HTTP) "
-            "append multi-turn samples step by step, trainer ranks released by one barrier read "
-            "their CP windows of each new micro batch and compare them bit for bit, GC collects "
-            "the steps read and collected segments must answer 410; optionally SIGKILL and "
-            "restart the daemon under load (--kill-every). Samples the daemon's RSS, threads and "
-            "descriptors, writes soak.json and soak.png, prints a verdict. Exit status 0 when "
-            "every check passed, 1 when one failed, 2 for bad flags.",
-            add_soak_flags,
-            run_soak,
-        ),
-        Command(
-            "gc",
-            "garbage-collect on a running daemon",
-            "Ask a running daemon to remove a run's steps up to a watermark "
-            "(--run, --through-step), a whole run (--delete-run), steps older than a TTL "
-            "(--ttl-s), orphans and empty directories; with --node, under another node's prefix "
-            "of a shared root. Prints the report as JSON. An admin call: give the "
-            "token with --token-file or $PAYLOADD_ADMIN_TOKEN when the daemon has one.",
-            add_gc_flags,
-            run_gc,
-        ),
-        Command(
-            "stat",
-            "summary of a running daemon: disk, rates, runs and steps, GC ledger",
-            "Sample a running daemon's counters (GET /v1/stats) and usage "
-            "(GET /v1/admin/usage) twice --interval seconds apart and print the daemon, its "
-            "disk and limits, rates, its runs and steps (files, bytes, bytes on disk, age) and "
-            "the last GC collections. Usage is an admin call: give the token with --token-file "
-            "or $PAYLOADD_ADMIN_TOKEN when the daemon has one.",
-            add_stat_flags,
-            run_stat,
-        ),
-        Command(
-            "inspect",
-            "print the rows a list of segments points to",
-            "Read a JSON list of segments ([field, file, offset, pos, rows, dtype, "
-            "shape] arrays) and print each one's metadata and first rows, read through a "
-            "running daemon; with --lo/--hi, the window [lo, hi) of each field, fill positions "
-            "marked. Exit status 2 for bad flags or JSON, 1 when a read fails.",
-            add_inspect_flags,
-            run_inspect,
-        ),
-        Command(
-            "health",
-            "check that a daemon answers on its socket (for probes)",
-            DESCRIPTION,
-            add_health_flags,
-            run_health,  # `main` runs it before building this table: see the module docstring
-            allow_abbrev=False,
-        ),
+        Command(name, short, description, *flags_and_run[name], name not in _NO_ABBREV)
+        for name, (short, description) in _ABOUT.items()
     ]
 
 

@@ -23,11 +23,11 @@ from starlette.concurrency import run_in_threadpool
 
 from payload_client.protocol import DATA_SOCKET_SUFFIX
 from payloadd._version import __version__
-from payloadd.server._auth import load_admin_token
-from payloadd.server._dataplane_server import DataPlaneServer
 from payloadd.server._metrics import Metrics, StoreMetrics
-from payloadd.server._peer_server import PeerServer
 from payloadd.server._sockets import StartError, bind_tcp_socket
+from payloadd.server._tokens import load_admin_token
+from payloadd.server.framed._dataplane_server import DataPlaneServer
+from payloadd.server.framed._peer_server import PeerServer
 from payloadd.settings._settings import Settings
 from payloadd.store._budget import Descriptors, InFlight
 from payloadd.store._durability import Flusher
@@ -100,34 +100,28 @@ class Daemon:
 
     def load(self) -> None:
         """Build the descriptor shares, the `Store` and the GC collector; nothing runs yet."""
-        s = self.settings
         # the shares of RLIMIT_NOFILE: serve() computes them once its sockets are bound
-        self.fds = self._given_fds or descriptor_shares(s)
+        self.fds = self._given_fds or descriptor_shares(self.settings)
         log.info("file descriptors: %s", self.fds.describe())
-        # what the root's file system is, and how other nodes' files are read on it
-        policy = self._root_policy()
-        # the storage core over the root
-        self.store = Store(
-            s.root,
-            s.node,
-            max_file_bytes=s.max_file_bytes,
-            fsync=s.fsync,
-            max_read_bytes=s.max_request_bytes,
-            max_append_bytes=s.max_request_bytes,
-            max_append_items=s.max_append_items,
-            max_root_bytes=s.max_root_bytes,
-            min_free_bytes=s.min_free_bytes,
-            fields=s.fields_table(),
-            policy=policy,
-            append_files=self.fds.shares.append_files,
-            read_cache=self.fds.shares.read_cache,
-        )
+        # the storage core over the root, under the rules of the root's file system
+        self.store = self._open_store(self._root_policy())
         log.info("payloadd %s: root %s, node %s", __version__, self.store.root, self.store.node)
         # the GC rules over the store (its ledger keeps room for a line on a full disk)
-        self.collector = GarbageCollector(self.store, s.ttl_s)  # its grace: the policy's
+        self.collector = GarbageCollector(self.store, self.settings.ttl_s)  # grace: the policy's
         # a collection a crash cut is finished before anything is served: its line says
         # its files go, so none of them may be read again
         self.collector.finish_interrupted()
+
+    def _open_store(self, policy: RootPolicy) -> Store:
+        """The `Store` over the root, with the settings' limits and durability policy."""
+        s, shares = self.settings, self.fds.shares
+        return Store(
+            s.root, s.node, max_file_bytes=s.max_file_bytes, fsync=s.fsync,
+            max_read_bytes=s.max_request_bytes, max_append_bytes=s.max_request_bytes,
+            max_append_items=s.max_append_items, max_root_bytes=s.max_root_bytes,
+            min_free_bytes=s.min_free_bytes, fields=s.fields_table(), policy=policy,
+            append_files=shares.append_files, read_cache=shares.read_cache,
+        )  # fmt: skip
 
     def _root_policy(self) -> RootPolicy:
         """The rules for other nodes' files and shared appends on the root's file system:
@@ -144,8 +138,8 @@ class Daemon:
         return policy
 
     def start(self) -> None:
-        """Start the flusher, the data plane, the store's gauges and the GC sweeper (this
-        needs the running event loop)."""
+        """Start the flusher, the data plane, the peer port, the store's gauges and the GC
+        sweeper (this needs the running event loop)."""
         s = self.settings
         # under fsync="interval", flushes every fsync_interval_s
         if s.fsync == "interval":
@@ -153,30 +147,11 @@ class Daemon:
             self._flusher.start()
         # descriptors over <socket>.data, in threads of its own
         if s.data_plane:
-            self.data_plane = DataPlaneServer(
-                self.store,
-                f"{s.socket}{DATA_SOCKET_SUFFIX}",
-                s.socket_mode,
-                s.lease_bytes,
-                metrics=self.metrics,
-                fds=self.fds,
-                inflight=self.inflight,
-                max_frame=s.max_control_bytes,
-                request_timeout=s.request_timeout_s,
-                reservation_timeout=s.reservation_timeout_s,
-            )
+            self.data_plane = self._data_plane()
             self.data_plane.start(self._data_listener)
         # reads by other nodes over TCP, in threads of their own
         if s.peer_port is not None:
-            token = load_admin_token(s, warn=False)
-            if token is None:
-                raise StartError("the peer port (peer_port) needs an admin token")
-            self.peer = PeerServer(
-                self.store, token, self.fds, metrics=self.metrics,
-                max_frame=s.max_control_bytes, max_per_host=s.max_peer_connections_per_host,
-                request_timeout=s.request_timeout_s, idle_timeout=s.keep_alive_s,
-                inflight=self.inflight,
-            )  # fmt: skip
+            self.peer = self._peer()
             self.peer.start(self._peer_listener or bind_tcp_socket(s.peer_host, s.peer_port))
         # the store's gauges, read at each scrape
         connections = self.data_plane.connections if self.data_plane else None
@@ -185,6 +160,29 @@ class Daemon:
         self.metrics.registry.register(self._gauges)
         # the background GC, every gc_interval_s (the first at once)
         self._sweeper = asyncio.create_task(self._sweep_every(s.gc_interval_s))
+
+    def _data_plane(self) -> DataPlaneServer:
+        """The data plane's server over the store (not started)."""
+        s = self.settings
+        return DataPlaneServer(
+            self.store, f"{s.socket}{DATA_SOCKET_SUFFIX}", s.socket_mode, s.lease_bytes,
+            metrics=self.metrics, fds=self.fds, inflight=self.inflight,
+            max_frame=s.max_control_bytes, request_timeout=s.request_timeout_s,
+            reservation_timeout=s.reservation_timeout_s,
+        )  # fmt: skip
+
+    def _peer(self) -> PeerServer:
+        """The peer port's server over the store (not started); it needs an admin token."""
+        s = self.settings
+        token = load_admin_token(s, warn=False)
+        if token is None:
+            raise StartError("the peer port (peer_port) needs an admin token")
+        return PeerServer(
+            self.store, token, self.fds, metrics=self.metrics,
+            max_frame=s.max_control_bytes, max_per_host=s.max_peer_connections_per_host,
+            request_timeout=s.request_timeout_s, idle_timeout=s.keep_alive_s,
+            inflight=self.inflight,
+        )  # fmt: skip
 
     @asynccontextmanager
     async def serve(self) -> AsyncIterator[dict[str, Any]]:
@@ -221,17 +219,13 @@ class Daemon:
         if self._gauges is not None:
             self.metrics.registry.unregister(self._gauges)
             self._gauges = None
-        # the peer port, then the data plane: no new connection, every connection ended
-        if self.peer is not None:
-            self.peer.stop()
-            self.peer = None
-        if self.data_plane is not None:
-            self.data_plane.stop()
-            self.data_plane = None
-        # the flusher: a last flush, leased files included
-        if self._flusher is not None:
-            self._flusher.stop()
-            self._flusher = None
+        # the peer port, then the data plane: no new connection, every connection ended;
+        # then the flusher: a last flush, leased files included
+        for part in ("peer", "data_plane", "_flusher"):
+            running = getattr(self, part)
+            if running is not None:
+                running.stop()
+                setattr(self, part, None)
         self.store.close()
 
     async def _sweep_every(self, seconds: float) -> None:

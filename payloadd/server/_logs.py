@@ -3,8 +3,8 @@
 `configure_logging` sets up the root logger once per process (``payloadd serve``); uvicorn's
 own loggers (``uvicorn.error``, ``uvicorn.access``) propagate to it, so they follow the same
 format. The id of the HTTP request being served (`REQUEST_ID`, set by the request middleware
-in `payloadd.server._access`) is added to every record logged while serving it, in the event loop
-or in a worker thread (Starlette's thread pool copies the context).
+in `payloadd.server.http._access`) is added to every record logged while serving it, in the
+event loop or in a worker thread (Starlette's thread pool copies the context).
 """
 
 from __future__ import annotations

@@ -16,6 +16,8 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import asdict
+from operator import attrgetter
 from typing import TYPE_CHECKING
 
 from prometheus_client import (
@@ -35,10 +37,11 @@ from payload_client.protocol import GcReport
 from payloadd.store._counts import DATA_PLANE, HTTP, PEER, Series
 
 if TYPE_CHECKING:
+    from payload_client.protocol import Stats
     from payloadd.store._budget import Descriptors, InFlight
     from payloadd.store._store import Store
 
-__all__ = ["LATENCY_BUCKETS", "REFUSALS", "Metrics", "StoreMetrics"]
+__all__ = ["LATENCY_BUCKETS", "REFUSALS", "STORE_METRICS", "Metrics", "StoreMetrics"]
 
 LATENCY_BUCKETS = (
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
@@ -188,6 +191,90 @@ class Metrics:
         return generate_latest(self.registry)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Scrape:
+    """What one scrape reads once: the store's stats and open descriptors, and the
+    collector (its optional parts)."""
+
+    stats: Stats
+    append_fds: int
+    read_fds: int
+    leases: int
+    of: StoreMetrics
+
+
+_Value = float | list[tuple[str, float]] | None
+"""A metric's value at a scrape: one number; or one a ``use`` label value; ``None``: the
+metric is not served (its part is off)."""
+
+
+def _shares(x: _Scrape) -> _Value:
+    fds = x.of.fds
+    return None if fds is None else [(u, n) for u, n in asdict(fds.shares).items() if u != "limit"]
+
+
+def _called(part: str) -> Callable[[_Scrape], _Value]:
+    """Read the count the collector's ``part`` returns (``None`` where it is off)."""
+
+    def read(x: _Scrape) -> _Value:
+        count: Callable[[], int] | None = getattr(x.of, part)
+        return None if count is None else count()
+
+    return read
+
+
+def _of(part: str, attr: str) -> Callable[[_Scrape], _Value]:
+    """Read ``attr`` of the collector's ``part`` (``None`` where it is off)."""
+
+    def read(x: _Scrape) -> _Value:
+        got = getattr(x.of, part)
+        if got is None:
+            return None
+        value: float = getattr(got, attr)
+        return value
+
+    return read
+
+
+_Family = type[GaugeMetricFamily] | type[CounterMetricFamily]
+_G, _C = GaugeMetricFamily, CounterMetricFamily
+STORE_METRICS: tuple[tuple[str, _Family, str, Callable[[_Scrape], _Value]], ...] = (
+    ("payloadd_uptime_seconds", _G, "Seconds since this daemon started.", attrgetter("stats.uptime_s")),
+    ("payloadd_root_bytes", _G, "Bytes of this node's files under the root, as counted against max_root_bytes.", attrgetter("stats.root_bytes")),
+    ("payloadd_max_root_bytes", _G, "The cap max_root_bytes (0: none).", attrgetter("stats.max_root_bytes")),
+    ("payloadd_free_bytes", _G, "Free bytes of the root's file system for an unprivileged writer (statvfs).", attrgetter("stats.free_bytes")),
+    ("payloadd_min_free_bytes", _G, "The floor min_free_bytes (0: none).", attrgetter("stats.min_free_bytes")),
+    ("payloadd_appends_refused", _C, "Appends, reservations and leases refused by a disk limit (507).", attrgetter("stats.appends_refused")),
+    ("payloadd_open_files", _G, "Descriptors of data files the daemon holds.", lambda x: [("append", x.append_fds), ("read_cache", x.read_fds)]),
+    ("payloadd_files_open_for_append", _G, "Files taking appends: shared (run, step, field) files (beyond the append_files "
+     "share the least recent is sealed) and data-plane connections' lease files.", attrgetter("stats.files_open_for_append")),
+    ("payloadd_dataplane_leases_active", _G, "Leases held by data-plane clients.", attrgetter("leases")),
+    ("payloadd_dataplane_connections", _G, "Open data-plane connections.", _called("connections")),
+    ("payloadd_peer_connections", _G, "Open peer-port connections.", _called("peer_connections")),
+    ("payloadd_descriptor_share", _G, "The daemon's shares of RLIMIT_NOFILE (process_max_fds), by use.", _shares),
+    ("payloadd_request_descriptors", _G, "Descriptors held by requests now (of the per_request share).", _of("fds", "taken")),
+    ("payloadd_inflight_bytes", _G, "Bytes of request frames and control bodies being received now.", _of("inflight", "used")),
+    ("payloadd_max_inflight_bytes", _G, "The cap max_inflight_bytes.", _of("inflight", "cap")),
+    ("payloadd_fsync_flushes", _C, "Flushes that fsync'd something (fsync interval).", attrgetter("stats.flushes")),
+    ("payloadd_fsync_files_flushed", _C, "Data files fsync'd by flushes.", attrgetter("stats.files_flushed")),
+    ("payloadd_fsync_errors", _C, "fsyncs of flushes that failed.", attrgetter("stats.flush_errors")),
+    ("payloadd_fsync_files_dirty", _G, "Data files the next flush will fsync.", attrgetter("stats.files_dirty")),
+)  # fmt: skip
+"""The gauges and counters `StoreMetrics` reads at each scrape, in their order:
+(name, family type, help, how to read the value at a scrape)."""
+
+
+def _family(family: _Family, name: str, doc: str, value: float | list[tuple[str, float]]) -> Metric:
+    """The family of one metric: of one sample, or of one a ``use``."""
+    if not isinstance(value, list):
+        return family(name, doc, value=value)
+    labelled = family(name, doc, labels=["use"])
+    for use, n in value:
+        labelled.add_metric([use], n)
+    return labelled
+
+
+@dataclasses.dataclass(eq=False)  # a collector is registered by identity
 class StoreMetrics(Collector):
     """Gauges and counters read from the store (and data plane) at scrape time.
 
@@ -206,117 +293,20 @@ class StoreMetrics(Collector):
         Returns the peer port's open connections (absent without a peer port).
     """
 
-    def __init__(
-        self,
-        store: Store,
-        connections: Callable[[], int] | None = None,
-        fds: Descriptors | None = None,
-        inflight: InFlight | None = None,
-        peer_connections: Callable[[], int] | None = None,
-    ) -> None:
-        self.store = store
-        self.connections = connections
-        self.peer_connections = peer_connections
-        self.fds = fds
-        self.inflight = inflight
+    store: Store
+    connections: Callable[[], int] | None = None
+    fds: Descriptors | None = None
+    inflight: InFlight | None = None
+    peer_connections: Callable[[], int] | None = None
 
     def collect(self) -> Iterator[Metric]:
         """One sample of every metric (a ``statvfs`` of the root included)."""
-        s = self.store.stats()
-        append_fds, read_fds, leases = self.store.open_descriptors()
-
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            return GaugeMetricFamily(name, doc, value=value)
-
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            return CounterMetricFamily(name, doc, value=value)
-
+        scrape = _Scrape(self.store.stats(), *self.store.open_descriptors(), of=self)
         yield from self._counters()
-        yield gauge("payloadd_uptime_seconds", "Seconds since this daemon started.", s.uptime_s)
-        yield gauge(
-            "payloadd_root_bytes",
-            "Bytes of this node's files under the root, as counted against max_root_bytes.",
-            s.root_bytes,
-        )
-        yield gauge(
-            "payloadd_max_root_bytes", "The cap max_root_bytes (0: none).", s.max_root_bytes
-        )
-        yield gauge(
-            "payloadd_free_bytes",
-            "Free bytes of the root's file system for an unprivileged writer (statvfs).",
-            s.free_bytes,
-        )
-        yield gauge(
-            "payloadd_min_free_bytes", "The floor min_free_bytes (0: none).", s.min_free_bytes
-        )
-        yield counter(
-            "payloadd_appends_refused",
-            "Appends, reservations and leases refused by a disk limit (507).",
-            s.appends_refused,
-        )
-        files = GaugeMetricFamily(
-            "payloadd_open_files",
-            "Descriptors of data files the daemon holds.",
-            labels=["use"],
-        )
-        files.add_metric(["append"], append_fds)
-        files.add_metric(["read_cache"], read_fds)
-        yield files
-        yield gauge(
-            "payloadd_files_open_for_append",
-            "Files taking appends: shared (run, step, field) files (beyond the append_files "
-            "share the least recent is sealed) and data-plane connections' lease files.",
-            s.files_open_for_append,
-        )
-        yield gauge(
-            "payloadd_dataplane_leases_active", "Leases held by data-plane clients.", leases
-        )
-        if self.connections is not None:
-            yield gauge(
-                "payloadd_dataplane_connections",
-                "Open data-plane connections.",
-                self.connections(),
-            )
-        if self.peer_connections is not None:
-            yield gauge(
-                "payloadd_peer_connections",
-                "Open peer-port connections.",
-                self.peer_connections(),
-            )
-        if self.fds is not None:
-            shares = GaugeMetricFamily(
-                "payloadd_descriptor_share",
-                "The daemon's shares of RLIMIT_NOFILE (process_max_fds), by use.",
-                labels=["use"],
-            )
-            for use, n in dataclasses.asdict(self.fds.shares).items():
-                if use != "limit":
-                    shares.add_metric([use], n)
-            yield shares
-            yield gauge(
-                "payloadd_request_descriptors",
-                "Descriptors held by requests now (of the per_request share).",
-                self.fds.taken,
-            )
-        if self.inflight is not None:
-            yield gauge(
-                "payloadd_inflight_bytes",
-                "Bytes of request frames and control bodies being received now.",
-                self.inflight.used,
-            )
-            yield gauge(
-                "payloadd_max_inflight_bytes", "The cap max_inflight_bytes.", self.inflight.cap
-            )
-        yield counter(
-            "payloadd_fsync_flushes", "Flushes that fsync'd something (fsync interval).", s.flushes
-        )
-        yield counter(
-            "payloadd_fsync_files_flushed", "Data files fsync'd by flushes.", s.files_flushed
-        )
-        yield counter("payloadd_fsync_errors", "fsyncs of flushes that failed.", s.flush_errors)
-        yield gauge(
-            "payloadd_fsync_files_dirty", "Data files the next flush will fsync.", s.files_dirty
-        )
+        for name, family, doc, read in STORE_METRICS:
+            value = read(scrape)
+            if value is not None:
+                yield _family(family, name, doc, value)
 
     def _counters(self) -> Iterator[CounterMetricFamily]:
         """The counters that live in the store (`payloadd.store._counts.Counts`)."""

@@ -81,12 +81,13 @@ def config_path(given: dict[str, Any]) -> Path | None:
 
 def _init_only(
     cls: type[BaseSettings],
+    /,
     settings_cls: type[BaseSettings],
     init_settings: PydanticBaseSettingsSource,
-    env_settings: PydanticBaseSettingsSource,
-    dotenv_settings: PydanticBaseSettingsSource,
-    file_secret_settings: PydanticBaseSettingsSource,
+    **others: PydanticBaseSettingsSource,
 ) -> tuple[PydanticBaseSettingsSource, ...]:
+    """The sources of a settings class: its init arguments only (``others``, the environment,
+    dotenv and secrets sources, are left out)."""
     return (init_settings,)
 
 

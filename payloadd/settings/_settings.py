@@ -122,39 +122,54 @@ class Settings(BaseSettings):
         None,
         description="TOML file of settings, keys named as the settings (a flag or environment "
         "variable wins over it). Default: /etc/payloadd/payloadd.toml when it exists; an "
-        "empty value reads no file; a named file that does not exist is an error.",
+        "empty value reads no file; a named file that does not exist stops the start (exit "
+        "status 2). Not a key of the file.",
     )
     root: Path = Field(
-        Path("/var/lib/payloadd"), description="Payload root: the daemon owns everything below it."
+        Path("/var/lib/payloadd"),
+        description="Payload root: the daemon owns everything below it. Created with mode 0750 "
+        "if missing; must be a directory the daemon can write.",
     )
-    socket: Path = Field(Path(DEFAULT_SOCKET), description="Unix socket the HTTP API listens on.")
+    socket: Path = Field(
+        Path(DEFAULT_SOCKET),
+        description="Unix socket of the HTTP API; the data plane listens on this path plus "
+        ".data, the lock is this path plus .lock. Its directory is created if missing.",
+    )
     socket_mode: int = Field(
-        0o660, description="File mode of both sockets (octal, e.g. 0660): who may connect."
+        0o660,
+        description="File mode of both sockets, in octal (0660 or 660, at most 0777): who may "
+        "connect.",
     )
     socket_group: str | None = Field(
         None,
         pattern=r"^[A-Za-z0-9._][A-Za-z0-9._-]{0,63}$",
-        description="Group (name or gid) given to both sockets; default: the daemon's group.",
+        description="Group given to both sockets: a name, or a number taken as a gid; default: "
+        "the daemon's group.",
+        json_schema_extra={"shown_default": "none (the daemon's group)"},
     )
     admin_token_file: Path | None = Field(
         None,
-        description="File holding the admin token (surrounding whitespace stripped): admin "
-        "calls must send it; the TCP listener needs it on every call.",
+        description="File holding the admin token (surrounding whitespace stripped), read at "
+        "start: admin calls must send it; the TCP listener needs it on every call.",
     )
     admin_token: SecretStr | None = Field(
         None,
-        description="The admin token itself. Environment variable only (a flag would show it "
-        "to every user in the process list); give it or admin_token_file, not both.",
+        description="The admin token itself. Environment variable only: a command line is "
+        "visible to every user (--admin-token is refused, exit status 2), and the config file "
+        "refuses it too. Give it or admin_token_file, not both.",
     )
     tcp_host: str = Field(
-        "127.0.0.1", description="Address the TCP listener binds (when tcp_port is set)."
+        "127.0.0.1",
+        description="Address the TCP listener binds (when tcp_port is set): a host name, an "
+        "IPv4 or IPv6 address (0.0.0.0: every interface).",
     )
     tcp_port: int | None = Field(
         None,
         ge=1,
         le=65535,
-        description="Also serve the HTTP API (not the data plane) on TCP at this port, every "
-        "call needing the admin token. Default: off.",
+        description="Also serve the HTTP API (never the data plane) on TCP at this port, "
+        "1-65535, every call needing the admin token. Default: off.",
+        json_schema_extra={"shown_default": "none (no TCP listener)"},
     )
     peer_host: str = Field(
         "127.0.0.1",
@@ -166,8 +181,9 @@ class Settings(BaseSettings):
         ge=1,
         le=65535,
         description="Serve reads of this node's files to other nodes on TCP at this port, "
-        "without HTTP (ClusterClient; GET /healthz names it). Needs the admin token, which "
-        "every connection must send first. Default: off.",
+        "1-65535, without HTTP (ClusterClient; GET /healthz names it). Needs the admin token, "
+        "which every connection must send first. Default: off.",
+        json_schema_extra={"shown_default": "none (no peer port)"},
     )
     max_peer_connections: int = Field(
         256,
@@ -184,34 +200,55 @@ class Settings(BaseSettings):
     node: str = Field(
         default_factory=default_node,
         pattern=r"^[A-Za-z0-9._-]{1,128}$",
-        description="Node prefix under the root this daemon writes to (default: host name).",
+        description="Node prefix under the root this daemon writes to, [A-Za-z0-9._-]{1,128}, "
+        "not '.' or '..'. Default: the host name with other characters replaced by -, cut to "
+        "128 characters.",
     )
     max_file_bytes: Size = Field(
-        1 * GiB, gt=0, description="A data file is rotated before it would exceed this size."
+        1 * GiB,
+        gt=0,
+        description="Rotation size: a data file is rotated before it would exceed it (a single "
+        "row larger than it gets a file of its own).",
     )
     max_request_bytes: Size = Field(
-        4 * GiB, gt=0, description="Largest append body or read answer; above: 413."
+        4 * GiB,
+        gt=0,
+        description="Largest HTTP append body (and row bytes of one append or data-plane "
+        "reservation), and largest HTTP read answer. Above: 413.",
     )
     max_control_bytes: Size = Field(
-        16 << 20, gt=0, description="Largest append header or read request body; above: 413."
+        16 << 20,
+        gt=0,
+        description="Largest msgpack header of an HTTP append, largest body of a read or GC "
+        "request, and largest data-plane request frame. Above: 413 (PayloadTooLargeError; on "
+        "the data plane the connection is then dropped).",
     )
     max_append_items: int = Field(
-        65536, gt=0, description="Most items (blocks of rows) in one append; above: 413."
+        65536,
+        gt=0,
+        description="Most items (blocks of rows) in one HTTP append or data-plane reservation. "
+        "Above: 413.",
     )
     max_connections: int = Field(
         1024,
         gt=0,
-        description="Most HTTP connections at once on the Unix socket; one more is answered "
-        "503 and closed. Capped by the daemon's share of RLIMIT_NOFILE (an eighth of what is "
-        "free at start).",
+        description="Most HTTP connections at once on the Unix socket (the node's own clients "
+        "and its health probe; TCP has a share of its own, max_tcp_connections). One more is "
+        "answered 503 (BusyError, Retry-After: 1) without its request being read: what it "
+        "sends is dropped unparsed, so a refused append, GC or run deletion is never carried "
+        "out; then it is closed. Capped by the daemon's share of descriptors (RLIMIT_NOFILE: "
+        "an eighth of what is free at start).",
     )
     max_tcp_connections: int = Field(
         1024,
         gt=0,
-        description="Most HTTP connections at once over TCP (a share of their own: nothing "
-        "over TCP refuses a client of the Unix socket); of them, an eighth at most (a quarter "
-        "of that from one address) before showing the admin token, which they must within "
-        "5 s. One more is answered 503 and closed. Capped like max_connections.",
+        description="Most HTTP connections at once over TCP, a share of their own, so that "
+        "nothing arriving over TCP refuses a client of the Unix socket. Of them, an eighth at "
+        "most (at least 2; a quarter of that from one address) may be connections that have "
+        "not yet sent a request head with the admin token, which they must within 5 s of "
+        "connecting (else they are closed); a head without the token is answered 401 and its "
+        "connection closed. One more is answered 503 and closed, like max_connections. Capped "
+        "like max_connections.",
     )
     max_data_connections: int = Field(
         1024,
@@ -223,38 +260,43 @@ class Settings(BaseSettings):
         256 << 20,
         gt=0,
         description="Most bytes of request frames and control bodies (read requests, append "
-        "headers) being received at once, every transport together (requests over the "
-        "network: half of it at most, one host an eighth); beyond, a request waits on the "
-        "data plane and the peer port (up to request_timeout_s) and is answered 503 over "
-        "HTTP. Row bytes stream and do not count.",
+        "headers) being received at once, every transport together; requests over the network "
+        "(TCP, the peer port) hold at most half of it, one host an eighth (local before "
+        "remote). Beyond, a data-plane or peer-port frame waits up to request_timeout_s and an "
+        "HTTP request is answered 503 (BusyError). Row bytes of large appends and reads stream "
+        "a chunk at a time and do not count.",
     )
     request_timeout_s: float = Field(
         30.0,
         gt=0,
         le=86400,
-        description="Seconds a request may stall: an HTTP request head or body, or a "
-        "data-plane frame, that stops arriving mid-way, or an HTTP answer the client stops "
-        "taking, for this long is dropped (408 where an answer is still possible) and "
-        "what it held (its reserved bytes, its files) is given back.",
+        description="Seconds a request may stall (> 0, at most 86400): an HTTP connection that "
+        "sends no complete request head, a request body or a data-plane frame that stops "
+        "arriving mid-way, or a read answer the client stops taking, for this long, is dropped "
+        "(a body: answered 408, RequestTimeoutError, where an answer is still possible), and "
+        "what it held (reserved bytes, files, descriptors) is given back.",
     )
     reservation_timeout_s: float = Field(
         600.0,
         gt=0,
         le=86400,
-        description="Seconds a data-plane reservation (an append larger than a lease, "
-        "written by the client itself) may stay uncommitted; then it is given back.",
+        description="Seconds a data-plane reservation (an append larger than a lease, which "
+        "the client writes itself) may stay uncommitted (> 0, at most 86400); then it is given "
+        "back and its commit answers InvalidRequestError.",
     )
     data_plane: bool = Field(
         True,
         description="Also serve file descriptors on <socket>.data, so clients on this node "
-        "pread/pwrite rows themselves instead of sending them over HTTP.",
+        "pread/pwrite rows themselves instead of sending them over HTTP. false: no data "
+        "socket; every client uses HTTP.",
     )
     lease_bytes: Size = Field(
         16 << 20,
         gt=0,
-        description="Most bytes of one data-plane lease (a client places appends in its lease "
-        "itself, without a round trip, until it is used up): a key's first lease is 64 KiB, "
-        "each after it twice the last, up to this.",
+        description="Most bytes of one lease: a byte range a data-plane client places appends "
+        "of a (run, step, field) in itself, without a round trip, until it is used up. A "
+        "key's first lease on a connection is 64 KiB, each after it twice the last, up to "
+        "this. A larger item gets a lease of its own size; no lease passes max_file_bytes.",
     )
     fsync: Literal["never", "interval", "always"] = Field(
         "never",
@@ -267,17 +309,18 @@ class Settings(BaseSettings):
         1.0,
         gt=0,
         le=86400,  # the flusher's wait overflows far beyond
-        description="Seconds between two flushes under fsync=interval: every data file written "
-        "since the last flush (and every file with a data-plane lease) is fsync'd.",
+        description="Seconds (> 0, at most 86400) between two flushes under fsync=interval: "
+        "every data file written since the last flush (and every file with a data-plane lease) "
+        "is fsync'd.",
     )
     root_fs: Literal["auto", "local", "distributed"] = Field(
         "auto",
         description="What the root's file system is taken for: auto: told at start from statfs "
-        "and the mount table (ext4, XFS, tmpfs... local; FUSE, NFS, Lustre, GPFS, CephFS, SMB "
-        "and unknown kinds distributed); local: one cache for every node (two daemons on one "
-        "disk); distributed: each node has its own caches. It sets the defaults of "
-        "foreign_reads, foreign_wait_s and gc_grace_s, and on a distributed one at most one "
-        "append writes a shared file at a time.",
+        "and the mount table (ext4, XFS, btrfs, tmpfs, ZFS... local; FUSE, NFS, Lustre, GPFS, "
+        "CephFS, SMB, 9p and any kind not known distributed); local: one cache for every node "
+        "(two daemons on one disk); distributed: each node has its own caches. It sets the "
+        "defaults of foreign_reads, foreign_wait_s and gc_grace_s, and on a distributed one at "
+        "most one append writes a shared file at a time.",
     )
     foreign_reads: Literal["auto", "cached", "reopen"] = Field(
         "auto",
@@ -291,23 +334,27 @@ class Settings(BaseSettings):
         None,
         ge=0,
         le=600,
-        description="Longest wait (seconds) for another node's file to show a segment's "
-        "bytes, opening it anew, before a read fails: this node's view of its size may lag "
-        "the writer's. Default: 5 on a distributed file system, 0 on a local one.",
+        description="Longest wait (seconds, at most 600) for another node's file to show a "
+        "segment's bytes, opening it anew, before a read fails with 409: this node's view of "
+        "its size may lag the writer's. Default: 5 on a distributed file system, 0 on a local "
+        "one.",
+        json_schema_extra={"shown_default": "by the file system: `5` distributed, `0` local"},
     )
     gc_grace_s: float | None = Field(
         None,
         ge=0,
         le=600,
-        description="Seconds a collection waits between writing its ledger line and removing "
-        "files, so that other nodes' daemons answer 410 before the files go. Default: 2.5 "
-        "on a distributed file system, 0 on a local one.",
+        description="Seconds (at most 600) a collection waits between writing its ledger line "
+        "and removing files, so that other nodes' daemons answer 410 before the files go. "
+        "Default: 2.5 on a distributed file system, 0 on a local one.",
+        json_schema_extra={"shown_default": "by the file system: `2.5` distributed, `0` local"},
     )
     max_root_bytes: Size = Field(
         0,
         ge=0,
         description="Cap on the bytes of this daemon's files under <root>/<node> (apparent "
         "sizes, reserved bytes included); an append past it fails with 507. 0: no cap.",
+        json_schema_extra={"shown_default": "`0` (no cap)"},
     )
     min_free_bytes: Size = Field(
         1 * GiB,
@@ -318,41 +365,61 @@ class Settings(BaseSettings):
     ttl_s: float = Field(
         86400.0,
         ge=0,
-        description="GC age rule (seconds): a step whose files are all older, of a run not "
-        "appended to or read for as long, is removed by the background sweep; 0 turns it off.",
+        description="GC age rule (seconds): the background sweep removes a step whose files are "
+        "all older than this, of a run not appended to or read for as long; 0 turns the rule "
+        "off. See Garbage collection in docs/operations.md.",
+        json_schema_extra={"shown_default": "`86400.0` (one day)"},
     )
     gc_interval_s: float = Field(
         600.0,
         gt=0,
-        description="Seconds between background GC sweeps (age rule, orphans, empty "
+        description="Seconds (> 0) between background GC sweeps (age rule, orphans, empty "
         "directories); the first runs at start.",
     )
     keep_alive_s: float = Field(
         5.0,
         gt=0,
         le=3600,
-        description="Seconds an idle HTTP connection is kept open before the daemon closes it; "
-        "keep it above clients' keep-alive (payload_client: 2 s) so they never send on a "
-        "connection being closed.",
+        description="Seconds an idle HTTP connection stays open before the daemon closes it "
+        "(> 0, at most 3600). Keep it above the clients' own idle limit (payload_client's "
+        "Timeout.keepalive, 2 s), so that a client never sends on a connection the daemon is "
+        "closing.",
     )
     fields: Annotated[dict[str, FieldRule], NoDecode] = Field(  # JSON read by _json_fields
         default_factory=_default_fields,
-        description="The fields table, JSON: name -> {dtypes, fill, max_width, ragged}. An "
-        "append whose dtype is not among the field's dtypes, whose rows are wider than "
-        "max_width (0: no limit), or whose row shape is not the one the field's first append "
-        "in the run fixed (all dimensions but a ragged last one) is refused (400). Replaces "
-        "the default table: routed_experts (uint8/uint16, fill 0, every dimension fixed), "
-        "sampling_mask (int32, fill -1, ragged, max_width 65536).",
+        description="The fields table, JSON: name -> {dtypes, fill, max_width, ragged}. It "
+        "replaces the default table (routed_experts: uint8/uint16, fill 0, every dimension "
+        "fixed; sampling_mask: int32, fill -1, ragged, max_width 65536): list every field your "
+        "writers use. dtypes: supported dtypes, all integer or all float. fill: the value "
+        "readers should pass for uncovered positions (read_field uses the fill its caller "
+        "passes, not this one): an integer that fits int32 for an integer field, a finite "
+        "number that fits float32 for a float field. max_width: the largest last dimension of "
+        "a row, 0 (default): no limit. ragged: whether the last row dimension may differ from "
+        "append to append (default: when max_width is set); every other dimension, and the "
+        "number of dimensions, is fixed for a run by the field's first append in it "
+        '(docs/contract.md, "Row shapes within a run"). An append whose dtype is not among '
+        "its field's, whose rows are wider than max_width, or whose row shape is not the one "
+        "its run fixed, is refused before anything is reserved (400 over HTTP; on the data "
+        "plane the client refuses the dtype and width with the same InvalidRequestError, from "
+        "the table it fetched, and the daemon the shape, which the client declares once a "
+        "run); values are never cast, so never wrapped, and rows never cut. A field whose "
+        "dtypes are float reads as float32, others as int32. GET /v1/fields shows the table. "
+        "A table that is not valid JSON or breaks a rule above (NaN or infinity included) "
+        "stops payloadd serve with exit status 2.",
     )
     unknown_fields: Literal["allow", "refuse"] = Field(
         "refuse",
-        description="refuse: appends of a field not in the fields table are refused (400), "
-        "and so are reads of one (its rows would be read by nobody, or a typo would read "
-        "as nothing); allow: such a field takes any supported dtype, its rows' shape fixed "
-        "per run by its first append.",
+        description="refuse: appends of a field not in the fields table are refused (400, "
+        "InvalidRequestError naming the table's fields and how to declare one), and so are "
+        "data-plane leases of it, and reads of it (its rows would be read by nobody, or a "
+        "typo would read as nothing; the client fetches the table on its first read); allow "
+        "(an explicit opt-in): such a field takes any supported dtype, its rows' every "
+        "dimension fixed per run by its first append, unless its name is within two typing "
+        "errors of a table field's (refused as a typo, 400, naming the field meant).",
     )
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field(
-        "info", description="Log level of the daemon and uvicorn."
+        "info",
+        description="critical, error, warning, info or debug: log level of the daemon and uvicorn.",
     )
     log_format: Literal["text", "json"] = Field(
         "text",
@@ -362,7 +429,8 @@ class Settings(BaseSettings):
     access_log: bool = Field(
         False,
         description="Log one line per HTTP request (logger payloadd.access, level info): "
-        "method, path, route, status, duration, bytes sent, request id.",
+        "method, path, route, status, duration, bytes sent, request id. See Logs in "
+        "docs/operations.md.",
     )
 
     @field_validator("socket_mode", mode="before")

@@ -36,12 +36,14 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import multiprocessing as mp
 import queue
 import random
 import threading
 import time
 from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
@@ -75,6 +77,7 @@ from payloadd.soak._workers import (
     Tally,
     rank_main,
     retry,
+    taken,
     writer_main,
 )
 
@@ -87,6 +90,19 @@ GONE_PER_STEP = 4
 
 
 # -- the soak --------------------------------------------------------------------------------
+
+
+@dataclass
+class _Crew:
+    """The workers of a run (threads and processes, not started) and their queues: the
+    commands to each, the reports of the writers and of the ranks."""
+
+    writer_results: Any
+    rank_results: Any
+    writers: list[Any] = field(default_factory=list)
+    writer_cmds: list[Any] = field(default_factory=list)
+    ranks: list[Any] = field(default_factory=list)
+    rank_cmds: list[Any] = field(default_factory=list)
 
 
 class Soak:
@@ -127,6 +143,10 @@ class Soak:
         """Seconds since the load started."""
         return since(self.t0, at)
 
+    def _going(self) -> bool:
+        """Whether the soak goes on (not aborted)."""
+        return not self.abort.is_set()
+
     def _abort(self, why: str) -> None:
         with self.cond:
             if self.state.aborted is None:
@@ -148,95 +168,104 @@ class Soak:
         self.t0 = time.monotonic()
         self.state.load_end = self.t0 + a.duration
         self.until = self.state.load_end + a.drain
-        sock = str(self.socket)
-        n_writers = a.writers + a.writer_processes
-        writer_results, rank_results = self.ctx.Queue(), self.ctx.Queue()
-        self.barrier = (
-            self.ctx.Barrier(a.ranks) if a.reader_processes else threading.Barrier(a.ranks)
-        )
-        writer_cmds: list[Any] = []
-        rank_cmds: list[Any] = []
-        writers: list[Any] = []
-        ranks: list[Any] = []
-        for w in range(n_writers):
-            where = "thread" if w < a.writers else "process"
-            cmds: Any = queue.Queue() if where == "thread" else self.ctx.Queue()
-            args = (
-                w,
-                n_writers,
-                where,
-                sock,
-                self.shape,
-                a.samples_per_step,
-                cmds,
-                writer_results,
-                self.until,
-            )
-            writer_cmds.append(cmds)
-            writers.append(self._worker(where, writer_main, args))
-        for r in range(a.ranks):
-            where = "thread" if r < a.ranks - a.reader_processes else "process"
-            cmds = queue.Queue() if where == "thread" else self.ctx.Queue()
-            rargs = (r, where, sock, self.shape, self.barrier, cmds, rank_results, self.until)
-            rank_cmds.append(cmds)
-            ranks.append(self._worker(where, rank_main, rargs))
+        crew = self._crew()
         finished: queue.Queue[tuple[int, list[Written]] | None] = queue.Queue()
         gc_q: queue.Queue[tuple[str, int]] = queue.Queue()
         stop_sampling = threading.Event()
         sampler = self._thread(self._sampler, stop_sampling)
-        driver = self._thread(self._driver, writer_cmds)
-        gatherer = self._thread(self._gather_reports, writer_results, n_writers, finished)
-        trainer = self._thread(self._trainer, finished, rank_cmds, rank_results, gc_q)
+        driver = self._thread(self._driver, crew.writer_cmds)
+        n_writers = len(crew.writers)
+        gatherer = self._thread(self._gather_reports, crew.writer_results, n_writers, finished)
+        trainer = self._thread(self._trainer, finished, crew.rank_cmds, crew.rank_results, gc_q)
         garbage_collector = self._thread(self._collect_garbage, gc_q)
-        killer = self._thread(self._killer) if a.kill_every else None
+        killer = [self._thread(self._killer)] if a.kill_every else []
+        parent = [sampler, driver, gatherer, trainer, garbage_collector, *killer]
         try:
-            for w in [*writers, *ranks, sampler, driver, gatherer, trainer, garbage_collector]:
+            for w in [*crew.writers, *crew.ranks, *parent]:
                 w.start()
-            if killer is not None:
-                killer.start()
-            if self.hostile is not None:
-                plan = NeighbourPlan.of(a.hostile_idle, a.hostile_trickle, a.hostile_stalled)
-                self.pressure = Pressure(
-                    self.hostile, sock, self.daemon.root, self.node_dir, plan, self.tally
-                )
-                self.pressure.start()
-            self._join([driver, gatherer, *writers], "the writers")
+            self._start_pressure()
+            self._join([driver, gatherer, *crew.writers], "the writers")
             self._join([trainer], "the trainer")
-            for cmds in rank_cmds:
+            for cmds in crew.rank_cmds:
                 cmds.put(None)
-            self._join(ranks, "the ranks")
-            self._join([killer] if killer is not None else [], "the killer")
-            self._stop_pressure()
-            if not self.abort.is_set():  # every client of a worker is closed
-                self.state.at_rest = at_rest(sock, self.node_dir, self.lease, self.until)
-            if self.pressure is not None:  # the stragglers' run, compared at rest: now it goes
-                self.pressure.clean_up()
-            gc_q.put(("final", self.state.last_finished))
-            self._join([garbage_collector], "the final GC")
-            if not self.abort.is_set():  # let the daemon settle, then the last sample
-                self.abort.wait(a.settle)
+            self._join(crew.ranks, "the ranks")
+            self._join(killer, "the killer")
+            self._finish(gc_q, garbage_collector)
         except KeyboardInterrupt:
             self._abort("interrupted")
         finally:
             self.abort.set()  # every thread of the parent ends at its next wait
             self._stop_pressure()
-            for cmds in writer_cmds + rank_cmds:
-                cmds.put(None)
             stop_sampling.set()
-            sampler.join(10)
-            self._sample()
-            for p in writers + ranks:
-                if isinstance(p, mp.process.BaseProcess):
-                    p.join(10)
-                    if p.is_alive():
-                        p.kill()  # a worker of ours, by its pid
-                        p.join(5)
-            for results in (writer_results, rank_results):
-                self._merge_rest(results)
-            for q in (writer_results, rank_results, *writer_cmds, *rank_cmds):
-                if not isinstance(q, queue.Queue):  # a pipe: never wait on it at exit
-                    q.close()
-                    q.cancel_join_thread()
+            self._wind_down(crew, sampler)
+
+    def _crew(self) -> _Crew:
+        """The writers and trainer ranks of ``--writers``, ``--writer-processes``,
+        ``--ranks`` and ``--reader-processes`` (not started), their queues, and the ranks'
+        barrier."""
+        a = self.args
+        crew = _Crew(self.ctx.Queue(), self.ctx.Queue())
+        self.barrier = (
+            self.ctx.Barrier(a.ranks) if a.reader_processes else threading.Barrier(a.ranks)
+        )
+        sock, n_writers = str(self.socket), a.writers + a.writer_processes
+        for w in range(n_writers):
+            where = "thread" if w < a.writers else "process"
+            cmds = self._queue(where)
+            args = (w, n_writers, where, sock, self.shape, a.samples_per_step, cmds,
+                    crew.writer_results, self.until)  # fmt: skip
+            crew.writer_cmds.append(cmds)
+            crew.writers.append(self._worker(where, writer_main, args))
+        for r in range(a.ranks):
+            where = "thread" if r < a.ranks - a.reader_processes else "process"
+            cmds = self._queue(where)
+            rargs = (r, where, sock, self.shape, self.barrier, cmds, crew.rank_results, self.until)
+            crew.rank_cmds.append(cmds)
+            crew.ranks.append(self._worker(where, rank_main, rargs))
+        return crew
+
+    def _start_pressure(self) -> None:
+        """Start the hostile neighbours and the probes (``--hostile``)."""
+        if self.hostile is not None:
+            a = self.args
+            plan = NeighbourPlan.of(a.hostile_idle, a.hostile_trickle, a.hostile_stalled)
+            self.pressure = Pressure(
+                self.hostile, str(self.socket), self.daemon.root, self.node_dir, plan, self.tally
+            )
+            self.pressure.start()
+
+    def _finish(self, gc_q: queue.Queue[tuple[str, int]], garbage_collector: Any) -> None:
+        """Once every worker is done: stop the pressure, measure the bytes at rest, run the
+        final GC, let the daemon settle."""
+        self._stop_pressure()
+        if not self.abort.is_set():  # every client of a worker is closed
+            self.state.at_rest = at_rest(str(self.socket), self.node_dir, self.lease, self.until)
+        if self.pressure is not None:  # the stragglers' run, compared at rest: now it goes
+            self.pressure.clean_up()
+        gc_q.put(("final", self.state.last_finished))
+        self._join([garbage_collector], "the final GC")
+        if not self.abort.is_set():  # let the daemon settle, then the last sample
+            self.abort.wait(self.args.settle)
+
+    def _wind_down(self, crew: _Crew, sampler: threading.Thread) -> None:
+        """End the workers and the sampler (aborted), take the last sample, merge what the
+        workers reported last, close the queues."""
+        for cmds in crew.writer_cmds + crew.rank_cmds:
+            cmds.put(None)
+        sampler.join(10)
+        self._sample()
+        for p in crew.writers + crew.ranks:
+            if isinstance(p, mp.process.BaseProcess):
+                p.join(10)
+                if p.is_alive():
+                    p.kill()  # a worker of ours, by its pid
+                    p.join(5)
+        for results in (crew.writer_results, crew.rank_results):
+            self._merge_rest(results)
+        for q in (crew.writer_results, crew.rank_results, *crew.writer_cmds, *crew.rank_cmds):
+            if not isinstance(q, queue.Queue):  # a pipe: never wait on it at exit
+                q.close()
+                q.cancel_join_thread()
 
     def _stop_pressure(self) -> None:
         """Stop the neighbours and the probes (``--hostile``); keep what they saw."""
@@ -246,6 +275,10 @@ class Soak:
 
     def _thread(self, target: Any, *args: Any) -> threading.Thread:
         return threading.Thread(target=target, args=args, daemon=True)
+
+    def _queue(self, where: str) -> Any:
+        """A queue of commands to a worker in a thread, or in a process."""
+        return queue.Queue() if where == "thread" else self.ctx.Queue()
 
     def _worker(self, where: str, target: Any, args: tuple[Any, ...]) -> Any:
         if where == "thread":
@@ -294,14 +327,13 @@ class Soak:
         done = 0
         decoder = msgspec.msgpack.Decoder(tuple[str, int, int, list[Written], dict[str, Any]])
         try:
-            while done < n_writers and not self.abort.is_set():
-                try:
-                    kind, _, step, written, part = decoder.decode(results.get(timeout=0.2))
-                except queue.Empty:
-                    continue
+            for report in taken(results, self._going, 0.2):
+                kind, _, step, written, part = decoder.decode(report)
                 self.tally.merge(part)
                 if kind == "done":
                     done += 1
+                    if done == n_writers:  # (--writers is at least 1)
+                        break
                     continue
                 by_step.setdefault(step, []).extend(written)
                 reported[step] += 1
@@ -314,50 +346,54 @@ class Soak:
     def _trainer(self, finished: Any, rank_cmds: list[Any], results: Any, gc_q: Any) -> None:
         """Pack each finished step, hand every micro batch to every rank, check the truncated
         tails, wait for the ranks' reports, then pass the step to GC."""
-        encoder = msgspec.msgpack.Encoder()
-        decoder = msgspec.msgpack.Decoder(tuple[str, int, int, bool, dict[str, Any]])
         who = "orchestrator (sync data plane, thread)"
         try:
             with PayloadClient(self.socket, timeout=CLIENT_TIMEOUT) as client:
-                while not self.abort.is_set():
-                    try:
-                        item = finished.get(timeout=0.2)
-                    except queue.Empty:
-                        continue
-                    if item is None:
-                        return
-                    step, written = item
-                    with self.cond:
-                        self.state.records[step] = written
-                    batches = pack(self.shape, step, written)
-                    for mb in batches:
-                        message = encoder.encode(mb)
-                        for cmds in rank_cmds:
-                            cmds.put(message)
-                    self.tally.add("micro_batches", len(batches))
-                    for w in written:
-                        self._check_tail(client, w, who)
-                    want, broken = len(batches) * len(rank_cmds), False
-                    while want and not self.abort.is_set():
-                        try:
-                            what, _, _, was_broken, part = decoder.decode(results.get(timeout=0.2))
-                        except queue.Empty:
-                            continue
-                        self.tally.merge(part)
-                        if what != "rank":  # it will not report again
-                            self._abort("a trainer rank ended before the soak did")
-                        want -= 1
-                        broken |= was_broken
-                    if broken:
-                        self.barrier.reset()
-                    with self.cond:
-                        self.state.read_done = self.state.last_finished = step
-                        self.state.read[step] = time.monotonic()
-                        self.cond.notify_all()
+                for step, written in taken(finished, self._going, 0.2):
+                    self._train(client, step, written, rank_cmds, results, who)
                     gc_q.put(("step", step))
         except Exception as exc:
             self.tally.error("trainer", exc, time.monotonic(), who)
             self._abort(f"the orchestrator failed: {type(exc).__name__}: {exc}")
+
+    def _train(
+        self,
+        client: PayloadClient,
+        step: int,
+        written: list[Written],
+        rank_cmds: list[Any],
+        results: Any,
+        who: str,
+    ) -> None:
+        """The trainer's work on one finished step (`_trainer`), but for passing it to GC."""
+        with self.cond:
+            self.state.records[step] = written
+        batches = pack(self.shape, step, written)
+        for mb in batches:
+            message = msgspec.msgpack.encode(mb)
+            for cmds in rank_cmds:
+                cmds.put(message)
+        self.tally.add("micro_batches", len(batches))
+        for w in written:
+            self._check_tail(client, w, who)
+        if self._rank_reports(results, len(batches) * len(rank_cmds)):
+            self.barrier.reset()
+        with self.cond:
+            self.state.read_done = self.state.last_finished = step
+            self.state.read[step] = time.monotonic()
+            self.cond.notify_all()
+
+    def _rank_reports(self, results: Any, want: int) -> bool:
+        """Wait for ``want`` reports of the ranks (or the abort); whether a barrier broke."""
+        decoder = msgspec.msgpack.Decoder(tuple[str, int, int, bool, dict[str, Any]])
+        broken = False
+        for report in itertools.islice(taken(results, self._going, 0.2), want):
+            what, _, _, was_broken, part = decoder.decode(report)
+            self.tally.merge(part)
+            if what != "rank":  # it will not report again
+                self._abort("a trainer rank ended before the soak did")
+            broken |= was_broken
+        return broken
 
     def _check_tail(self, client: PayloadClient, w: Written, who: str) -> None:
         """A truncated sample's tail ``[seq_len, tokens)``: `clip_segments` at the front, read

@@ -22,7 +22,7 @@ from payloadd.soak._report import Check, growth_checks, held_deleted
 from payloadd.soak._state import Kill, RunState, since
 from payloadd.soak._workers import Tally
 
-__all__ = ["GRACE", "TRANSPORT_ERRORS", "document", "is_expected", "verdict"]
+__all__ = ["COUNTS", "GRACE", "TRANSPORT_ERRORS", "document", "is_expected", "verdict"]
 
 GRACE = 5.0
 """Transport errors from 0.5 s before a kill to this long after the restart are expected."""
@@ -72,12 +72,65 @@ def verdict(
     t0 : float
         When the load started (``time.monotonic``).
     """
-    a, st, c = args, state, tally.counts
+    st, c = state, tally.counts
+    expected, unexpected, first = _errors(tally, st.kills, t0)
+    checks = _run_checks(args, st, c, sum(unexpected.values()))
+    started = [since(t0, s) for s in starts]
+    slack = {"rss_mib": args.rss_slack_mib, "fds": args.fd_slack, "threads": args.thread_slack}
+    checks += growth_checks(st.samples, started, args.warmup, slack, args.rss_slack_pct)
+    checks += _settled_checks(args, st, t0)
+    checks += bytes_checks(st)
+    probe_checks, probes = _probe_checks(st, t0)
+    checks += probe_checks
+    final_stats = next((s["stats"] for s in reversed(st.samples) if s["stats"]), None)
+    c["steps_across_kills"] = sum(
+        any(st.issued[s] < k.at < t for k in st.kills) for s, t in st.read.items()
+    )
+    return {
+        "passed": all(ch.ok for ch in checks),
+        "failed": [ch.name for ch in checks if not ch.ok],
+        "counts": {k: c[k] for k in COUNTS},
+        "errors": {"expected": dict(expected), "unexpected": dict(unexpected)},
+        "first_unexpected": first,
+        "mismatch_examples": tally.mismatches,
+        "checks": [ch.as_dict() for ch in checks],
+        "final_stats": final_stats,
+        "bytes": bytes_figures(st),
+        "probes": probes,
+        "neighbours": st.neighbours,
+    }
+
+
+COUNTS = (
+    "steps",
+    "micro_batches",
+    "appends",
+    "rows",
+    "bytes",
+    "in_doubt",
+    "windows",
+    "tail_windows",
+    "rows_checked",
+    "gone_checked",
+    "gc_calls",
+    "gc_files",
+    "restarts",
+    "steps_across_kills",
+    "mismatches",
+)
+"""The counts of a verdict, in its order."""
+
+
+def _errors(
+    tally: Tally, kills: list[Kill], t0: float
+) -> tuple[Counter[str], Counter[str], list[dict[str, Any]]]:
+    """The error events of ``tally`` by class, expected (`is_expected`) and unexpected, and
+    the first `MAX_KEPT` unexpected ones."""
     expected: Counter[str] = Counter()
     unexpected: Counter[str] = Counter()
     first: list[dict[str, Any]] = []
     for e in sorted(tally.errors):
-        if is_expected(e, st.kills):
+        if is_expected(e, kills):
             expected[e[3]] += 1
             continue
         unexpected[e[3]] += 1
@@ -85,6 +138,14 @@ def verdict(
             first.append(
                 {"t": since(t0, e[0]), "op": e[2], "error": e[3], "message": e[4], "who": e[5]}
             )
+    return expected, unexpected, first
+
+
+def _run_checks(
+    args: argparse.Namespace, state: RunState, c: Counter[str], unexpected: int
+) -> list[Check]:
+    """The checks of the data and of the run: no mismatch, no ``unexpected`` error, a window
+    compared, a 410 read checked once GC collected, the run completed within ``--drain``."""
     checks = [
         Check(
             "mismatches",
@@ -96,7 +157,7 @@ def verdict(
         ),
         Check(
             "unexpected errors",
-            sum(unexpected.values()),
+            unexpected,
             0,
             not unexpected,
             "",
@@ -116,58 +177,11 @@ def verdict(
                 ">=",
             )
         )
+    st = state
     drained = None if st.final_gc is None else round(st.final_gc - st.load_end, 1)
-    checks.append(
-        Check(
-            "run completed",
-            drained,
-            a.drain,
-            st.aborted is None,
-            "s",
-            st.aborted or "seconds from the end of the load to the final GC",
-        )
-    )
-    started = [since(t0, s) for s in starts]
-    slack = {"rss_mib": a.rss_slack_mib, "fds": a.fd_slack, "threads": a.thread_slack}
-    checks += growth_checks(st.samples, started, a.warmup, slack, a.rss_slack_pct)
-    checks += _settled_checks(a, st, t0)
-    checks += bytes_checks(st)
-    probe_checks, probes = _probe_checks(st, t0)
-    checks += probe_checks
-    final_stats = next((s["stats"] for s in reversed(st.samples) if s["stats"]), None)
-    c["steps_across_kills"] = sum(
-        any(st.issued[s] < k.at < t for k in st.kills) for s, t in st.read.items()
-    )
-    names = (
-        "steps",
-        "micro_batches",
-        "appends",
-        "rows",
-        "bytes",
-        "in_doubt",
-        "windows",
-        "tail_windows",
-        "rows_checked",
-        "gone_checked",
-        "gc_calls",
-        "gc_files",
-        "restarts",
-        "steps_across_kills",
-        "mismatches",
-    )
-    return {
-        "passed": all(ch.ok for ch in checks),
-        "failed": [ch.name for ch in checks if not ch.ok],
-        "counts": {k: c[k] for k in names},
-        "errors": {"expected": dict(expected), "unexpected": dict(unexpected)},
-        "first_unexpected": first,
-        "mismatch_examples": tally.mismatches,
-        "checks": [ch.as_dict() for ch in checks],
-        "final_stats": final_stats,
-        "bytes": bytes_figures(st),
-        "probes": probes,
-        "neighbours": st.neighbours,
-    }
+    why = st.aborted or "seconds from the end of the load to the final GC"
+    checks.append(Check("run completed", drained, args.drain, st.aborted is None, "s", why))
+    return checks
 
 
 def bytes_figures(state: RunState) -> dict[str, Any]:

@@ -16,8 +16,8 @@ import queue
 import threading
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any, NamedTuple, TypeVar
 
 import msgspec
 import numpy as np
@@ -28,6 +28,7 @@ from payload_client import (
     CoveredRead,
     PayloadClient,
     PayloadError,
+    PayloadSegment,
     TransportError,
     Window,
 )
@@ -39,6 +40,7 @@ from payloadd.soak._check import (
     MicroBatch,
     Region,
     SoakShape,
+    TurnPlan,
     Written,
     compare,
     expected_region,
@@ -57,6 +59,7 @@ __all__ = [
     "kind_name",
     "rank_main",
     "retry",
+    "taken",
     "write_sample",
     "writer_main",
 ]
@@ -135,6 +138,36 @@ class GaveUpError(Exception):
     """An operation failed and its errors are recorded."""
 
 
+class _Tries:
+    """The failures of one operation being retried (`retry`, `aretry`): each is recorded; a
+    transport error is retried after a pause (doubling, up to 1 s) for up to `RETRY_FOR`
+    seconds and never past ``until``, another error is given up at once."""
+
+    def __init__(self, op: str, tally: Tally, who: str, until: float) -> None:
+        self.op, self.tally, self.who = op, tally, who
+        self.give_up_at = min(until, time.monotonic() + RETRY_FOR)
+        self.pause = 0.05
+
+    def failed(self, exc: Exception, t0: float) -> float:
+        """Record ``exc``, of the try begun at ``t0``; return the pause before the next try.
+
+        Raises
+        ------
+        GaveUpError
+            When the operation is given up.
+        """
+        self.tally.error(self.op, exc, t0, self.who)
+        if not isinstance(exc, TransportError):
+            raise GaveUpError from exc
+        if isinstance(exc, AppendInDoubtError):
+            self.tally.add("in_doubt")
+        pause = self.pause
+        if time.monotonic() + pause > self.give_up_at:
+            raise GaveUpError from exc
+        self.pause = min(pause * 2, 1.0)
+        return pause
+
+
 def retry(fn: Callable[[], T], op: str, tally: Tally, who: str, until: float) -> T:
     """Call ``fn`` until it succeeds; a transport error (an append in doubt included: it is
     appended again, which returns new segments) is retried for up to `RETRY_FOR` seconds.
@@ -142,44 +175,28 @@ def retry(fn: Callable[[], T], op: str, tally: Tally, who: str, until: float) ->
     Every failure is recorded. Raises `GaveUpError` when giving up, or at once on another
     error.
     """
-    began, pause = time.monotonic(), 0.05
+    tries = _Tries(op, tally, who, until)
     while True:
         t0 = time.monotonic()
         try:
             return fn()
-        except TransportError as exc:
-            tally.error(op, exc, t0, who)
-            if isinstance(exc, AppendInDoubtError):
-                tally.add("in_doubt")
-            if time.monotonic() + pause > min(until, began + RETRY_FOR):
-                raise GaveUpError from exc
         except Exception as exc:
-            tally.error(op, exc, t0, who)
-            raise GaveUpError from exc
+            pause = tries.failed(exc, t0)
         time.sleep(pause)
-        pause = min(pause * 2, 1.0)
 
 
 async def aretry(
     fn: Callable[[], Awaitable[T]], op: str, tally: Tally, who: str, until: float
 ) -> T:
     """`retry` for coroutines."""
-    began, pause = time.monotonic(), 0.05
+    tries = _Tries(op, tally, who, until)
     while True:
-        t0 = time.monotonic()
+        began = time.monotonic()
         try:
             return await fn()
-        except TransportError as exc:
-            tally.error(op, exc, t0, who)
-            if isinstance(exc, AppendInDoubtError):
-                tally.add("in_doubt")
-            if time.monotonic() + pause > min(until, began + RETRY_FOR):
-                raise GaveUpError from exc
         except Exception as exc:
-            tally.error(op, exc, t0, who)
-            raise GaveUpError from exc
+            pause = tries.failed(exc, began)
         await asyncio.sleep(pause)
-        pause = min(pause * 2, 1.0)
 
 
 def kind_name(kind: tuple[str, bool]) -> str:
@@ -215,6 +232,52 @@ class _Clients:
             self.loop.close()
 
 
+def taken(q: Any, go_on: Callable[[], bool], timeout: float) -> Iterator[Any]:
+    """The items put on ``q`` while ``go_on()``, up to a ``None``; ``q`` is polled every
+    ``timeout`` seconds (so that ``go_on`` is asked again)."""
+    while go_on():
+        try:
+            item = q.get(timeout=timeout)
+        except queue.Empty:
+            continue
+        if item is None:
+            return
+        yield item
+
+
+def _work(
+    role: str,
+    number: int,
+    where: str,
+    socket: str,
+    queues: tuple[Any, Any],
+    until: float,
+    handle: Callable[[_Clients, Any, Tally, str], list[Any]],
+    last: list[Any],
+) -> None:
+    """Run worker ``number`` of ``role`` (a thread or a process, ``where``): with a client of
+    its kind, hand each command of ``queues[0]`` (up to ``None`` or ``until``) to ``handle``,
+    which returns its report; put the report and the tally since the last on ``queues[1]``.
+    An error no call raised is recorded; ``last`` and the tally are the worker's last
+    report."""
+    commands, results = queues
+    kind = KINDS[number % len(KINDS)]
+    who = f"{role} {number} ({kind_name(kind)}, {where})"
+    tally = Tally()
+    encoder = msgspec.msgpack.Encoder()
+    clients: _Clients | None = None
+    try:
+        clients = _Clients(socket, kind)
+        for command in taken(commands, lambda: time.monotonic() < until, 0.5):
+            results.put(encoder.encode([*handle(clients, command, tally, who), tally.take()]))
+    except Exception as exc:
+        tally.error(role, exc, time.monotonic(), who)
+    finally:
+        if clients is not None:
+            clients.close()
+        results.put(encoder.encode([*last, tally.take()]))
+
+
 # -- writers -------------------------------------------------------------------------------
 
 
@@ -222,6 +285,59 @@ def _count_append(tally: Tally, rows: np.ndarray) -> None:
     tally.add("appends")
     tally.add("rows", len(rows))
     tally.add("bytes", rows.nbytes)
+
+
+class _Append(NamedTuple):
+    """One append of a turn: what it calls on a client (sync or async), and where its
+    segments go (``kept``: a field's acknowledged turns) with the rows they hold."""
+
+    op: str
+    call: Callable[[Any], Any]
+    turn: int
+    kept: tuple[dict[int, list[PayloadSegment]], ...]
+    rows: tuple[np.ndarray, ...]
+
+    def keep(self, got: Any, tally: Tally) -> None:
+        """Keep the segments ``got`` of an acknowledged append, and count it."""
+        for kept, segments, rows in zip(
+            self.kept, got if len(self.kept) > 1 else [got], self.rows, strict=True
+        ):
+            kept[self.turn] = segments
+            _count_append(tally, rows)
+
+
+def _turn_appends(shape: SoakShape, w: Written, t: int, turn: TurnPlan) -> list[_Append]:
+    """The appends of turn ``t`` of the sample ``w``, in order (one given up ends the turn):
+    alternately one `append_many` of both fields, or one append each."""
+    routed, mask = turn_rows(shape, w.writer, w.step, w.sample, t, turn)
+    step = w.step
+    if (w.sample + t) % 2:
+        items = [(ROUTED, routed, turn.pos), (MASK, mask, turn.mask_pos)]
+        both = (w.routed, w.mask)
+        call = functools.partial(_append_many, items=items, step=step)
+        return [_Append("append_many", call, t, both, (routed, mask))]
+    first = functools.partial(_append, field=ROUTED, rows=routed, pos=turn.pos, step=step)
+    then = functools.partial(_append, field=MASK, rows=mask, pos=turn.mask_pos, step=step)
+    return [
+        _Append("append", first, t, (w.routed,), (routed,)),
+        _Append("append", then, t, (w.mask,), (mask,)),
+    ]
+
+
+def _append(client: Any, field: str, rows: np.ndarray, pos: int, step: int) -> Any:
+    """``client.append`` of one field's rows to the soak's run."""
+    return client.append(field, rows, pos, run=RUN, step=step)
+
+
+def _append_many(client: Any, items: list[tuple[str, np.ndarray, int]], step: int) -> Any:
+    """``client.append_many`` of ``items`` to the soak's run."""
+    return client.append_many(items, run=RUN, step=step)
+
+
+def _sample_appends(shape: SoakShape, w: Written) -> Iterator[list[_Append]]:
+    """The appends of each turn of the sample ``w`` (`_turn_appends`)."""
+    for t, turn in enumerate(plan_sample(shape, w.writer, w.step, w.sample)):
+        yield _turn_appends(shape, w, t, turn)
 
 
 def write_sample(
@@ -237,65 +353,62 @@ def write_sample(
     """Write one sample turn by turn (alternately two appends, or one `append_many`); keep the
     segments of the acknowledged appends."""
     w = Written(writer, step, sample)
-    for t, turn in enumerate(plan_sample(shape, writer, step, sample)):
-        routed, mask = turn_rows(shape, writer, step, sample, t, turn)
-        try:
-            if (sample + t) % 2:
-                items = [(ROUTED, routed, turn.pos), (MASK, mask, turn.mask_pos)]
-                fn = functools.partial(client.append_many, items, run=RUN, step=step)
-                w.routed[t], w.mask[t] = retry(fn, "append_many", tally, who, until)
-                _count_append(tally, routed)
-                _count_append(tally, mask)
-                continue
-            one = functools.partial(client.append, ROUTED, routed, turn.pos, run=RUN, step=step)
-            w.routed[t] = retry(one, "append", tally, who, until)
-            _count_append(tally, routed)
-        except GaveUpError:
-            continue
+    for appends in _sample_appends(shape, w):
         with contextlib.suppress(GaveUpError):
-            one = functools.partial(client.append, MASK, mask, turn.mask_pos, run=RUN, step=step)
-            w.mask[t] = retry(one, "append", tally, who, until)
-            _count_append(tally, mask)
+            for a in appends:
+                a.keep(retry(functools.partial(a.call, client), a.op, tally, who, until), tally)
     return w
 
 
-async def awrite_sample(
+async def _awrite_samples(
     client: AsyncPayloadClient,
     shape: SoakShape,
-    writer: int,
-    step: int,
-    sample: int,
+    ws: list[Written],
     tally: Tally,
     who: str,
     until: float,
-) -> Written:
-    """`write_sample` with an async client."""
-    w = Written(writer, step, sample)
-    for t, turn in enumerate(plan_sample(shape, writer, step, sample)):
-        routed, mask = turn_rows(shape, writer, step, sample, t, turn)
-        try:
-            if (sample + t) % 2:
-                items = [(ROUTED, routed, turn.pos), (MASK, mask, turn.mask_pos)]
-                fn = functools.partial(client.append_many, items, run=RUN, step=step)
-                w.routed[t], w.mask[t] = await aretry(fn, "append_many", tally, who, until)
-                _count_append(tally, routed)
-                _count_append(tally, mask)
-                continue
-            one = functools.partial(client.append, ROUTED, routed, turn.pos, run=RUN, step=step)
-            w.routed[t] = await aretry(one, "append", tally, who, until)
-            _count_append(tally, routed)
-        except GaveUpError:
-            continue
-        with contextlib.suppress(GaveUpError):
-            one = functools.partial(client.append, MASK, mask, turn.mask_pos, run=RUN, step=step)
-            w.mask[t] = await aretry(one, "append", tally, who, until)
-            _count_append(tally, mask)
-    return w
+) -> list[Written]:
+    """`write_sample` of the samples ``ws`` with an async client, all at once."""
+
+    async def one(w: Written) -> Written:
+        for appends in _sample_appends(shape, w):
+            with contextlib.suppress(GaveUpError):
+                for a in appends:
+                    got = await aretry(functools.partial(a.call, client), a.op, tally, who, until)
+                    a.keep(got, tally)
+        return w
+
+    return list(await asyncio.gather(*(one(w) for w in ws)))
 
 
-async def _gather(samples: Sequence[Awaitable[Written]]) -> list[Written]:
-    """The samples of an async writer's step, written at once."""
-    return list(await asyncio.gather(*samples))
+def _write_step(
+    writer: int,
+    writers: int,
+    shape: SoakShape,
+    samples_per_step: int,
+    until: float,
+    clients: _Clients,
+    step: int,
+    tally: Tally,
+    who: str,
+) -> list[Any]:
+    """Write the samples of ``step`` that are ``writer``'s (``k % writers == writer``);
+    return the writer's report of them."""
+    mine = range(writer, samples_per_step, writers)
+    done: list[Written] = []
+    try:
+        if clients.sync is not None:
+            for k in mine:
+                done.append(write_sample(clients.sync, shape, writer, step, k, tally, who, until))
+        else:
+            assert clients.aio is not None and clients.loop is not None
+            ws = [Written(writer, step, k) for k in mine]
+            done = clients.loop.run_until_complete(
+                _awrite_samples(clients.aio, shape, ws, tally, who, until)
+            )
+    except Exception as exc:  # a bug of the soak or an error no call raised
+        tally.error("write", exc, time.monotonic(), who)
+    return ["step", writer, step, done]
 
 
 def writer_main(
@@ -311,44 +424,9 @@ def writer_main(
 ) -> None:
     """A writer (a thread or a process): for each step it is told, write its samples (those
     ``k`` with ``k % writers == writer``), then report them; ``None`` ends it."""
-    kind = KINDS[writer % len(KINDS)]
-    who = f"writer {writer} ({kind_name(kind)}, {where})"
-    tally = Tally()
-    encoder = msgspec.msgpack.Encoder()
-    clients: _Clients | None = None
-    try:
-        clients = _Clients(socket, kind)
-        while time.monotonic() < until:
-            try:
-                step = commands.get(timeout=0.5)
-            except queue.Empty:
-                continue
-            if step is None:
-                break
-            mine = range(writer, samples_per_step, writers)
-            done: list[Written] = []
-            try:
-                if clients.sync is not None:
-                    for k in mine:
-                        done.append(
-                            write_sample(clients.sync, shape, writer, step, k, tally, who, until)
-                        )
-                else:
-                    assert clients.aio is not None and clients.loop is not None
-                    samples = [
-                        awrite_sample(clients.aio, shape, writer, step, k, tally, who, until)
-                        for k in mine
-                    ]
-                    done = clients.loop.run_until_complete(_gather(samples))
-            except Exception as exc:  # a bug of the soak or an error no call raised
-                tally.error("write", exc, time.monotonic(), who)
-            results.put(encoder.encode(["step", writer, step, done, tally.take()]))
-    except Exception as exc:
-        tally.error("writer", exc, time.monotonic(), who)
-    finally:
-        if clients is not None:
-            clients.close()
-        results.put(encoder.encode(["done", writer, 0, [], tally.take()]))
+    write = functools.partial(_write_step, writer, writers, shape, samples_per_step, until)
+    last = ["done", writer, 0, []]
+    _work("writer", writer, where, socket, (commands, results), until, write, last)
 
 
 # -- trainer ranks ---------------------------------------------------------------------------
@@ -385,6 +463,45 @@ def _windows(mb: MicroBatch, lo: int, hi: int, how: int) -> list[Window]:
     ]
 
 
+def _read_micro_batch(
+    rank: int,
+    shape: SoakShape,
+    barrier: Any,
+    until: float,
+    clients: _Clients,
+    command: bytes,
+    tally: Tally,
+    who: str,
+) -> list[Any]:
+    """Work out the windows of ``rank`` in the micro batch ``command``, wait on the barrier
+    with the other ranks, read, compare; return the rank's report (whether the barrier
+    broke)."""
+    mb = msgspec.msgpack.decode(command, type=MicroBatch)
+    lo, hi = mb.windows(shape.cp)[rank]
+    region = expected_region(shape, mb, lo, hi + 1)
+    how = (mb.step + mb.index + rank) % 3  # read_many, two read_field, with coverage
+    broken = False
+    try:
+        barrier.wait(BARRIER_TIMEOUT)
+    except threading.BrokenBarrierError as exc:
+        tally.error("barrier", exc, time.monotonic(), who)
+        broken = True
+    try:
+        got = _read(clients, _reads(mb, lo, hi, how), tally, who, until)
+    except GaveUpError:
+        got = None
+    except Exception as exc:
+        tally.error("read", exc, time.monotonic(), who)
+        got = None
+    if got is not None:
+        what = f"step {mb.step} micro batch {mb.index} rank {rank} ({kind_name(clients.kind)})"
+        for bad in check_windows(got[0], got[1], region, lo, hi, what):
+            tally.mismatch(bad)
+        tally.add("windows", 2)
+        tally.add("rows_checked", 2 * (hi - lo))
+    return ["rank", rank, mb.step, broken]
+
+
 def rank_main(
     rank: int,
     where: str,
@@ -398,82 +515,43 @@ def rank_main(
     """A trainer rank (a thread or a process): for each micro batch it is given, work out its
     windows' expected rows, wait on the barrier with the other ranks, read, compare, report.
     ``None`` ends it."""
-    kind = KINDS[rank % len(KINDS)]
-    who = f"rank {rank} ({kind_name(kind)}, {where})"
-    tally = Tally()
-    encoder = msgspec.msgpack.Encoder()
-    decoder = msgspec.msgpack.Decoder(MicroBatch)
-    clients: _Clients | None = None
-    try:
-        clients = _Clients(socket, kind)
-        while time.monotonic() < until:
-            try:
-                command = commands.get(timeout=0.5)
-            except queue.Empty:
-                continue
-            if command is None:
-                break
-            mb = decoder.decode(command)
-            lo, hi = mb.windows(shape.cp)[rank]
-            region = expected_region(shape, mb, lo, hi + 1)
-            how = (mb.step + mb.index + rank) % 3  # read_many, two read_field, with coverage
-            broken = False
-            try:
-                barrier.wait(BARRIER_TIMEOUT)
-            except threading.BrokenBarrierError as exc:
-                tally.error("barrier", exc, time.monotonic(), who)
-                broken = True
-            try:
-                got = _read(clients, mb, lo, hi, how, tally, who, until)
-            except GaveUpError:
-                got = None
-            except Exception as exc:
-                tally.error("read", exc, time.monotonic(), who)
-                got = None
-            if got is not None:
-                what = f"step {mb.step} micro batch {mb.index} rank {rank} ({kind_name(kind)})"
-                for bad in check_windows(got[0], got[1], region, lo, hi, what):
-                    tally.mismatch(bad)
-                tally.add("windows", 2)
-                tally.add("rows_checked", 2 * (hi - lo))
-            results.put(encoder.encode(["rank", rank, mb.step, broken, tally.take()]))
-    except Exception as exc:
-        tally.error("rank", exc, time.monotonic(), who)
-    finally:
-        if clients is not None:
-            clients.close()
-        results.put(encoder.encode(["done", rank, -1, False, tally.take()]))
+    read = functools.partial(_read_micro_batch, rank, shape, barrier, until)
+    last = ["done", rank, -1, False]
+    _work("rank", rank, where, socket, (commands, results), until, read, last)
+
+
+def _reads(mb: MicroBatch, lo: int, hi: int, how: int) -> list[tuple[str, Callable[[Any], Any]]]:
+    """The calls that read a rank's two windows the ``how``-th way: ``(op, call of a
+    client)``, giving the routing window and the mask window, or both at once."""
+    ws = _windows(mb, lo, hi, how)
+    if how == 1:
+        return [
+            ("read_field", lambda c: c.read_field(*ws[0][:5])),
+            ("read_field", lambda c: c.read_field(*ws[1][:5])),
+        ]
+    return [("read_many", lambda c: c.read_many(ws, coverage=None))]
 
 
 def _read(
     clients: _Clients,
-    mb: MicroBatch,
-    lo: int,
-    hi: int,
-    how: int,
+    calls: list[tuple[str, Callable[[Any], Any]]],
     tally: Tally,
     who: str,
     until: float,
 ) -> tuple[object, object]:
-    """A rank's two windows, the ``how``-th way."""
-    ws = _windows(mb, lo, hi, how)
+    """A rank's two windows, read by ``calls`` (`_reads`)."""
     if clients.sync is not None:
         c = clients.sync
-        if how == 1:
-            routed = retry(lambda: c.read_field(*ws[0][:5]), "read_field", tally, who, until)
-            mask = retry(lambda: c.read_field(*ws[1][:5]), "read_field", tally, who, until)
-            return routed, mask
-        got = retry(lambda: c.read_many(ws, coverage=None), "read_many", tally, who, until)
-        return got[0], got[1]
-    assert clients.aio is not None and clients.loop is not None
-    a = clients.aio
+        got = [retry(functools.partial(fn, c), op, tally, who, until) for op, fn in calls]
+    else:
+        assert clients.aio is not None and clients.loop is not None
+        a = clients.aio
 
-    async def both() -> tuple[object, object]:
-        if how == 1:
-            routed = await aretry(lambda: a.read_field(*ws[0][:5]), "read_field", tally, who, until)
-            mask = await aretry(lambda: a.read_field(*ws[1][:5]), "read_field", tally, who, until)
-            return routed, mask
-        got = await aretry(lambda: a.read_many(ws, coverage=None), "read_many", tally, who, until)
-        return got[0], got[1]
+        async def each() -> list[Any]:
+            return [
+                await aretry(functools.partial(fn, a), op, tally, who, until) for op, fn in calls
+            ]
 
-    return clients.loop.run_until_complete(both())
+        got = clients.loop.run_until_complete(each())
+    both = got[0] if len(got) == 1 else got
+    return both[0], both[1]

@@ -2,9 +2,9 @@
 
 `FileTable` creates the data files (``<root>/<node>/<run>/<step>/<field>-<instance>-<seq>.bin``,
 mode 0640, their directories 0750), keeps the shared current file of every
-``(run, step, field)`` and each data-plane connection's lease files, places rows in them
-(`FileTable.place`), and seals, closes and discards them; it counts what they reserve
-against the disk limits (`payloadd.store._disk_limits.DiskBudget`) and marks what the next
+``(run, step, field)`` and each data-plane connection's lease files (an append's rows are
+placed in them by `payloadd.store._placing.Placing`), and seals, closes and discards them;
+it counts what they reserve against the disk limits (`payloadd.store._disk_limits.DiskBudget`) and marks what the next
 flush must fsync (`payloadd.store._durability.DirtyFiles`). It is the `AppendOwner` of the
 pending appends and leased ranges of `payloadd.store._store.Store`. It removes data files
 only inside `FileTable.removing` (the removal generation moves,
@@ -17,18 +17,16 @@ import contextlib
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Literal
 
-from payload_client.protocol import AppendItem
-from payloadd.store._appends import item_nbytes
 from payloadd.store._disk_limits import DiskBudget
 from payloadd.store._durability import DirtyFiles
 from payloadd.store._generation import GenerationPage
 from payloadd.store._records import AppendFile, Placement, os_errors
 
-__all__ = ["DIR_MODE", "FILE_MODE", "FileTable", "check_root", "files_needed", "unwritten"]
+__all__ = ["DIR_MODE", "FILE_MODE", "FileTable", "check_root", "unwritten"]
 
 DIR_MODE = 0o750
 FILE_MODE = 0o640
@@ -68,7 +66,7 @@ class FileTable:
     fsync : {"never", "interval", "always"}
         The durability policy (see `payloadd.store._store.Store`).
     max_file_bytes : int
-        Rotation size (`place`).
+        Rotation size (`payloadd.store._placing.split_rows`).
     append_files : int
         Shared current files kept open; the least recently appended to is sealed beyond.
     budget : DiskBudget
@@ -186,13 +184,6 @@ class FileTable:
         except FileNotFoundError:
             return True
         return (st.st_dev, st.st_ino) != f.ino
-
-    @staticmethod
-    def hold(f: AppendFile, held: dict[int, AppendFile]) -> None:
-        """Count ``f`` as used by the append whose files are ``held`` (once)."""
-        if id(f) not in held:
-            held[id(f)] = f
-            f.users += 1
 
     def release(self, files: Sequence[AppendFile]) -> None:
         """The caller is done with ``files``; a sealed one nobody uses any more closes."""
@@ -369,70 +360,6 @@ class FileTable:
         self._trim()
         return None
 
-    def place(
-        self,
-        index: int,
-        item: AppendItem,
-        row_nb: int,
-        held: dict[int, AppendFile],
-        out: list[Placement],
-        current: Callable[[tuple[str, int, str]], AppendFile],
-        new: Callable[[tuple[str, int, str]], AppendFile],
-    ) -> None:
-        """Reserve room for one item's rows, adding its placements to ``out``; lock held.
-        ``current(key)`` is the file the key appends to, ``new(key)`` starts the next one."""
-        key = (item.run, item.step, item.field)
-        rows, pos = item.rows, item.pos
-        f = current(key)
-        while True:
-            nbytes = rows * row_nb
-            fits = f.size + nbytes <= self.max_file_bytes
-            if fits or rows == 0 or (f.size == 0 and rows == 1):
-                self.hold(f, held)
-                out.append(Placement(index, f, f.size, pos, rows, nbytes))
-                f.size += nbytes
-                return
-            if f.size > 0:
-                f = new(key)
-                continue
-            # an empty file and more rows than fit: fill it, then go on in the next one
-            take = max(1, self.max_file_bytes // row_nb)
-            self.hold(f, held)
-            out.append(Placement(index, f, 0, pos, take, take * row_nb))
-            f.size = take * row_nb
-            rows, pos = rows - take, pos + take
-
-    def undo_placement(
-        self,
-        items: Sequence[AppendItem],
-        placements: list[Placement],
-        held: dict[int, AppendFile],
-        created: list[AppendFile],
-    ) -> None:
-        """Give back a placement that failed half-way (`begin_append`), leaving no debris:
-        the files it created (only its own rows were placed in them) are removed, and so
-        are directories it leaves empty. Lock held."""
-        for e in reversed(placements):
-            if e.file.size == e.offset + e.nbytes:
-                e.file.size = e.offset
-        mine = {id(f) for f in created}
-        for f in held.values():
-            f.users -= 1
-        for f in created:
-            if self.shared.get(f.key) is f:
-                del self.shared[f.key]
-            if f.open:
-                self.discard(f)
-        for f in held.values():
-            if id(f) not in mine and f.sealed and f.users == 0 and f.open:
-                self.close_file(f)
-        for run, step in {(it.run, it.step) for it in items}:  # made before a file failed
-            for d in (self.root / self.node / run / str(step), self.root / self.node / run):
-                try:
-                    os.rmdir(d)
-                except OSError:
-                    break
-
     def committed(self, files: Sequence[AppendFile]) -> None:
         """Rows were written to ``files``: fsync them (``fsync="always"``), or mark them for
         the next flush (``"interval"``)."""
@@ -503,33 +430,6 @@ class FileTable:
             self.shared.clear()
             self.spares.clear()
             self.leased.clear()
-
-
-def files_needed(items: Sequence[AppendItem], cap: int) -> int:
-    """At most how many data files an append of ``items`` holds open at once (for the
-    descriptor budget, `payloadd.store._budget`): the files `FileTable.place` would fill for each
-    (run, step, field), from an empty one, plus one (a current file partly full).
-
-    Raises
-    ------
-    InvalidRequestError
-        An item is invalid (`item_nbytes`).
-    """
-    state: dict[tuple[str, int, str], list[int]] = {}  # key -> [files, bytes in the last]
-    for i, it in enumerate(items):
-        row_nb = item_nbytes(it, i)[0]
-        f = state.setdefault((it.run, it.step, it.field), [1, 0])
-        rows = it.rows
-        while True:  # as `FileTable.place` does
-            if f[1] + rows * row_nb <= cap or rows == 0 or (f[1] == 0 and rows == 1):
-                f[1] += rows * row_nb
-                break
-            if f[1] > 0:
-                f[0], f[1] = f[0] + 1, 0
-                continue
-            take = max(1, cap // row_nb)
-            f[1], rows = take * row_nb, rows - take
-    return sum(files + 1 for files, _ in state.values())
 
 
 def unwritten(file: tuple[str, int, tuple[int, int]]) -> int:

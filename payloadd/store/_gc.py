@@ -177,11 +177,12 @@ class GarbageCollector:
         """Collect the steps of ``targets`` (``(run, steps)``): plan every step (what is in
         use stays, and what is planned takes no more appends), write one ledger line per run
         of exactly the files planned, wait the grace once, then remove them."""
+        removals = self.store.removals
         planned: list[tuple[str, int, Removal]] = []
         for run, steps in targets:
             for step in steps:
                 rels = [r for r in self.store.step_files(run, step, node) if r not in self._planned]
-                plan = self.store.plan_step(
+                plan = removals.plan_step(
                     run, step, rels, dry_run=report.dry_run, idle_since=idle_since, node=node
                 )
                 planned.append((run, step, plan))
@@ -213,7 +214,7 @@ class GarbageCollector:
                     self._lock.acquire()
         runs: dict[str, list[int]] = {}
         for run, step, plan in planned:
-            removal = plan if report.dry_run else self.store.remove_planned(run, step, plan, node)
+            removal = plan if report.dry_run else removals.remove_planned(run, step, plan, node)
             self._planned.difference_update(rel for rel, _ in plan.files)
             self._add(report, reason, removal)
             if removal.files or removal.dirs:

@@ -17,7 +17,7 @@ from payload_client import PayloadTooLargeError
 from payload_client.protocol import FieldsTable, check_field, check_name
 from payloadd.store._appends import LeasedRange
 from payloadd.store._files import FileTable
-from payloadd.store._records import os_errors
+from payloadd.store._records import AppendFile, os_errors
 from payloadd.store._shapes import RunShapes
 from payloadd.store._watermarks import Watermarks
 
@@ -67,9 +67,7 @@ class Leases:
 
     def lease(
         self,
-        run: str,
-        step: int,
-        field: str,
+        key: tuple[str, int, str],
         nbytes: int,
         size: int,
         owner: int,
@@ -77,11 +75,14 @@ class Leases:
         ahead: bool = False,
         shape: Sequence[int] | None = None,
     ) -> LeasedRange | None:
-        """`payloadd.store._store.Store.lease`; with ``ahead``, ``None`` (nothing reserved)
-        unless the disk limits leave `AHEAD_ROOM` leases of ``size`` bytes, the step is not
-        collected and ``shape`` is the one the run took. The watermark, the room and the
+        """`payloadd.store._store.Store.lease` of ``key``, ``(run, step, field)``; with
+        ``ahead``, ``None`` (nothing reserved) unless the disk limits leave `AHEAD_ROOM`
+        leases of ``size`` bytes, the step is not collected and ``shape`` is the one the run
+        took. The watermarks are refreshed first when due; the watermark, the room and the
         shape are checked under the lock a collection plans under: a lease either comes
         before the collection (its file is planned with the step) or is refused."""
+        self.watermarks.refresh_if_due()  # I/O: before the lock
+        run, step, field = key
         check_name(run, "run")
         check_name(field, "field")
         check_field(self.fields, field)
@@ -90,7 +91,6 @@ class Leases:
             raise PayloadTooLargeError(f"lease of {nbytes} bytes is above the rotation size {cap}")
         if ahead:
             nbytes = max(nbytes, 1)
-        key = (run, step, field, owner)
         t = self.table
         with t.lock, os_errors(t.root):
             if ahead:
@@ -103,13 +103,7 @@ class Leases:
                 room = t.budget.room(nbytes)
             if shape is not None and not self.shapes.lease(run, field, shape, fix=not ahead):
                 return None  # ahead of need, of a shape the run has not taken
-            f = t.leased.get(key)
-            if f is None or t.removed(f) or (f.size + nbytes > cap and f.size > 0):
-                f = t.new_file(run, step, field, owner)  # its descriptor: for the client
-                old = t.leased.pop(key, None)
-                if old is not None:
-                    t.seal(old)
-                t.leased[key] = f
+            f = self._file(key, owner, nbytes)
             granted = max(nbytes, min(size, cap - f.size, room // ROOM_SHARE))
             offset = f.size
             f.size += granted
@@ -120,6 +114,20 @@ class Leases:
             if t.dirty is not None:
                 t.dirty.leased(f.rel)
         return LeasedRange(t, f, offset, granted)
+
+    def _file(self, key: tuple[str, int, str], owner: int, nbytes: int) -> AppendFile:
+        """The lease file of ``key`` private to ``owner``, with room for ``nbytes`` more: a
+        new one when there is none, it was removed or is full (the old one sealed). Lock
+        held."""
+        t = self.table
+        f = t.leased.get((*key, owner))
+        if f is None or t.removed(f) or (f.size + nbytes > self.max_file_bytes and f.size > 0):
+            f = t.new_file(*key, owner)  # its descriptor: for the client
+            old = t.leased.pop((*key, owner), None)
+            if old is not None:
+                t.seal(old)
+            t.leased[(*key, owner)] = f
+        return f
 
     def seal_lease(self, owner: int, key: tuple[str, int, str]) -> None:
         """`payloadd.store._store.Store.seal_lease`."""

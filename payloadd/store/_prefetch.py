@@ -23,7 +23,7 @@ import threading
 from collections.abc import Sequence
 
 from payload_client import InvalidRequestError, PayloadError
-from payload_client.protocol import Extent
+from payload_client.protocol import Extent, merge_ranges
 from payloadd.store._counts import Counts
 from payloadd.store._readers import Readers
 
@@ -95,7 +95,7 @@ class Prefetcher:
             bytes_room = self.max_pending_bytes - self._pending_bytes
         chosen: list[tuple[str, list[tuple[int, int]], int]] = []
         for rel, ranges in by_file.items():
-            merged = _merge(ranges)
+            merged = merge_ranges(ranges)
             n = sum(hi - lo for lo, hi in merged)
             if len(chosen) < files_room and n <= bytes_room:
                 chosen.append((rel, merged, n))
@@ -173,14 +173,3 @@ class Prefetcher:
             thread = self._thread
         if thread is not None:
             thread.join(10)
-
-
-def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """``[lo, hi)`` ranges sorted, those that touch or overlap joined."""
-    out: list[tuple[int, int]] = []
-    for lo, hi in sorted(ranges):
-        if out and lo <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], hi))
-        else:
-            out.append((lo, hi))
-    return out

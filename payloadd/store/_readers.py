@@ -62,10 +62,8 @@ class Readers:
 
     Parameters
     ----------
-    root : pathlib.Path
-        The payload root, a real path.
-    node : str
-        This daemon's node prefix.
+    root, node
+        As `payloadd.store._files.FileTable`'s.
     max_read_bytes : int
         Largest total of one `read_extents` call.
     touch : callable

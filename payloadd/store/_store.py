@@ -43,14 +43,15 @@ from payloadd.store._appends import LeasedRange, PendingAppend, item_nbytes
 from payloadd.store._budget import APPEND_FILES, READ_CACHE
 from payloadd.store._counts import HTTP, Counts
 from payloadd.store._disk_limits import DiskBudget, tree_sizes
-from payloadd.store._files import FileTable, check_root, files_needed, unwritten
+from payloadd.store._files import FileTable, check_root, unwritten
 from payloadd.store._fs_kind import RootPolicy, detect
 from payloadd.store._generation import GenerationPage
 from payloadd.store._leases import Leases
 from payloadd.store._ledger import Ledger
+from payloadd.store._placing import Placing, files_needed
 from payloadd.store._prefetch import Prefetcher
 from payloadd.store._readers import ExtentReader, Readers
-from payloadd.store._records import AppendFile, Placement, Removal, os_errors
+from payloadd.store._records import AppendFile, Removal, os_errors
 from payloadd.store._removal import Removals
 from payloadd.store._shapes import SHAPES_NAME, RunShapes
 from payloadd.store._watermarks import Watermarks
@@ -107,6 +108,8 @@ class Store:
         Run of this node -> monotonic time it was last appended to or read.
     reads : Readers
         The read side.
+    removals : Removals
+        The removals of data files and directories (garbage collection's hands).
     prefetcher : Prefetcher
         The read-ahead of windows clients will read next.
     policy : RootPolicy
@@ -141,10 +144,8 @@ class Store:
         self.node = check_name(node, "node")
         self.root = self.check_root(root, self.node)
         self.max_file_bytes = max_file_bytes
-        self.max_read_bytes = max_read_bytes
         self.max_append_bytes = max_append_bytes
         self.max_append_items = max_append_items
-        self.append_files = append_files
         self.fsync = fsync
         self.fields = fields if fields is not None else FieldsTable({})
         self.instance = secrets.token_hex(4)
@@ -164,7 +165,7 @@ class Store:
             self.root, self.node, max_read_bytes, self.touch, self.policy, read_cache,
             self.counts.read,
         )  # fmt: skip
-        self._removals = Removals(self._table, self.reads, self._last_use)
+        self.removals = Removals(self._table, self.reads, self._last_use)
         self.prefetcher = Prefetcher(self.reads, self.counts, max_read_bytes)
         self.shapes = RunShapes(self.root / node / SHAPES_NAME, self.fields)
         self.watermarks = Watermarks(self.reads)
@@ -187,7 +188,7 @@ class Store:
             return next(self._owners)
 
     def files_needed(self, items: Sequence[AppendItem]) -> int:
-        """`payloadd.store._files.files_needed` at this store's rotation size."""
+        """`payloadd.store._placing.files_needed` at this store's rotation size."""
         return files_needed(items, self.max_file_bytes)
 
     def begin_append(
@@ -229,6 +230,23 @@ class Store:
         BusyError
             No descriptor is left for a new file (``EMFILE``); nothing is left behind.
         """
+        sizes = self._checked(items)
+        self.watermarks.refresh_if_due()  # I/O: before the lock
+        total = sum(n for _, n in sizes)
+        if total > self.max_append_bytes:
+            raise PayloadTooLargeError(
+                f"append of {total} row bytes is above the limit of {self.max_append_bytes}"
+            )
+        t = self._table
+        placing = Placing(t, private)
+        with t.lock, os_errors(self.root):  # a collection plans under this lock too
+            self._reserve(items, [row_nb for row_nb, _ in sizes], total, placing)
+        files = list(placing.held.values())
+        return PendingAppend(t, self.counts, items, placing.placements, files, private, transport)
+
+    def _checked(self, items: Sequence[AppendItem]) -> list[tuple[int, int]]:
+        """Check ``items`` against the limit on their number, then each (`item_nbytes`,
+        `check_item`); return each one's ``(row_nbytes, nbytes)``."""
         if not items:
             raise InvalidRequestError("an append needs at least one item")
         if len(items) > self.max_append_items:
@@ -238,55 +256,21 @@ class Store:
         sizes = [item_nbytes(item, i) for i, item in enumerate(items)]
         for i, item in enumerate(items):
             check_item(self.fields, item, i)
-        self.watermarks.refresh_if_due()  # I/O: before the lock
-        total = sum(n for _, n in sizes)
-        if total > self.max_append_bytes:
-            raise PayloadTooLargeError(
-                f"append of {total} row bytes is above the limit of {self.max_append_bytes}"
-            )
-        t = self._table
-        held: dict[int, AppendFile] = {}  # files this append writes to, kept open until done
-        placements: list[Placement] = []
-        created: list[AppendFile] = []
-        own: dict[tuple[str, int, str], AppendFile] = {}
+        return sizes
 
-        def new(key: tuple[str, int, str]) -> AppendFile:
-            if private:
-                f = t.new_file(*key)
-                f.sealed = True  # nobody else's current file: it closes when this append ends
-                own[key] = f
-            else:
-                f = t.new_shared(key)
-            created.append(f)
-            return f
-
-        def current(key: tuple[str, int, str]) -> AppendFile:
-            if private:
-                return own.get(key) or new(key)
-            f = t.shared.get(key)
-            if f is None or t.removed(f):
-                return new(key)
-            if t.one_writer and f.users and id(f) not in held:  # written now
-                return t.take_idle(key, f) or new(key)
-            t.shared.move_to_end(key)
-            return f
-
-        with t.lock, os_errors(self.root):  # a collection plans under this lock too
-            self.watermarks.check((it.run, it.step) for it in items)
-            t.budget.room(total)
-            self.shapes.take((i, it.run, it.field, it.shape) for i, it in enumerate(items))
-            try:
-                for i, it in enumerate(items):
-                    t.place(i, it, sizes[i][0], held, placements, current, new)
-            except BaseException:  # e.g. no room for a new file: give back what was placed
-                t.undo_placement(items, placements, held, created)
-                raise
-            now = time.monotonic()
-            for it in items:
-                self.last_used[it.run] = now
-            t.budget.reserve(total)
-        files = list(held.values())
-        return PendingAppend(t, self.counts, items, placements, files, private, transport)
+    def _reserve(
+        self, items: Sequence[AppendItem], row_nbytes: list[int], total: int, placing: Placing
+    ) -> None:
+        """Check the watermarks, the room for ``total`` bytes and the row shapes of
+        ``items``, then place their rows and count them reserved. Lock held."""
+        self.watermarks.check((it.run, it.step) for it in items)
+        self._table.budget.room(total)
+        self.shapes.take((i, it.run, it.field, it.shape) for i, it in enumerate(items))
+        placing.place_all(items, row_nbytes)
+        now = time.monotonic()
+        for it in items:
+            self.last_used[it.run] = now
+        self._table.budget.reserve(total)
 
     def lease(
         self,
@@ -326,8 +310,7 @@ class Store:
         client's), checked and fixed where first as an append's (`RunShapes.lease`), once
         every other check passed; ``None``: not checked (a client older than it).
         """
-        self.watermarks.refresh_if_due()
-        got = self._leases.lease(run, step, field, nbytes, size, owner, shape=shape)
+        got = self._leases.lease((run, step, field), nbytes, size, owner, shape=shape)
         assert got is not None
         return got
 
@@ -345,8 +328,8 @@ class Store:
         round trip later): ``None``, nothing reserved, unless the disk limits leave room for
         `payloadd.store._leases.AHEAD_ROOM` such leases, ``step`` is not collected, and the
         run took ``shape`` for ``field`` already (a lease ahead fixes no shape)."""
-        self.watermarks.refresh_if_due()
-        return self._leases.lease(run, step, field, nbytes, size, owner, ahead=True, shape=shape)
+        key = (run, step, field)
+        return self._leases.lease(key, nbytes, size, owner, ahead=True, shape=shape)
 
     def declare_shapes(self, shapes: Sequence[tuple[str, str, list[int]]]) -> None:
         """Check (and fix, where first) the row shapes ``(run, field, shape)`` a data-plane
@@ -436,44 +419,24 @@ class Store:
 
     def runs(self, node: str | None = None) -> dict[str, list[int]]:
         """`Removals.runs` of this store."""
-        return self._removals.runs(node)
+        return self.removals.runs(node)
 
     def step_files(self, run: str, step: int, node: str | None = None) -> list[str]:
         """`Removals.step_files` of this store."""
-        return self._removals.step_files(run, step, node)
-
-    def plan_step(
-        self,
-        run: str,
-        step: int,
-        files: Collection[str],
-        *,
-        dry_run: bool = False,
-        idle_since: float | None = None,
-        node: str | None = None,
-    ) -> Removal:
-        """`Removals.plan_step` of this store."""
-        return self._removals.plan_step(
-            run, step, files, dry_run=dry_run, idle_since=idle_since, node=node
-        )
-
-    def remove_planned(
-        self, run: str, step: int, planned: Removal, node: str | None = None
-    ) -> Removal:
-        """`Removals.remove_planned` of this store."""
-        return self._removals.remove_planned(run, step, planned, node)
+        return self.removals.step_files(run, step, node)
 
     def remove_step(self, run: str, step: int, files: Collection[str]) -> Removal:
-        """`plan_step`, then `remove_planned`: no ledger line, no grace (GC's are between)."""
-        return self.remove_planned(run, step, self.plan_step(run, step, files))
+        """`Removals.plan_step`, then `Removals.remove_planned`: no ledger line, no grace
+        (GC's are between)."""
+        return self.removals.remove_planned(run, step, self.removals.plan_step(run, step, files))
 
     def remove_run_dir(self, run: str, node: str | None = None) -> int:
         """`Removals.remove_run_dir` of this store."""
-        return self._removals.remove_run_dir(run, node)
+        return self.removals.remove_run_dir(run, node)
 
     def remove_orphans(self, *, dry_run: bool = False) -> Removal:
         """`Removals.remove_orphans` of this store."""
-        return self._removals.remove_orphans(dry_run=dry_run)
+        return self.removals.remove_orphans(dry_run=dry_run)
 
     def forget_unused_runs(self) -> None:
         """Drop the last use of runs that have no directory any more."""

@@ -107,56 +107,75 @@ def node_usage(
     if max_steps < 0 or ledger < 0:
         raise ValueError(f"max_steps and ledger must be >= 0, got {max_steps}, {ledger}")
     stats = store.stats()  # disk limits and free space, before the walk
-    base = store.root / store.node
-    runs: list[RunUsage] = []
-    listed = more_runs = more_steps = 0
-    total = StepUsage(0, 0, 0, 0, 0.0)
-    n_steps = 0
+    walk = _Walk(store.root / store.node, max_steps, run)
     for name, steps in store.runs().items():
-        show = len(runs) < max_steps and run in (None, name)
-        usage = RunUsage(name, 0, 0, 0, 0.0, [])
-        for step in steps:
-            s = step_usage(base / name / str(step), step)
-            usage.files += s.files
-            usage.bytes += s.bytes
-            usage.disk_bytes += s.disk_bytes
-            usage.mtime = max(usage.mtime, s.mtime)
-            if show and listed < max_steps:
-                usage.steps.append(s)
-                listed += 1
-            else:
-                usage.more_steps += 1
-        n_steps += len(steps)
-        total.files += usage.files
-        total.bytes += usage.bytes
-        total.disk_bytes += usage.disk_bytes
-        more_steps += usage.more_steps
-        if show:
-            runs.append(usage)
-        else:
-            more_runs += 1
-    led = store.ledger()
-    entries, n_entries = led.recent(ledger)
-    try:
-        ledger_bytes = os.stat(led.path).st_size
-    except FileNotFoundError:
-        ledger_bytes = 0
+        walk.add(name, steps)
+    entries, n_entries, ledger_bytes = _ledger_tail(store, ledger)
     return Usage(
         node=store.node,
         root=str(store.root),
         now=time.time(),
-        files=total.files,
-        bytes=total.bytes,
-        disk_bytes=total.disk_bytes,
-        steps=n_steps,
-        runs=runs,
-        more_runs=more_runs,
-        more_steps=more_steps,
+        files=walk.total.files,
+        bytes=walk.total.bytes,
+        disk_bytes=walk.total.disk_bytes,
+        steps=walk.steps,
+        runs=walk.runs,
+        more_runs=walk.more_runs,
+        more_steps=walk.more_steps,
         root_bytes=stats.root_bytes,
         max_root_bytes=stats.max_root_bytes,
         free_bytes=stats.free_bytes,
         min_free_bytes=stats.min_free_bytes,
-        ledger=[_entry(c) for c in entries],
+        ledger=entries,
         ledger_entries=n_entries,
         ledger_bytes=ledger_bytes,
     )
+
+
+class _Walk:
+    """The usage of a node's runs, added one run at a time: every step counts in the
+    totals; at most ``max_steps`` runs (only ``run``, when given) and ``max_steps`` steps are
+    listed, the others counted in ``more_runs`` and ``more_steps``."""
+
+    def __init__(self, base: Path, max_steps: int, run: str | None) -> None:
+        self.base, self.max_steps, self.run = base, max_steps, run
+        self.runs: list[RunUsage] = []
+        self.total = StepUsage(0, 0, 0, 0, 0.0)
+        self.listed = self.more_runs = self.more_steps = self.steps = 0
+
+    def add(self, name: str, steps: list[int]) -> None:
+        """Count run ``name`` and its ``steps``."""
+        show = len(self.runs) < self.max_steps and self.run in (None, name)
+        usage = RunUsage(name, 0, 0, 0, 0.0, [])
+        for step in steps:
+            s = step_usage(self.base / name / str(step), step)
+            usage.files += s.files
+            usage.bytes += s.bytes
+            usage.disk_bytes += s.disk_bytes
+            usage.mtime = max(usage.mtime, s.mtime)
+            if show and self.listed < self.max_steps:
+                usage.steps.append(s)
+                self.listed += 1
+            else:
+                usage.more_steps += 1
+        self.steps += len(steps)
+        self.total.files += usage.files
+        self.total.bytes += usage.bytes
+        self.total.disk_bytes += usage.disk_bytes
+        self.more_steps += usage.more_steps
+        if show:
+            self.runs.append(usage)
+        else:
+            self.more_runs += 1
+
+
+def _ledger_tail(store: Store, n: int) -> tuple[list[GcEntry], int, int]:
+    """The last ``n`` entries of the store's GC ledger, how many it holds, and its size in
+    bytes."""
+    led = store.ledger()
+    entries, n_entries = led.recent(n)
+    try:
+        ledger_bytes = os.stat(led.path).st_size
+    except FileNotFoundError:
+        ledger_bytes = 0
+    return [_entry(c) for c in entries], n_entries, ledger_bytes

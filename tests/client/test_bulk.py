@@ -32,8 +32,8 @@ from payload_client import (
     validate_segment,
     validate_segments,
 )
-from payload_client._ops import _MERGE_BULK_MIN
-from payload_client._segment import _BULK_MIN, INT64_MAX, segment_columns
+from payload_client.segments._ops import _MERGE_BULK_MIN
+from payload_client.segments._segment import _BULK_MIN, INT64_MAX, segment_columns
 
 R, M = "routed_experts", "sampling_mask"
 ITEMSIZE = {d: np.dtype(d).itemsize for d in SUPPORTED_DTYPES}

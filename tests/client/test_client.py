@@ -28,8 +28,8 @@ from payload_client import (
     UnauthorizedError,
 )
 from payload_client._errors import error_from_wire, status_of
-from payload_client._transports._call import _Sink
-from payloadd.bench._daemon_process import start_daemon
+from payload_client.transports._call import _Sink
+from tests.conftest import Daemons
 
 
 def test_importing_the_client_loads_no_server_stack() -> None:
@@ -103,14 +103,14 @@ def test_bad_read_is_refused_before_any_io(offline: PayloadClient) -> None:
 
 
 def test_reads_that_need_no_bytes_ask_the_daemon_only_for_its_fields_table(
-    offline: PayloadClient, tmp_path: Path
+    offline: PayloadClient, tmp_path: Path, daemons: Daemons
 ) -> None:
     s = PayloadSegment("f", "a.bin", 0, 10, 1, "uint8", [3])
     with pytest.raises(ConnectError, match="no payloadd listening"):  # its table first
         offline.read_field([s], "f", 0, 5, -1)
     sock = tmp_path / "s.sock"
     with PayloadClient(sock) as c:
-        with start_daemon(tmp_path / "root", sock):
+        with daemons.run(socket=sock):
             assert c.read_field([s], "m", 0, 5, 0) is None  # the first read: the table
         # the daemon is gone: later reads that need no bytes are answered all the same
         assert c.read_field([s], "m", 0, 5, 0) is None

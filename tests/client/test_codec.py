@@ -18,7 +18,7 @@ from payload_client import (
     encode_segments,
     shift_segments,
 )
-from payload_client import _codec as codec
+from payload_client.segments import _codec as codec
 
 SEGS = [
     PayloadSegment("routed_experts", f"n{i % 3}/r1/{i}/routed_experts-1-0.bin", 384 * i, 10 * i,

@@ -41,8 +41,8 @@ from payload_client import (
     shift_segments,
     validate_segments,
 )
-from payload_client._columns import COLUMNS_VERSION
-from payload_client._segment import bounded_prod
+from payload_client.segments._columns import COLUMNS_VERSION
+from payload_client.segments._segment import bounded_prod
 from tests.client.test_bulk import (
     ITEMSIZE,
     R,
@@ -766,3 +766,28 @@ def test_what_is_no_list_is_refused_as_the_list_functions_refuse_it() -> None:
             SegmentList.concat(bad)
         with pytest.raises(InvalidSegmentError):
             SegmentList.concat([good, bad])
+
+
+def _mask(pos: int, rows: int, offset: int) -> PayloadSegment:
+    return PayloadSegment("mask", "n0/r/0/a.bin", offset, pos, rows, "int32", [1])
+
+
+@pytest.mark.parametrize(
+    ("segs", "lo", "hi"),
+    [
+        # a later segment's rows cut in two by an earlier one's bounds: one piece again
+        ([_mask(22, 2, 0), _mask(21, 2, 1)], 0, 24),
+        # two segments in position order naming the same bytes: pieces in file order
+        ([_mask(2, 2, 0), _mask(4, 1, 0)], 3, 5),
+    ],
+)
+def test_segments_naming_the_same_bytes_plan_as_their_list_does(
+    segs: list[PayloadSegment], lo: int, hi: int
+) -> None:
+    """Bytes of a file that two segments name (hypothesis found both): the columns'
+    planner gives the list's pieces, sorted by file and offset, merged where back to back."""
+    want = plan_window(segs, "mask", lo, hi, -1)
+    for form in columnar_forms(segs):
+        got = plan_window(form, "mask", lo, hi, -1)
+        assert got is not None and want is not None
+        assert plan_of(got) == plan_of(want)

@@ -20,8 +20,8 @@ from payload_client import (
     coverage,
     plan_window,
 )
-from payloadd.bench._daemon_process import start_daemon
 from tests.client.test_read import FIELDS, local_read, stored
+from tests.conftest import Daemons
 from tests.reference import dense_coverage, dense_read
 
 
@@ -94,12 +94,12 @@ def test_coverage_matches_dense_model_and_marks_exactly_the_non_fill_rows(
 
 
 @pytest.fixture
-def offline(tmp_path: Path) -> Iterator[PayloadClient]:
+def offline(tmp_path: Path, daemons: Daemons) -> Iterator[PayloadClient]:
     """A client whose daemon is gone after its first read, which fetched the daemon's fields
     table (once, as every client's first read does): any I/O now would raise ConnectError."""
     sock = tmp_path / "payloadd.sock"
     with PayloadClient(sock) as c:
-        with start_daemon(tmp_path / "root", sock):
+        with daemons.run(socket=sock):
             assert c.read_field([], "f", 0, 0, 0) is None  # no segment of a table field
         yield c
 

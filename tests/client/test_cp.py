@@ -20,7 +20,7 @@ from payload_client import (
     plan_window,
     shift_segments,
 )
-from payload_client._cp import join_plans, plan_spans
+from payload_client.reads._cp import join_plans, plan_spans
 from tests.conftest import Daemon
 
 ROUTED, MASK = "routed_experts", "sampling_mask"

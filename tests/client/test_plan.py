@@ -20,9 +20,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from payload_client import PayloadSegment, _layout, _windows, plan_window
-from payload_client._layout import GAP, ReadLayout
-from payload_client._windows import prepare_output
+from payload_client import PayloadSegment, plan_window
+from payload_client.reads import _layout, _windows
+from payload_client.reads._layout import GAP, ReadLayout
+from payload_client.reads._windows import prepare_output
 from tests.reference import dense_coverage, dense_read
 
 FIELDS = {

@@ -14,9 +14,9 @@ from payload_client import (
     assemble,
     plan_window,
 )
-from payload_client._layout import direct_view
-from payload_client._transports._descriptors import KEPT_SCRATCH, Scratch
-from payload_client._windows import PAGE, page_matched
+from payload_client.reads._layout import direct_view
+from payload_client.reads._windows import PAGE, page_matched
+from payload_client.transports.dataplane._descriptors import KEPT_SCRATCH, Scratch
 from tests.reference import dense_read
 
 # field -> (dtypes it may be written in, rank of its rows)

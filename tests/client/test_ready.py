@@ -1,6 +1,6 @@
 """No daemon there, and waiting for one that starts: what the client says when nothing listens
 (a Unix socket or a TCP URL), ``wait_ready`` against real daemons, and its I/O-free decision
-(`payload_client._ready.ready_steps`) step by step."""
+(`payload_client.clients._ready.ready_steps`) step by step."""
 
 from __future__ import annotations
 
@@ -29,10 +29,9 @@ from payload_client import (
     TimeoutError,
     UnauthorizedError,
 )
-from payload_client._ready import MAX_PAUSE_S, MIN_ATTEMPT_S, ready_steps
-from payload_client._transports import Call
-from payloadd.bench._daemon_process import start_daemon
-from tests.conftest import Daemon
+from payload_client.clients._ready import MAX_PAUSE_S, MIN_ATTEMPT_S, ready_steps
+from payload_client.transports import Call
+from tests.conftest import Daemon, Daemons
 
 
 def nobody(where: object) -> str:
@@ -99,10 +98,10 @@ def test_a_data_plane_that_is_missing_too_names_the_daemon_s_socket(tmp_path: Pa
     assert str(info.value).startswith(nobody(sock) + " (nothing was stored")
 
 
-def test_a_daemon_without_its_data_plane_still_serves(tmp_path: Path) -> None:
+def test_a_daemon_without_its_data_plane_still_serves(tmp_path: Path, daemons: Daemons) -> None:
     # no <socket>.data: HTTP carries the rows, as before (no error about the data socket)
     sock = tmp_path / "s.sock"
-    with start_daemon(tmp_path / "root", sock, "--data-plane", "false"), PayloadClient(sock) as c:
+    with daemons.run("--data-plane", "false", socket=sock), PayloadClient(sock) as c:
         rows = np.arange(8, dtype=np.uint8).reshape(1, 8)
         segs = c.append("routed_experts", rows, 0, run="r", step=0)
         np.testing.assert_array_equal(c.read_field(segs, "routed_experts", 0, 1, 0), rows)
@@ -124,7 +123,7 @@ def test_wait_ready_of_a_running_daemon_returns_its_health(daemon: Daemon) -> No
         assert c.wait_ready(0) == health
 
 
-def test_wait_ready_waits_for_a_daemon_that_starts_later(tmp_path: Path) -> None:
+def test_wait_ready_waits_for_a_daemon_that_starts_later(tmp_path: Path, daemons: Daemons) -> None:
     sock = tmp_path / "late.sock"
     got: list[Health | BaseException] = []
 
@@ -145,7 +144,7 @@ def test_wait_ready_waits_for_a_daemon_that_starts_later(tmp_path: Path) -> None
         thread.start()
         await asyncio.sleep(1.0)  # both find no daemon for a while
         assert not waiter.done() and not got
-        with start_daemon(tmp_path / "root", sock, "--node", "late"):
+        with daemons.run("--node", "late", socket=sock):
             health = await asyncio.wait_for(waiter, 60)
             await asyncio.to_thread(thread.join, 60)
         assert health.status == "ok" and health.node == "late"

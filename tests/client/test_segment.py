@@ -6,7 +6,7 @@ import msgspec
 import pytest
 
 from payload_client import InvalidSegmentError, PayloadSegment, row_nbytes, validate_segment
-from payload_client._segment import _path_problem, check_relative_path
+from payload_client.segments._segment import _path_problem, check_relative_path
 
 GOOD = PayloadSegment("routed_experts", "n/r/0/f.bin", 128, 5, 3, "uint8", [48, 8])
 

@@ -91,8 +91,10 @@ def test_read_cp_into_a_tensor(client: PayloadClient, segs: list[PayloadSegment]
 
 
 @pytest.mark.asyncio
-async def test_the_async_client_returns_the_tensor(aclient: AsyncPayloadClient) -> None:
-    [seg] = await aclient.append("sampling_mask", MASK, 2, run="torch", step=1)
+async def test_the_async_client_returns_the_tensor(
+    aclient: AsyncPayloadClient, run_name: str
+) -> None:
+    [seg] = await aclient.append("sampling_mask", MASK, 2, run=run_name, step=1)
     t = torch.zeros((3, 3), dtype=torch.int32)
     assert await aclient.read_field([seg], "sampling_mask", 2, 5, -1, out=t) is t
     assert np.array_equal(t.numpy(), MASK)

@@ -17,7 +17,6 @@ import signal
 import socket
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -38,12 +37,11 @@ from payload_client import (
     TimeoutError,
     TransportError,
 )
-from payload_client._dataplane_wire import CommitRequest, NoteRequest
-from payload_client._transports._dataplane_steps import Exchange
-from payload_client._transports._descriptors import NOTE_EVERY
-from payload_client._transports._http import translate
-from payloadd.bench._daemon_process import start_daemon
-from tests.conftest import Daemon
+from payload_client.transports._http import translate
+from payload_client.transports.dataplane._descriptors import NOTE_EVERY
+from payload_client.transports.dataplane._steps import Exchange
+from payload_client.wire._dataplane import CommitRequest, NoteRequest
+from tests.conftest import Daemon, Daemons, await_until, wait_until
 
 R = "routed_experts"
 
@@ -71,23 +69,19 @@ def _stop(pid: int) -> None:
     """SIGSTOP ``pid`` and wait until every thread of it has stopped (a signal is not
     delivered synchronously: a thread on another CPU could still answer)."""
     os.kill(pid, signal.SIGSTOP)
-    deadline = time.monotonic() + 30
-    while True:
+
+    def stopped() -> bool:
         states = []
         for task in Path(f"/proc/{pid}/task").iterdir():
             with contextlib.suppress(FileNotFoundError):  # a thread that just ended
                 states.append((task / "stat").read_text().rpartition(")")[2].split()[0])
-        if all(state in "tT" for state in states):
-            return
-        assert time.monotonic() < deadline, f"{pid} did not stop: {states}"
-        time.sleep(0.005)
+        return all(state in "tT" for state in states)
+
+    wait_until(stopped, 30, f"every thread of {pid} stopped", every=0.005)
 
 
 async def _until(done: Callable[[], bool]) -> None:
-    deadline = time.monotonic() + 30
-    while not done():
-        assert time.monotonic() < deadline, "the client never got there"
-        await asyncio.sleep(0.01)
+    await await_until(done, 30, "the client getting there")
 
 
 # -- timeouts as values -------------------------------------------------------------------
@@ -150,10 +144,9 @@ def test_what_a_failed_call_means() -> None:
 @pytest.fixture(scope="module")
 def brief(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     """A daemon that closes HTTP connections idle for 0.3 s."""
-    tmp = tmp_path_factory.mktemp("keepalive")
-    d = Daemon(tmp / "root", tmp / "payloadd.sock")
-    with start_daemon(d.root, d.socket, "--keep-alive-s", "0.3"):
-        yield d
+    with Daemons(tmp_path_factory.mktemp("keepalive")) as d:
+        started = d.start("--keep-alive-s", "0.3", socket=d.folder / "payloadd.sock")
+        yield Daemon(started.root, started.socket)
 
 
 def _idle_connection(path: Path) -> socket.socket:
@@ -218,11 +211,13 @@ async def test_clients_idle_past_the_daemons_keep_alive_then_work(brief: Daemon)
 
 
 @pytest.mark.asyncio
-async def test_reads_survive_restarts_and_answers_cut_midway(tmp_path: Path) -> None:
-    root, sock = tmp_path / "root", tmp_path / "payloadd.sock"
+async def test_reads_survive_restarts_and_answers_cut_midway(
+    tmp_path: Path, daemons: Daemons
+) -> None:
+    sock = tmp_path / "payloadd.sock"
     rows = _rows(3, 8192)  # 3 MiB answers: far more than a socket buffer holds
     async with contextlib.AsyncExitStack() as stack:
-        procs = [stack.enter_context(start_daemon(root, sock))]
+        procs = [stack.enter_context(daemons.run(socket=sock)).proc]
 
         def kill() -> None:
             procs[-1].kill()
@@ -230,7 +225,7 @@ async def test_reads_survive_restarts_and_answers_cut_midway(tmp_path: Path) -> 
 
         def restart() -> None:
             kill()
-            procs.append(stack.enter_context(start_daemon(root, sock)))
+            procs.append(stack.enter_context(daemons.run(socket=sock)).proc)
 
         h = stack.enter_context(PayloadClient(sock, data_plane=False))
         d = stack.enter_context(PayloadClient(sock))
@@ -301,7 +296,9 @@ async def test_reads_survive_restarts_and_answers_cut_midway(tmp_path: Path) -> 
 
 
 @pytest.mark.asyncio
-async def test_an_append_cut_off_says_whether_it_may_be_stored(tmp_path: Path) -> None:
+async def test_an_append_cut_off_says_whether_it_may_be_stored(
+    tmp_path: Path, daemons: Daemons
+) -> None:
     root, sock = tmp_path / "root", tmp_path / "payloadd.sock"
     small, big = _rows(4, 2), _rows(5, 12000)  # 768 bytes; 4.4 MiB: more than a socket holds
     errors: dict[str, PayloadError] = {}
@@ -313,7 +310,7 @@ async def test_an_append_cut_off_says_whether_it_may_be_stored(tmp_path: Path) -
             errors[name] = exc
 
     with (
-        start_daemon(root, sock) as proc,
+        daemons.run(root=root, socket=sock) as d,
         PayloadClient(sock, data_plane=False) as c1,
         PayloadClient(sock, data_plane=False) as c2,
     ):
@@ -324,7 +321,7 @@ async def test_an_append_cut_off_says_whether_it_may_be_stored(tmp_path: Path) -
                 sent.set()
 
             ac._http.client.event_hooks["request"].append(on_request)
-            _stop(proc.pid)
+            _stop(d.pid)
             try:
                 whole = threading.Thread(target=append, args=("whole", c1, small))
                 part = threading.Thread(target=append, args=("part", c2, big))
@@ -336,8 +333,8 @@ async def test_an_append_cut_off_says_whether_it_may_be_stored(tmp_path: Path) -
                 await sent.wait()
                 await asyncio.sleep(0.2)  # its 1 KiB goes out at once, then it waits
             finally:
-                os.kill(proc.pid, signal.SIGKILL)
-                proc.wait()
+                os.kill(d.pid, signal.SIGKILL)
+                d.proc.wait()
             await asyncio.to_thread(whole.join, 30)
             await asyncio.to_thread(part.join, 30)
             with pytest.raises(AppendInDoubtError, match="may or may not have been stored"):
@@ -351,12 +348,12 @@ async def test_an_append_cut_off_says_whether_it_may_be_stored(tmp_path: Path) -
 
 @pytest.mark.asyncio
 async def test_timeouts_fire_over_http_and_on_the_data_plane(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, daemons: Daemons, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     root, sock = tmp_path / "root", tmp_path / "payloadd.sock"
     rows = _rows(6, 4)
     t = Timeout(read=0.3)
-    with start_daemon(root, sock, "--max-file-bytes", "65536") as proc:
+    with daemons.run("--max-file-bytes", "65536", root=root, socket=sock) as dm:
         with PayloadClient(sock) as setup:
             seg = setup.append(R, rows, 0, run="stuck", step=0)  # no client below opened it
         with (
@@ -367,7 +364,7 @@ async def test_timeouts_fire_over_http_and_on_the_data_plane(
                 AsyncPayloadClient(sock, data_plane=False, timeout=t) as ah,
                 AsyncPayloadClient(sock, timeout=t) as ad,
             ):
-                _stop(proc.pid)
+                _stop(dm.pid)
                 try:
                     with pytest.raises(TimeoutError, match="timed out") as info:
                         h.read_field(seg, R, 0, 4, 0)
@@ -394,7 +391,7 @@ async def test_timeouts_fire_over_http_and_on_the_data_plane(
                     with pytest.raises(TimeoutError, match=dp):
                         await ad.append(R, rows, 0, run="stuck", step=2)
                 finally:
-                    os.kill(proc.pid, signal.SIGCONT)
+                    os.kill(dm.pid, signal.SIGCONT)
                 np.testing.assert_array_equal(d.read_field(seg, R, 0, 4, 0), rows)
                 np.testing.assert_array_equal(await ad.read_field(seg, R, 0, 4, 0), rows)
 
@@ -404,7 +401,7 @@ async def test_timeouts_fire_over_http_and_on_the_data_plane(
 
             def stop_at_commit(step: Exchange) -> Any:
                 if isinstance(step.request, CommitRequest):
-                    _stop(proc.pid)
+                    _stop(dm.pid)
                 return exchange(step)
 
             monkeypatch.setattr(d._data_plane, "_exchange", stop_at_commit)
@@ -413,7 +410,7 @@ async def test_timeouts_fire_over_http_and_on_the_data_plane(
                 with pytest.raises(AppendInDoubtError, match=r"commit .* may or may not"):
                     d.append(R, big, 0, run="stuck", step=3)
             finally:
-                os.kill(proc.pid, signal.SIGCONT)
+                os.kill(dm.pid, signal.SIGCONT)
             monkeypatch.undo()
             again = d.append(R, big, 0, run="stuck", step=3)  # a new connection: works
             np.testing.assert_array_equal(d.read_field(again, R, 0, 200, 0), big)
@@ -424,12 +421,12 @@ async def test_timeouts_fire_over_http_and_on_the_data_plane(
 
 @pytest.mark.asyncio
 async def test_data_plane_appends_around_a_daemon_death_are_stored_once(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, daemons: Daemons, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     root, sock = tmp_path / "root", tmp_path / "payloadd.sock"
     blocks = [_rows(100 + k, 16) for k in range(NOTE_EVERY + 3)]  # the last two: async
     with contextlib.ExitStack() as stack:
-        procs = [stack.enter_context(start_daemon(root, sock))]
+        procs = [stack.enter_context(daemons.run(socket=sock)).proc]
         c = stack.enter_context(PayloadClient(sock))
         async with AsyncPayloadClient(sock) as ac:
             first = await ac.append(R, blocks[-1], 0, run="die", step=0)
@@ -458,7 +455,7 @@ async def test_data_plane_appends_around_a_daemon_death_are_stored_once(
                 fresh.append(R, blocks[NOTE_EVERY], 0, run="die", step=0)
             assert _copies(root, blocks[NOTE_EVERY]) == 0
 
-            procs.append(stack.enter_context(start_daemon(root, sock)))
+            procs.append(stack.enter_context(daemons.run(socket=sock)).proc)
             segs.append(c.append(R, blocks[NOTE_EVERY], 16 * NOTE_EVERY, run="die", step=0))
             second = await ac.append(R, blocks[-2], 0, run="die", step=1)
             assert segs[-1][0].file != segs[-2][0].file  # a lease of the new daemon

@@ -53,6 +53,7 @@ def dense_mask(c: Completion, width: int) -> np.ndarray:
 
 def test_a_batch_is_written_in_one_round_trip_and_reads_back_bit_for_bit(
     client: PayloadClient,
+    run_name: str,
 ) -> None:
     rng = np.random.default_rng(0)
     outputs = [
@@ -60,7 +61,7 @@ def test_a_batch_is_written_in_one_round_trip_and_reads_back_bit_for_bit(
         for p, g, n in ((5, 8, 1), (17, 3, 2), (40, 1, 1))
     ]
     before = client.stats().appends
-    segs = write_outputs(client, outputs, run="vw", step=0)
+    segs = write_outputs(client, outputs, run=run_name, step=0)
     assert client.stats().appends == before + 1  # one round trip for the batch
     for out, per in zip(outputs, segs, strict=True):
         p = len(out.prompt_token_ids)
@@ -75,7 +76,9 @@ def test_a_batch_is_written_in_one_round_trip_and_reads_back_bit_for_bit(
             )
 
 
-def test_the_delta_of_a_later_turn_goes_where_its_tokens_are(client: PayloadClient) -> None:
+def test_the_delta_of_a_later_turn_goes_where_its_tokens_are(
+    client: PayloadClient, run_name: str
+) -> None:
     """``routed_experts_prompt_start=k``: rows from token k; a second turn's delta after
     the first turn's rows reads as the whole sample's routing."""
     rng = np.random.default_rng(1)
@@ -84,18 +87,22 @@ def test_the_delta_of_a_later_turn_goes_where_its_tokens_are(client: PayloadClie
     first = Completion(whole.token_ids[:4], whole.routed_experts[: 12 + 4 - 1], None)
     # turn 2: prompt = turn 1's prompt + its completion + the user's next words (30 tokens)
     second = Completion(whole.token_ids, whole.routed_experts[15:], None)
-    segs = write_outputs(client, [Output([0] * 12, [first])], run="vw", step=1, fields=[ROUTED])
-    segs2 = write_outputs(client, [Output([0] * 30, [second])], run="vw", step=1, fields=[ROUTED])
+    segs = write_outputs(client, [Output([0] * 12, [first])], run=run_name, step=1, fields=[ROUTED])
+    segs2 = write_outputs(
+        client, [Output([0] * 30, [second])], run=run_name, step=1, fields=[ROUTED]
+    )
     assert segs2[0][0][0].pos == 15
     both = segs[0][0] + segs2[0][0]
     np.testing.assert_array_equal(client.read_field(both, ROUTED, 0, 35, 0), whole.routed_experts)
 
 
-def test_masks_of_varying_widths_keep_each_row_its_own_width(client: PayloadClient) -> None:
+def test_masks_of_varying_widths_keep_each_row_its_own_width(
+    client: PayloadClient, run_name: str
+) -> None:
     rng = np.random.default_rng(2)
     widths = [3, 3, 1, 5, 5, 5, 2]
     c = completion(rng, 4, len(widths), widths=widths)
-    (per,) = write_outputs(client, [Output([1] * 4, [c])], run="vw", step=2, fields=[MASK])
+    (per,) = write_outputs(client, [Output([1] * 4, [c])], run=run_name, step=2, fields=[MASK])
     masks = [s for s in per[0] if s.field == MASK]
     assert [(s.pos, s.rows, s.shape) for s in masks] == [
         (4, 2, [3]), (6, 1, [1]), (7, 3, [5]), (10, 1, [2])
@@ -103,12 +110,12 @@ def test_masks_of_varying_widths_keep_each_row_its_own_width(client: PayloadClie
     np.testing.assert_array_equal(client.read_field(masks, MASK, 4, 11, -1), dense_mask(c, 5))
 
 
-def test_uint16_routing_above_256_experts(client: PayloadClient) -> None:
+def test_uint16_routing_above_256_experts(client: PayloadClient, run_name: str) -> None:
     rng = np.random.default_rng(3)
     c = completion(rng, 6, 4, dtype=np.uint16)
     assert c.routed_experts is not None
     c.routed_experts[:] = rng.integers(0, 384, c.routed_experts.shape)
-    (per,) = write_outputs(client, [Output([2] * 6, [c])], run="vw16", step=0, fields=[ROUTED])
+    (per,) = write_outputs(client, [Output([2] * 6, [c])], run=run_name, step=0, fields=[ROUTED])
     got = client.read_field(per[0], ROUTED, 0, 9, 0, dtype=np.uint16)
     assert got is not None
     assert got.dtype == np.uint16
@@ -127,14 +134,16 @@ def test_uint16_routing_above_256_experts(client: PayloadClient) -> None:
     ],
 )
 def test_a_completion_that_does_not_hold_what_was_asked_writes_nothing(
-    client: PayloadClient, broken: object, message: str
+    client: PayloadClient, broken: object, message: str, run_name: str
 ) -> None:
     rng = np.random.default_rng(4)
     good, bad = completion(rng, 5, 4), completion(rng, 5, 4)
     broken(bad)  # type: ignore[operator]
     before = client.stats().appends
     with pytest.raises(InvalidRequestError, match=message) as info:
-        write_outputs(client, [Output([0] * 5, [good]), Output([0] * 5, [bad])], run="vw", step=3)
+        write_outputs(
+            client, [Output([0] * 5, [good]), Output([0] * 5, [bad])], run=run_name, step=3
+        )
     assert "outputs[1].outputs[0]" in str(info.value)
     assert client.stats().appends == before  # not even the good one
 
@@ -149,10 +158,10 @@ def test_mask_blocks_group_rows_of_one_width_in_a_row() -> None:
 
 
 @pytest.mark.asyncio
-async def test_the_async_writer(aclient: AsyncPayloadClient) -> None:
+async def test_the_async_writer(aclient: AsyncPayloadClient, run_name: str) -> None:
     rng = np.random.default_rng(5)
     c = completion(rng, 9, 5)
     assert c.routed_experts is not None
-    (per,) = await awrite_outputs(aclient, [Output([3] * 9, [c])], run="vwa", step=0)
+    (per,) = await awrite_outputs(aclient, [Output([3] * 9, [c])], run=run_name, step=0)
     got = await aclient.read_field(per[0], ROUTED, 0, 13, 0)
     np.testing.assert_array_equal(got, c.routed_experts)

@@ -1,6 +1,6 @@
 """Wire evolution: Structs only gain trailing defaulted fields, and both sides cope.
 
-For `PayloadSegment` and every Struct of ``payload_client._wire`` (and ``_dataplane_wire``, ``_peer_wire``) these tests build a "newer"
+For `PayloadSegment` and every Struct of ``payload_client.wire._http`` (and ``_dataplane_wire``, ``_peer_wire``) these tests build a "newer"
 version (same name, tag and options, one more trailing field with a default) and check, in
 msgpack and JSON, that what the newer version encodes decodes in today's (the extra field is
 ignored) and that what today's version encodes decodes in the newer one (the new field takes
@@ -26,11 +26,13 @@ import numpy as np
 import pytest
 
 from payload_client import PayloadSegment
-from payload_client import _base as client_base
-from payload_client import _dataplane_wire as dataplane_wire
-from payload_client import _peer_wire as peer_wire
-from payload_client import _wire as wire
-from payload_client._dataplane_wire import (
+from payload_client.clients import _base as client_base
+from payload_client.transports import _call as client_call
+from payload_client.transports.dataplane import _transport as client_drivers
+from payload_client.wire import _dataplane as dataplane_wire
+from payload_client.wire import _http as wire
+from payload_client.wire import _peer as peer_wire
+from payload_client.wire._dataplane import (
     DATA_SOCKET_SUFFIX,
     AbortRequest,
     CommitReply,
@@ -49,12 +51,9 @@ from payload_client._dataplane_wire import (
     ReserveRequest,
     ShapesRequest,
 )
-from payload_client._peer_wire import PeerBytes, PeerHello, PeerRead, PeerWelcome
-from payload_client._transports import _call as client_call
-from payload_client._transports import _dataplane as client_drivers
-from payload_client._wire import (
+from payload_client.wire._frames import FRAME_PREFIX
+from payload_client.wire._http import (
     APPEND_CONTENT_TYPE,
-    FRAME_PREFIX,
     MSGPACK_CONTENT_TYPE,
     AppendItem,
     AppendRequest,
@@ -75,8 +74,9 @@ from payload_client._wire import (
     StepUsage,
     Usage,
 )
-from payloadd.server import _app as daemon_app
-from payloadd.server import _dataplane_requests as daemon_dataplane
+from payload_client.wire._peer import PeerBytes, PeerHello, PeerRead, PeerWelcome
+from payloadd.server.framed import _dataplane_requests as daemon_dataplane
+from payloadd.server.http import _routes as daemon_app
 from tests.conftest import Daemon
 
 EXTRA = "extra_wire_field"
@@ -476,9 +476,9 @@ def _layout(cls: type[msgspec.Struct]) -> list[str]:
         text = f"{f.name}: {f.type.__name__ if isinstance(f.type, type) else f.type}"
         for prefix in (
             "typing.",
-            "payload_client._wire.",
-            "payload_client._dataplane_wire.",
-            "payload_client._segment.",
+            "payload_client.wire._http.",
+            "payload_client.wire._dataplane.",
+            "payload_client.segments._segment.",
         ):
             text = text.replace(prefix, "")
         if f.default is not msgspec.NODEFAULT:

@@ -25,8 +25,8 @@ from dockerfile_parse import DockerfileParser
 from payloadd import __version__
 from payloadd.cli._health import add_health_flags
 from payloadd.cli._main import _parser
-from payloadd.server._auth import load_admin_token
 from payloadd.server._sockets import StartError
+from payloadd.server._tokens import load_admin_token
 from payloadd.settings._settings import Settings
 
 REPO = Path(__file__).resolve().parents[2]

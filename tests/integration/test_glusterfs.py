@@ -10,7 +10,6 @@ is compared bit for bit or must be the error named.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import statistics
@@ -21,6 +20,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -32,8 +32,8 @@ from payload_client import (
     PayloadSegment,
     Window,
 )
-from payloadd.bench._daemon_process import start_daemon
 from payloadd.store._fs_kind import detect
+from tests.conftest import Daemons
 from tests.integration.glusterfs import GlusterVolume
 
 TRANSPORTS = ["data-plane", "http"]
@@ -62,32 +62,27 @@ class Nodes:
         return PayloadClient(self.sock_b, data_plane=transport == "data-plane")
 
 
-@contextlib.contextmanager
-def daemon(gluster: GlusterVolume, tmp: Path, node: str, *flags: str) -> Iterator[Path]:
-    """``payloadd serve --node node`` on its mount (``na``: mount a, ``nb``: mount b);
-    yields its socket (on local disk: no Unix socket lives on FUSE)."""
+def on_mount(gluster: GlusterVolume, daemons: Daemons, node: str) -> dict[str, Any]:
+    """The options of `Daemons.run` for ``payloadd serve --node node`` on its mount (``na``:
+    mount a, ``nb``: mount b): its socket on local disk (no Unix socket lives on FUSE), its
+    log ``<node>.log`` beside it."""
     mount = gluster.mounts[0 if node == "na" else 1]
-    sock = tmp / f"{node}.sock"
-    with (
-        open(tmp / f"{node}.log", "ab") as log,
-        start_daemon(mount / "root", sock, "--node", node, *flags, log_level="info", stderr=log),
-    ):
-        yield sock
+    log = daemons.folder / f"{node}.log"
+    return {"node": node, "root": mount / "root", "log": log, "log_level": "info"}
 
 
-@contextlib.contextmanager
-def nodes(gluster: GlusterVolume, tmp: Path, *flags: str) -> Iterator[Nodes]:
-    tmp.mkdir(parents=True, exist_ok=True)
-    with daemon(gluster, tmp, "na", *flags) as sa, daemon(gluster, tmp, "nb", *flags) as sb:
-        m = gluster.mounts
-        yield Nodes(m[0] / "root", m[1] / "root", sa, sb, tmp / "nb.log")
+def start_nodes(gluster: GlusterVolume, daemons: Daemons, *flags: str) -> Nodes:
+    """Start both daemons with ``flags`` (until ``daemons`` closes)."""
+    a = daemons.start(*flags, **on_mount(gluster, daemons, "na"))
+    b = daemons.start(*flags, **on_mount(gluster, daemons, "nb"))
+    return Nodes(a.root, b.root, a.socket, b.socket, daemons.folder / "nb.log")
 
 
 @pytest.fixture(scope="module")
 def pair(gluster: GlusterVolume, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Nodes]:
     """Both daemons with the defaults (for a distributed file system: see the docs)."""
-    with nodes(gluster, tmp_path_factory.mktemp("defaults")) as p:
-        yield p
+    with Daemons(tmp_path_factory.mktemp("defaults")) as d:
+        yield start_nodes(gluster, d)
 
 
 def rows(n: int, seed: int = 0) -> np.ndarray:
@@ -288,26 +283,27 @@ def test_a_step_expired_by_ttl_on_a_reads_gone_on_b(pair: Nodes) -> None:
 
 
 def test_each_daemon_restarted_serves_what_it_acknowledged(
-    gluster: GlusterVolume, tmp_path: Path
+    gluster: GlusterVolume, daemons: Daemons
 ) -> None:
     run = new_run()
-    with daemon(gluster, tmp_path, "nb") as sb:
-        with daemon(gluster, tmp_path, "na") as sa, PayloadClient(sa) as a:
+    na, nb = on_mount(gluster, daemons, "na"), on_mount(gluster, daemons, "nb")
+    with daemons.run(**nb) as sb:
+        with daemons.run(**na) as sa, PayloadClient(sa.socket) as a:
             first = a.append("routed_experts", rows(300), 0, run=run, step=0)
         # a stopped: b still reads a's files
-        with PayloadClient(sb) as b:
+        with PayloadClient(sb.socket) as b:
             np.testing.assert_array_equal(read(b, first), rows(300))
-        with daemon(gluster, tmp_path, "na") as sa, PayloadClient(sa) as a:
+        with daemons.run(**na) as sa, PayloadClient(sa.socket) as a:
             second = a.append("routed_experts", rows(200, 1), 300, run=run, step=0)
             assert second[0].file != first[0].file  # a restarted daemon appends to new files
-            with PayloadClient(sb) as b:
+            with PayloadClient(sb.socket) as b:
                 both = np.concatenate([rows(300), rows(200, 1)])
                 np.testing.assert_array_equal(read(b, first + second), both)
             np.testing.assert_array_equal(read(a, first + second), both)
-    with daemon(gluster, tmp_path, "nb") as sb, PayloadClient(sb) as b:  # b restarted
+    with daemons.run(**nb) as sb, PayloadClient(sb.socket) as b:  # b restarted
         np.testing.assert_array_equal(read(b, first + second), both)
         theirs = b.append("routed_experts", rows(10, 2), 0, run=run, step=0)
-    with daemon(gluster, tmp_path, "na") as sa, PayloadClient(sa) as a:
+    with daemons.run(**na) as sa, PayloadClient(sa.socket) as a:
         np.testing.assert_array_equal(read(a, theirs), rows(10, 2))
 
 
@@ -317,23 +313,23 @@ def test_each_daemon_restarted_serves_what_it_acknowledged(
 @pytest.mark.parametrize("foreign_reads", ["cached", "reopen"])
 @pytest.mark.parametrize("fsync", ["never", "interval", "always"])
 def test_every_mode_reads_growth_and_collection_right(
-    gluster: GlusterVolume, tmp_path: Path, fsync: str, foreign_reads: str
+    gluster: GlusterVolume, daemons: Daemons, fsync: str, foreign_reads: str
 ) -> None:
     flags = ("--fsync", fsync, "--foreign-reads", foreign_reads)
-    with nodes(gluster, tmp_path, *flags) as p:
-        for via in TRANSPORTS:
-            run = new_run()
-            with p.a(via) as a, p.b(via) as b, p.b("http" if via != "http" else via) as bh:
-                first = a.append("routed_experts", rows(1024), 0, run=run, step=0)
-                np.testing.assert_array_equal(read(b, first), rows(1024))
-                segs, pos = list(first), 1024
-                for r in range(10):
-                    more = a.append("routed_experts", rows(50, r + 1), pos, run=run, step=0)
-                    np.testing.assert_array_equal(read(b, more), rows(50, r + 1))
-                    segs, pos = segs + more, pos + 50
-                a.gc(run=run, through_step=0)
-                assert_gone(b, segs, run)
-                assert_gone(bh, segs, run)
+    p = start_nodes(gluster, daemons, *flags)
+    for via in TRANSPORTS:
+        run = new_run()
+        with p.a(via) as a, p.b(via) as b, p.b("http" if via != "http" else via) as bh:
+            first = a.append("routed_experts", rows(1024), 0, run=run, step=0)
+            np.testing.assert_array_equal(read(b, first), rows(1024))
+            segs, pos = list(first), 1024
+            for r in range(10):
+                more = a.append("routed_experts", rows(50, r + 1), pos, run=run, step=0)
+                np.testing.assert_array_equal(read(b, more), rows(50, r + 1))
+                segs, pos = segs + more, pos + 50
+            a.gc(run=run, through_step=0)
+            assert_gone(b, segs, run)
+            assert_gone(bh, segs, run)
 
 
 # -- cold and warm reads ---------------------------------------------------------------------

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from payload_client import PayloadClient
-from payloadd.bench._daemon_process import start_daemon
+from tests._daemons import Daemons
 
 FIELDS = {  # field -> (row shape, dtype): router replay, logprobs, a mask
     "routed_experts": ((48, 8), np.uint8),
@@ -110,7 +110,7 @@ def measure(
     sock = root.parent / f"{root.name}.sock"
     acct = Account()
     flags = ["--node", "n", "--max-root-bytes", str(cap), "--fields", json.dumps(TABLE)]
-    with start_daemon(root, sock, *flags), PayloadClient(sock) as probe:
+    with Daemons(root.parent).run(*flags, root=root, socket=sock), PayloadClient(sock) as probe:
         ctx = mp.get_context("spawn")
         go, idle = ctx.Barrier(writers + 1), ctx.Barrier(writers + 1)
         out: mp.Queue[tuple[int, int]] = ctx.Queue()

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from payload_client import PayloadClient
-from payloadd.bench._daemon_process import start_daemon
+from tests._daemons import Daemons
 
 ROUNDS = 5
 
@@ -43,7 +43,7 @@ def _round(c: PayloadClient, run: str, n: int) -> tuple[float, float]:
 def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         sock = Path(tmp) / "s.sock"
-        with start_daemon(Path(tmp) / "root", sock, "--node", "p"):
+        with Daemons(Path(tmp)).run("--node", "p", socket=sock):
             for dp in (True, False):
                 with PayloadClient(sock, data_plane=dp) as c:
                     got = [_round(c, f"h{int(dp)}-{r}", 2000 if dp else 300) for r in range(ROUNDS)]

@@ -45,3 +45,58 @@ def set_nofile(pid: int, soft: int) -> int:
     old, hard = resource.prlimit(pid, resource.RLIMIT_NOFILE)
     resource.prlimit(pid, resource.RLIMIT_NOFILE, (soft, hard))
     return old
+
+
+TCP_ESTABLISHED, TCP_CLOSE_WAIT, TCP_LISTEN = "01", "08", "0A"
+"""States of /proc/net/tcp (``st``, hexadecimal)."""
+
+
+def tcp_sockets(port: int) -> list[tuple[int, str, int]]:
+    """The IPv4 TCP sockets of this machine whose local port is ``port`` (a daemon's
+    listener, and the connections it accepted or has queued): (remote port, state, receive
+    queue) each; a listener's receive queue is its accept queue."""
+    out = []
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        _, local, remote, state, queues, *_ = line.split()
+        if int(local.rsplit(":", 1)[1], 16) == port:
+            rx = int(queues.split(":")[1], 16)
+            out.append((int(remote.rsplit(":", 1)[1], 16), state, rx))
+    return out
+
+
+def tcp_open(port: int, remote_ports: set[int]) -> set[int]:
+    """Which of ``remote_ports`` still have a connection to local ``port`` that its owner
+    has not closed (established, or closed by the other end only)."""
+    return {
+        remote
+        for remote, state, _ in tcp_sockets(port)
+        if remote in remote_ports and state in (TCP_ESTABLISHED, TCP_CLOSE_WAIT)
+    }
+
+
+def accept_queue(port: int) -> int:
+    """How many connections wait in the accept queue of the listener on ``port`` (an IPv4
+    one: `AssertionError` when there is none)."""
+    queues = [rx for _, state, rx in tcp_sockets(port) if state == TCP_LISTEN]
+    assert queues, f"no IPv4 listener on port {port}"
+    return sum(queues)
+
+
+def unix_connections(path: Path | str) -> tuple[int, int]:
+    """The connections to the Unix socket listening on ``path``, from /proc/net/unix: how
+    many its owner has accepted and still holds open (closed by the other end or not), and
+    how many wait in its accept queue."""
+    accepted = queued = 0
+    for line in Path("/proc/net/unix").read_text().splitlines()[1:]:
+        fields = line.split(maxsplit=7)
+        if len(fields) < 8 or fields[7] != str(path) or fields[3] == _UNIX_LISTENING:
+            continue
+        if fields[6] == "0":  # no socket of its own yet: not accepted
+            queued += 1
+        else:
+            accepted += 1
+    return accepted, queued
+
+
+_UNIX_LISTENING = "00010000"
+"""The flags of a listening socket in /proc/net/unix (``__SO_ACCEPTCON``)."""

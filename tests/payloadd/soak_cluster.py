@@ -20,6 +20,7 @@ from tempfile import TemporaryDirectory
 import numpy as np
 
 from payload_client import AsyncClusterClient, ClusterClient, PayloadClient, PayloadSegment
+from tests._daemons import Daemons
 from tests.payloadd.procfs import deleted_fds, fds, status
 from tests.payloadd.test_cluster import (
     BATCH_STEPS,
@@ -27,7 +28,7 @@ from tests.payloadd.test_cluster import (
     Cluster,
     check,
     cp_windows,
-    daemons,
+    start_nodes,
     write_batch,
 )
 
@@ -39,7 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seconds", type=float, default=180.0)
     args = p.parse_args(argv)
-    with TemporaryDirectory(prefix="soak-cluster-") as tmp, daemons(Path(tmp)) as nodes:
+    with TemporaryDirectory(prefix="soak-cluster-") as tmp, Daemons(Path(tmp)) as d:
+        nodes = start_nodes(d)
         pids = _pids(Path(tmp))
         cluster = Cluster(nodes, [], 0)
         samples: list[tuple[float, int, int, int, int]] = []

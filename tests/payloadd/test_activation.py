@@ -23,10 +23,11 @@ import numpy as np
 import pytest
 
 from payload_client import PayloadClient, PayloadError, PayloadSegment
-from payload_client._dataplane_wire import DataReply, FieldsReply, FieldsRequest
-from payload_client._wire import FRAME_PREFIX
+from payload_client.wire._dataplane import DataReply, FieldsReply, FieldsRequest
+from payload_client.wire._frames import FRAME_PREFIX
 from payloadd.server._activation import passed_sockets
 from payloadd.server._sockets import StartError
+from tests.conftest import Daemons, wait_until
 
 LISTEN_EXEC = Path(__file__).with_name("listen_exec.py")
 PAYLOADD = [sys.executable, "-m", "payloadd"]
@@ -245,16 +246,14 @@ def test_listen_variables_are_always_unset_and_only_this_pid_takes_them() -> Non
 
 
 def test_listen_variables_of_another_process_leave_the_daemon_binding_its_own(
-    tmp_path: Path,
+    tmp_path: Path, daemons: Daemons
 ) -> None:
-    from payloadd.bench._daemon_process import start_daemon
-
     env = {**os.environ, "LISTEN_PID": "1", "LISTEN_FDS": "2", "LISTEN_FDNAMES": "http:data"}
     sock = tmp_path / "s.sock"
-    with start_daemon(tmp_path / "root", sock, env=env) as proc, PayloadClient(sock) as c:
+    with daemons.run(socket=sock, env=env) as d, PayloadClient(sock) as c:
         c.append("f", np.ones((2, 3), np.int32), 0, run="r", step=0)
         assert c.stats().data_plane_requests > 0
-        _stop(proc)
+        _stop(d.proc)
     assert not sock.exists() and not Path(f"{sock}.data").exists()  # its own: removed
 
 
@@ -277,15 +276,18 @@ def test_systemd_socket_activate_starts_the_daemon_on_the_first_connection(
         env=env,
     )  # fmt: skip
     try:
-        deadline = time.monotonic() + 30
-        while True:  # the data socket listens last; the first connect starts the daemon
+
+        def connected() -> bool:
+            assert proc.poll() is None
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as first:
                 try:
                     first.connect(str(data_path))
-                    break
                 except (FileNotFoundError, ConnectionRefusedError):
-                    assert proc.poll() is None and time.monotonic() < deadline
-                    time.sleep(0.05)
+                    return False
+            return True
+
+        # the data socket listens last; the first connect starts the daemon
+        wait_until(connected, 30, "a connect to the data socket", every=0.05)
         with PayloadClient(sock, timeout=60) as c:
             seg = c.append(M, np.ones((2, 3), np.int32), 0, run="r", step=0)
             np.testing.assert_array_equal(c.read_field(seg, M, 0, 2, 0), np.ones((2, 3)))

@@ -14,9 +14,8 @@ import numpy as np
 import pytest
 
 from payload_client import AsyncPayloadClient, PayloadClient, UnauthorizedError
-from payloadd.bench._daemon_process import start_daemon
 from payloadd.settings._settings import Settings
-from tests.conftest import free_port
+from tests.conftest import Daemons, free_port
 
 PAYLOADD = [sys.executable, "-m", "payloadd"]
 TOKEN = "t0ken-" + "a1b2c3d4" * 4
@@ -47,10 +46,8 @@ def guarded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Guarded]:
     port = free_port()
     g = Guarded(tmp / "root", tmp / "payloadd.sock", f"http://127.0.0.1:{port}", tmp / "log")
     flags = ("--admin-token-file", str(tmp / "token"), "--tcp-port", str(port))
-    with (
-        open(g.log, "wb") as log,
-        start_daemon(g.root, g.socket, *flags, log_level="debug", stderr=log),
-    ):
+    with Daemons(tmp) as d:
+        d.start(*flags, socket=g.socket, log=g.log, log_level="debug")
         yield g
 
 
@@ -173,15 +170,15 @@ def test_the_token_never_reaches_the_log(guarded: Guarded) -> None:
     assert TOKEN not in log and TOKEN[::-1] not in log
 
 
-def test_token_from_the_environment(tmp_path: Path) -> None:
+def test_token_from_the_environment(tmp_path: Path, daemons: Daemons) -> None:
     env = {**os.environ, "PAYLOADD_ADMIN_TOKEN": TOKEN}
     sock = tmp_path / "s.sock"
-    with start_daemon(tmp_path / "root", sock, env=env) as proc, _unix_path(sock) as http:
+    with daemons.run(socket=sock, env=env) as d, _unix_path(sock) as http:
         _assert_401(http.post("/v1/admin/gc"), None)
         r = http.post("/v1/admin/gc", headers={"Authorization": f"Bearer {TOKEN}"})
         assert r.status_code != 401
         assert http.get("/healthz").status_code == 200
-        assert TOKEN.encode() not in Path(f"/proc/{proc.pid}/cmdline").read_bytes()
+        assert TOKEN.encode() not in Path(f"/proc/{d.pid}/cmdline").read_bytes()
 
 
 def _unix_path(path: Path) -> httpx.Client:
@@ -258,7 +255,9 @@ async def test_the_async_client_over_tcp(guarded: Guarded) -> None:
             await c.read_field(segs, "f", 0, 3, 0)
 
 
-def test_a_token_file_of_two_lines_accepts_both_while_a_token_is_rotated(tmp_path: Path) -> None:
+def test_a_token_file_of_two_lines_accepts_both_while_a_token_is_rotated(
+    tmp_path: Path, daemons: Daemons
+) -> None:
     """Rotation without a refused call: the file holds the new token and the old one; both
     are taken over TCP and on the peer port, any other is not; the CLI sends the first."""
     new, old = "new-" + "n" * 28, "old-" + "o" * 28
@@ -267,7 +266,7 @@ def test_a_token_file_of_two_lines_accepts_both_while_a_token_is_rotated(tmp_pat
     http, peer = free_port(), free_port()
     flags = ("--admin-token-file", str(tmp_path / "token"), "--tcp-port", str(http),
              "--peer-port", str(peer))  # fmt: skip
-    with start_daemon(tmp_path / "root", tmp_path / "s.sock", *flags):
+    with daemons.run(*flags, socket=tmp_path / "s.sock"):
         with PayloadClient(tmp_path / "s.sock", token=new) as local:
             segs = local.append("f", np.arange(8, dtype=np.uint8).reshape(4, 2), 0, run="r", step=0)
         for token in (new, old):

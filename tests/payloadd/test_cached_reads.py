@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from payload_client import FileGoneError, PayloadClient, PayloadSegment, Window
-from payload_client._transports import _descriptors
+from payload_client.clients._plans import plan_reads
+from payload_client.transports.dataplane import _descriptors
 from tests.conftest import Daemon
 
 R = "routed_experts"
@@ -36,8 +37,8 @@ def at_once(c: PayloadClient, segs: list[PayloadSegment], out: np.ndarray) -> bo
     """Whether a read of ``segs`` into ``out`` is served at once (and then do it)."""
     dp = c._data_plane
     assert dp is not None
-    planned = c._read_plans([Window(segs, R, segs[0].pos, segs[0].pos + len(out), 0, out)])
-    return dp.read_now(planned[0], planned[1])
+    planned = plan_reads([Window(segs, R, segs[0].pos, segs[0].pos + len(out), 0, out)])
+    return dp.read_now(planned.plans, planned.outs)
 
 
 def test_a_second_read_is_served_at_once_and_a_collection_ends_that(daemon: Daemon) -> None:

@@ -17,8 +17,10 @@ import numpy as np
 import pytest
 
 from payload_client import PayloadClient
-from payloadd.bench._daemon_process import start_daemon
 from payloadd.settings._settings import Settings
+from tests.conftest import Daemons
+
+pytestmark = pytest.mark.slow  # one of the longest modules (`-m "not slow"` skips it)
 
 PAYLOADD = [sys.executable, "-m", "payloadd"]
 
@@ -94,12 +96,14 @@ def test_settings_come_from_flags_then_environment(monkeypatch: pytest.MonkeyPat
     assert Settings(max_file_bytes=99).max_file_bytes == 99
 
 
-def test_socket_mode_stale_socket_live_socket_and_clean_exit(tmp_path: Path) -> None:
+def test_socket_mode_stale_socket_live_socket_and_clean_exit(
+    tmp_path: Path, daemons: Daemons
+) -> None:
     sock_path = tmp_path / "payloadd.sock"
     stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     stale.bind(str(sock_path))  # a socket file nobody listens on: a killed daemon's leftover
     stale.close()
-    with start_daemon(tmp_path / "root", sock_path) as proc:
+    with daemons.run(socket=sock_path) as d:
         assert stat.S_IMODE(os.stat(sock_path).st_mode) == 0o660
         assert stat.S_IMODE(os.stat(tmp_path / "root").st_mode) == 0o750
         with PayloadClient(sock_path) as c:
@@ -111,8 +115,8 @@ def test_socket_mode_stale_socket_live_socket_and_clean_exit(tmp_path: Path) -> 
         assert second.returncode == 1 and "already listens" in second.stderr
         with PayloadClient(sock_path) as c:  # the live daemon is untouched
             np.testing.assert_array_equal(c.read_field(segs, "f", 0, 2, 0), np.ones((2, 2)))
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(30) == 0
+        d.proc.send_signal(signal.SIGTERM)
+        assert d.proc.wait(30) == 0
     assert not sock_path.exists()
 
 

@@ -6,7 +6,6 @@ every window equals the dense reference bit for bit."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import threading
@@ -33,8 +32,7 @@ from payload_client import (
     load_nodes,
     shift_segments,
 )
-from payloadd.bench._daemon_process import start_daemon
-from tests.conftest import free_port
+from tests.conftest import Daemons, free_port
 from tests.payloadd.test_metrics import Samples, delta, scrape
 from tests.reference import dense_coverage, dense_read
 
@@ -82,20 +80,20 @@ class Cluster:
         return out
 
 
-@contextlib.contextmanager
-def daemons(tmp: Path, *extra: str, peer: bool = True) -> Iterator[dict[str, Node]]:
+def start_nodes(daemons: Daemons, *extra: str, peer: bool = True) -> dict[str, Node]:
+    """Start the daemons of `NODES` with ``daemons``, each on a root of its own with TCP
+    and (with ``peer``) the peer port behind `TOKEN`; they run until ``daemons`` closes."""
     env = dict(os.environ, PAYLOADD_ADMIN_TOKEN=TOKEN)
-    with contextlib.ExitStack() as stack:
-        nodes = {}
-        for name in NODES:
-            n = Node(name, tmp / name / "root", tmp / name / "s.sock", free_port(),
-                     free_port() if peer else None)  # fmt: skip
-            flags = ["--node", name, "--tcp-port", str(n.http), *extra]
-            if n.peer is not None:
-                flags += ["--peer-port", str(n.peer)]
-            stack.enter_context(start_daemon(n.root, n.socket, *flags, env=env))
-            nodes[name] = n
-        yield nodes
+    nodes = {}
+    for name in NODES:
+        n = Node(name, daemons.folder / name / "root", daemons.folder / name / "s.sock",
+                 free_port(), free_port() if peer else None)  # fmt: skip
+        flags = ["--tcp-port", str(n.http), *extra]
+        if n.peer is not None:
+            flags += ["--peer-port", str(n.peer)]
+        daemons.start(*flags, node=name, root=n.root, socket=n.socket, env=env)
+        nodes[name] = n
+    return nodes
 
 
 BATCH_STEPS = 6
@@ -131,7 +129,8 @@ def write_batch(
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    with daemons(tmp_path_factory.mktemp("cluster")) as nodes:
+    with Daemons(tmp_path_factory.mktemp("cluster")) as d:
+        nodes = start_nodes(d)
         segs, length = write_batch(nodes, np.random.default_rng(16))
         yield Cluster(nodes, segs, length)
 
@@ -255,18 +254,18 @@ def test_reads_go_over_the_peer_port_and_this_node_over_the_data_plane(cluster: 
             assert peer > 0, name
 
 
-def test_without_a_peer_port_the_reads_go_over_http(tmp_path: Path) -> None:
-    with daemons(tmp_path, peer=False) as nodes:
-        segs, length = write_batch(nodes, np.random.default_rng(5))
-        cl = Cluster(nodes, segs, length)
-        before = nodes["nb"].metrics()
-        windows = cp_windows(segs, length, 2)
-        with ClusterClient(cl.map("na"), token=TOKEN) as cc:
-            check(cc.read_many(windows), windows, cl.files())
-        after = nodes["nb"].metrics()
-        got = sum(delta(before, after, "payloadd_read_bytes_total", field=f, transport="http")
-                  for f in FIELDS)  # fmt: skip
-        assert got > 0
+def test_without_a_peer_port_the_reads_go_over_http(daemons: Daemons) -> None:
+    nodes = start_nodes(daemons, peer=False)
+    segs, length = write_batch(nodes, np.random.default_rng(5))
+    cl = Cluster(nodes, segs, length)
+    before = nodes["nb"].metrics()
+    windows = cp_windows(segs, length, 2)
+    with ClusterClient(cl.map("na"), token=TOKEN) as cc:
+        check(cc.read_many(windows), windows, cl.files())
+    after = nodes["nb"].metrics()
+    got = sum(delta(before, after, "payloadd_read_bytes_total", field=f, transport="http")
+              for f in FIELDS)  # fmt: skip
+    assert got > 0
 
 
 def test_a_segment_of_a_node_not_in_the_map_is_refused_before_any_io(cluster: Cluster) -> None:

@@ -15,14 +15,14 @@ R, M = "routed_experts", "sampling_mask"
 
 
 @pytest.mark.asyncio
-async def test_async_round_trip(aclient: AsyncPayloadClient) -> None:
+async def test_async_round_trip(aclient: AsyncPayloadClient, run_name: str) -> None:
     rows = np.arange(6 * 48 * 8, dtype=np.uint32).reshape(6, 48, 8).astype(np.uint8)
-    segs = await aclient.append(R, rows, 3, run="async", step=0)
+    segs = await aclient.append(R, rows, 3, run=run_name, step=0)
     got = await aclient.read_field(segs, R, 0, 9, 0)
     assert got is not None
     np.testing.assert_array_equal(got[3:], rows)
     assert (got[:3] == 0).all()
-    (m,) = await aclient.append_many([(M, np.full((2, 5), 4, np.int32), 3)], run="async", step=0)
+    (m,) = await aclient.append_many([(M, np.full((2, 5), 4, np.int32), 3)], run=run_name, step=0)
     windows = [Window(segs + m, R, 3, 4, 0), Window(segs + m, M, 3, 6, -1)]
     both = await aclient.read_many(windows)
     assert both[0] is not None and both[1] is not None

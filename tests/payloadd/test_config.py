@@ -16,10 +16,10 @@ import pytest
 from pydantic import ValidationError
 
 from payload_client import PayloadClient
-from payloadd.bench._daemon_process import start_daemon
 from payloadd.settings import _config_file as _config
 from payloadd.settings._config_file import NOT_IN_FILE, ConfigFileError
 from payloadd.settings._settings import Settings
+from tests.conftest import Daemons
 
 PAYLOADD = [sys.executable, "-m", "payloadd"]
 REPO = Path(__file__).resolve().parents[2]
@@ -39,7 +39,9 @@ def _env(**values: str) -> dict[str, str]:
     return {**env, **values}
 
 
-def test_flag_over_env_over_file_over_default_through_serve(tmp_path: Path) -> None:
+def test_flag_over_env_over_file_over_default_through_serve(
+    tmp_path: Path, daemons: Daemons
+) -> None:
     config = tmp_path / "payloadd.toml"
     config.write_text(
         'node = "from-file"\n'
@@ -58,7 +60,7 @@ def test_flag_over_env_over_file_over_default_through_serve(tmp_path: Path) -> N
     )
     flags = ("--node", "from-flag", "--min-free-bytes", "555")
     sock = tmp_path / "s.sock"
-    with start_daemon(tmp_path / "root", sock, *flags, env=env), PayloadClient(sock) as c:
+    with daemons.run(*flags, socket=sock, env=env), PayloadClient(sock) as c:
         health, stats, table = c.health(), c.stats(), c.fields()
     assert health.node == "from-flag"  # flag > env > file
     assert stats.min_free_bytes == 555  # flag > file
@@ -217,13 +219,13 @@ def test_a_bad_size_is_refused_naming_the_value(given: object, message: str) -> 
     assert e["loc"] == ("max_root_bytes",) and message in e["msg"], e["msg"]
 
 
-def test_units_through_serve_flag_env_and_file(tmp_path: Path) -> None:
+def test_units_through_serve_flag_env_and_file(tmp_path: Path, daemons: Daemons) -> None:
     config = tmp_path / "payloadd.toml"
     config.write_text('max_root_bytes = "1.5GB"\nlease_bytes = "1MiB"\nmax_file_bytes = 65536\n')
     env = _env(PAYLOADD_CONFIG=str(config), PAYLOADD_MIN_FREE_BYTES="64 KiB")
     flags = ("--max-file-bytes", "4MiB")
     sock = tmp_path / "s.sock"
-    with start_daemon(tmp_path / "root", sock, *flags, env=env), PayloadClient(sock) as c:
+    with daemons.run(*flags, socket=sock, env=env), PayloadClient(sock) as c:
         stats = c.stats()
         rows = np.ones((8192, 48, 8), np.uint8)  # 3 MiB: one file under a 4 MiB rotation
         segs = c.append("routed_experts", rows, 0, run="u", step=0)
@@ -373,10 +375,10 @@ def test_the_example_config_covers_every_setting_and_changes_nothing(
         assert name in text  # said why it is not there
 
 
-def test_the_example_config_starts_a_daemon(tmp_path: Path) -> None:
+def test_the_example_config_starts_a_daemon(tmp_path: Path, daemons: Daemons) -> None:
     sock = tmp_path / "s.sock"
     config = ("--config", str(EXAMPLE))
-    with start_daemon(tmp_path / "root", sock, *config, env=_env()), PayloadClient(sock) as c:
+    with daemons.run(*config, socket=sock, env=_env()), PayloadClient(sock) as c:
         assert c.health().status == "ok"  # no PAYLOADD_* variable: the file's settings
         table = c.fields()
         assert sorted(table.fields) == ["routed_experts", "sampling_mask"]

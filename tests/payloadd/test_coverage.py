@@ -42,11 +42,13 @@ def test_read_field_coverage_marks_real_rows_not_fill(client: PayloadClient) -> 
     np.testing.assert_array_equal(plain, arr)
 
 
-def test_coverage_of_absent_fields_placeholders_and_empty_windows(client: PayloadClient) -> None:
-    segs, _ = stored(client, "cov-edge")
+def test_coverage_of_absent_fields_placeholders_and_empty_windows(
+    client: PayloadClient, run_name: str
+) -> None:
+    segs, _ = stored(client, run_name)
     absent = client.read_field(segs, "weights", 10, 13, 0.0, coverage=True)
     assert absent.array is None and absent.covered.tolist() == [False] * 3
-    (p,) = client.append(M, np.zeros((0, 4), np.int32), 30, run="cov-edge", step=0)
+    (p,) = client.append(M, np.zeros((0, 4), np.int32), 30, run=run_name, step=0)
     arr, covered = client.read_field([p], M, 0, 3, -1, coverage=True)
     assert arr is not None and arr.shape == (3, 4) and (arr == -1).all() and not covered.any()
     arr, covered = client.read_field(segs, R, 12, 12, 0, coverage=True)
@@ -79,9 +81,9 @@ def test_read_many_mixes_windows_with_and_without_coverage(client: PayloadClient
 
 
 @pytest.mark.asyncio
-async def test_async_coverage_matches_sync(aclient: AsyncPayloadClient) -> None:
+async def test_async_coverage_matches_sync(aclient: AsyncPayloadClient, run_name: str) -> None:
     a = np.arange(4 * 3, dtype=np.int32).reshape(4, 3)
-    (s,) = await aclient.append(M, a, 2, run="cov-async", step=0)
+    (s,) = await aclient.append(M, a, 2, run=run_name, step=0)
     arr, covered = await aclient.read_field([s], M, 0, 8, -1, coverage=True)
     assert covered.tolist() == [False, False, True, True, True, True, False, False]
     assert arr is not None

@@ -35,7 +35,7 @@ from payload_client import (
     Window,
     row_nbytes,
 )
-from payloadd.bench._daemon_process import start_daemon
+from tests.conftest import Daemons
 from tests.payloadd.crash_writer import (
     FIELDS,
     MAX_FILE_BYTES,
@@ -285,7 +285,7 @@ def _append(c: PayloadClient, name: str, writer: int, seq: int) -> Appended:
     return Appended(name, p.items, c.append_many(p.items, run=p.run, step=p.step))
 
 
-def test_kill_9_during_concurrent_appends_loses_nothing(tmp_path: Path) -> None:
+def test_kill_9_during_concurrent_appends_loses_nothing(tmp_path: Path, daemons: Daemons) -> None:
     """Four writer processes (two threads each, both transports, append and append_many, seven
     dtypes and shapes, two runs, three steps, items larger than a file) append until the
     daemon is SIGKILLed after 400 or more acknowledged appends. The writers stop on clear
@@ -300,7 +300,7 @@ def test_kill_9_during_concurrent_appends_loses_nothing(tmp_path: Path) -> None:
     with contextlib.ExitStack() as stack:
         writers = _start_writers(tmp_path, sock)  # they import while the daemon starts
         stack.enter_context(_reaped(writers))
-        first = stack.enter_context(start_daemon(root, sock, *FLAGS))
+        first = stack.enter_context(daemons.run(*FLAGS, socket=sock))
         # clients that live through the kill, unused while the daemon is down: one holds a
         # lease and a read descriptor of the first daemon, the other a pooled connection
         survivor = stack.enter_context(PayloadClient(sock))
@@ -318,7 +318,7 @@ def test_kill_9_during_concurrent_appends_loses_nothing(tmp_path: Path) -> None:
             with PayloadClient(sock, data_plane=False) as http:
                 assert http.stats().leases >= 10  # data-plane appends really placed in leases
             os.kill(first.pid, signal.SIGKILL)
-            assert first.wait(WAIT_S) == -signal.SIGKILL
+            assert first.proc.wait(WAIT_S) == -signal.SIGKILL
             _drain(sel, writers)
         acked, stops = _read_records(writers)
 
@@ -345,7 +345,7 @@ def test_kill_9_during_concurrent_appends_loses_nothing(tmp_path: Path) -> None:
         before = _snapshot(root)
 
         # restart on the same root and socket
-        stack.enter_context(start_daemon(root, sock, *FLAGS))
+        stack.enter_context(daemons.run(*FLAGS, socket=sock))
         fresh = stack.enter_context(PayloadClient(sock))
         fresh_http = stack.enter_context(PayloadClient(sock, data_plane=False))
         late = np.full((2, 48, 8), 7, np.uint8)

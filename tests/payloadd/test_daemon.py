@@ -23,9 +23,10 @@ from payload_client import (
     clip_segments,
     shift_segments,
 )
-from payload_client._transports import _descriptors
-from payload_client._transports._dataplane_steps import Exchange
-from payload_client._wire import APPEND_CONTENT_TYPE, FRAME_PREFIX, AppendItem, AppendRequest
+from payload_client.transports.dataplane import _descriptors
+from payload_client.transports.dataplane._steps import Exchange
+from payload_client.wire._frames import FRAME_PREFIX
+from payload_client.wire._http import APPEND_CONTENT_TYPE, AppendItem, AppendRequest
 from tests.conftest import Daemon
 from tests.reference import dense_read
 
@@ -59,18 +60,18 @@ def test_round_trip_integer_fields(client: PayloadClient, dtype: str, shape: tup
     np.testing.assert_array_equal(got, rows.astype(np.int32))
 
 
-def test_float_field_reads_as_float32(client: PayloadClient) -> None:
+def test_float_field_reads_as_float32(client: PayloadClient, run_name: str) -> None:
     rows = rng.standard_normal((5, 1)).astype(np.float16)
-    segs = client.append("weights", rows, 0, run="rt", step=1)
+    segs = client.append("weights", rows, 0, run=run_name, step=1)
     got = client.read_field(segs, "weights", 0, 6, 0.5)
     assert got is not None and got.dtype == np.float32
     np.testing.assert_array_equal(got[:5], rows.astype(np.float32))
     assert got[5, 0] == 0.5
 
 
-def test_windows_inside_outside_straddling(client: PayloadClient) -> None:
+def test_windows_inside_outside_straddling(client: PayloadClient, run_name: str) -> None:
     rows = rng.integers(0, 128, (20, 48, 8)).astype(np.uint8)
-    segs = client.append(R, rows, 50, run="win", step=0)
+    segs = client.append(R, rows, 50, run=run_name, step=0)
     inside = client.read_field(segs, R, 55, 60, 0)
     assert inside is not None
     np.testing.assert_array_equal(inside, rows[5:10])
@@ -86,10 +87,12 @@ def test_windows_inside_outside_straddling(client: PayloadClient) -> None:
     assert (tail[2:] == 3).all()
 
 
-def test_ragged_widths_later_wins_absent_field_and_empty_window(client: PayloadClient) -> None:
+def test_ragged_widths_later_wins_absent_field_and_empty_window(
+    client: PayloadClient, run_name: str
+) -> None:
     wide = np.arange(4 * 6, dtype=np.int32).reshape(4, 6)
     narrow = np.array([[70, 71]], dtype=np.int32)
-    a, b = client.append_many([(M, wide, 10), (M, narrow, 12)], run="ragged", step=0)
+    a, b = client.append_many([(M, wide, 10), (M, narrow, 12)], run=run_name, step=0)
     segs = a + b
     got = client.read_field(segs, M, 9, 15, -1)
     assert got is not None
@@ -104,10 +107,12 @@ def test_ragged_widths_later_wins_absent_field_and_empty_window(client: PayloadC
     assert only_narrow is not None and only_narrow.shape == (1, 2)
 
 
-def test_byte_order_and_layout_are_normalised(client: PayloadClient, daemon: Daemon) -> None:
+def test_byte_order_and_layout_are_normalised(
+    client: PayloadClient, daemon: Daemon, run_name: str
+) -> None:
     big = np.arange(12, dtype=">u2").reshape(4, 3)
     strided = np.arange(40, dtype=np.int32).reshape(4, 10)[:, ::3]  # not contiguous
-    (s1,), (s2,) = client.append_many([(R, big, 0), (M, strided, 0)], run="order", step=0)
+    (s1,), (s2,) = client.append_many([(R, big, 0), (M, strided, 0)], run=run_name, step=0)
     assert (daemon.root / s1.file).read_bytes()[s1.offset : s1.offset + 24] == big.astype(
         "<u2"
     ).tobytes()
@@ -116,12 +121,12 @@ def test_byte_order_and_layout_are_normalised(client: PayloadClient, daemon: Dae
 
 
 def test_read_many_in_one_round_trip(
-    client: PayloadClient, monkeypatch: pytest.MonkeyPatch
+    client: PayloadClient, monkeypatch: pytest.MonkeyPatch, run_name: str
 ) -> None:
     monkeypatch.setattr(_descriptors, "TELL_USE_S", 1e9)  # no note of runs in use: counted here
     routed = rng.integers(0, 128, (16, 48, 8)).astype(np.uint8)
     mask = rng.integers(0, 1000, (16, 8)).astype(np.int32)
-    (r,), (m,) = client.append_many([(R, routed, 0), (M, mask, 0)], run="many", step=0)
+    (r,), (m,) = client.append_many([(R, routed, 0), (M, mask, 0)], run=run_name, step=0)
     segs = [r, m]
     before = client.stats()
     got = client.read_many(
@@ -145,12 +150,12 @@ def test_read_many_in_one_round_trip(
     assert (now.reads, now.data_plane_requests) == (after.reads, after.data_plane_requests)
 
 
-def test_rotation_through_the_daemon(small_daemon: Daemon) -> None:
+def test_rotation_through_the_daemon(small_daemon: Daemon, run_name: str) -> None:
     with PayloadClient(small_daemon.socket) as c:
-        one = c.append(R, np.zeros((10, 48, 8), np.uint8), 0, run="rot", step=0)  # 3840 <= 4096
+        one = c.append(R, np.zeros((10, 48, 8), np.uint8), 0, run=run_name, step=0)  # 3840 <= 4096
         assert len(one) == 1
         rows = rng.integers(0, 128, (25, 48, 8)).astype(np.uint8)  # 9600 bytes > 4096
-        segs = c.append(R, rows, 1000, run="rot", step=0)
+        segs = c.append(R, rows, 1000, run=run_name, step=0)
         assert len(segs) > 1
         assert [s.pos for s in segs] == list(np.cumsum([1000] + [s.rows for s in segs[:-1]]))
         assert sum(s.rows for s in segs) == 25
@@ -164,9 +169,9 @@ def test_files_live_under_node_run_step(client: PayloadClient, daemon: Daemon) -
     assert (daemon.root / s.file).is_file()
 
 
-def test_stats_and_health(client: PayloadClient) -> None:
+def test_stats_and_health(client: PayloadClient, run_name: str) -> None:
     before = client.stats()
-    client.append(R, np.ones((3, 2), np.uint8), 0, run="stats", step=0)
+    client.append(R, np.ones((3, 2), np.uint8), 0, run=run_name, step=0)
     after = client.stats()
     assert after.appends == before.appends + 1
     assert after.rows_appended == before.rows_appended + 3
@@ -178,9 +183,11 @@ def test_stats_and_health(client: PayloadClient) -> None:
 # -- bad input: a clear error naming the problem, and the daemon keeps serving -------------
 
 
-def test_bad_segments_get_clear_errors(client: PayloadClient, daemon: Daemon) -> None:
-    (s,) = client.append(R, np.ones((4, 2), np.uint8), 0, run="bad", step=0)
-    missing = msgspec.structs.replace(s, file="test/bad/0/never-written.bin")
+def test_bad_segments_get_clear_errors(
+    client: PayloadClient, daemon: Daemon, run_name: str
+) -> None:
+    (s,) = client.append(R, np.ones((4, 2), np.uint8), 0, run=run_name, step=0)
+    missing = msgspec.structs.replace(s, file=f"test/{run_name}/0/never-written.bin")
     with pytest.raises(FileMissingError, match=r"never-written\.bin"):
         client.read_field([missing], R, 0, 1, 0)
     longer = msgspec.structs.replace(s, rows=5)  # the file holds 4 rows
@@ -188,8 +195,8 @@ def test_bad_segments_get_clear_errors(client: PayloadClient, daemon: Daemon) ->
         client.read_field([longer], R, 0, 1, 0)  # even though row 0 is there
     (tmp := daemon.root.parent / "secret.bin").write_bytes(b"secret")
     link = f"link-{'dp' if client.data_socket else 'http'}.bin"
-    os.symlink(tmp, daemon.root / "test" / "bad" / link)
-    escape = msgspec.structs.replace(s, file=f"test/bad/{link}", rows=1, shape=[1])
+    os.symlink(tmp, daemon.root / "test" / run_name / link)
+    escape = msgspec.structs.replace(s, file=f"test/{run_name}/{link}", rows=1, shape=[1])
     with pytest.raises(SegmentFileError, match="outside the payload root"):
         client.read_field([escape], R, 0, 1, 0)
     assert client.health().status == "ok"
@@ -237,10 +244,10 @@ def test_negative_and_non_integer_metadata_over_http(http: httpx.Client) -> None
     assert r.status_code == 404 and r.json()["error"] == "FileMissingError"
 
 
-def test_too_large_body_is_413(small_daemon: Daemon) -> None:
+def test_too_large_body_is_413(small_daemon: Daemon, run_name: str) -> None:
     with PayloadClient(small_daemon.socket) as c:
         with pytest.raises(PayloadTooLargeError, match="above the limit"):
-            c.append(R, np.zeros((3000, 48, 8), np.uint8), 0, run="big", step=0)
+            c.append(R, np.zeros((3000, 48, 8), np.uint8), 0, run=run_name, step=0)
         assert c.health().status == "ok"
 
 
@@ -318,8 +325,8 @@ def test_daemon_reads_match_dense_model(daemon: Daemon, blocks: list[tuple[str, 
                     np.testing.assert_array_equal(got, want)
 
 
-def test_zero_row_append_is_a_placeholder(client: PayloadClient) -> None:
-    (p,) = client.append(M, np.zeros((0, 5), np.int32), 7, run="zero", step=0)
+def test_zero_row_append_is_a_placeholder(client: PayloadClient, run_name: str) -> None:
+    (p,) = client.append(M, np.zeros((0, 5), np.int32), 7, run=run_name, step=0)
     assert (p.pos, p.rows, p.shape) == (7, 0, [5])
     got = client.read_field([p], M, 0, 3, -1)
     assert got is not None and got.shape == (3, 5) and (got == -1).all()
@@ -360,10 +367,10 @@ def test_too_many_items_is_413(http: httpx.Client) -> None:
     assert r.status_code == 413 and "items" in r.json()["message"]
 
 
-def test_reads_into_caller_arrays_and_other_dtypes(client: PayloadClient) -> None:
+def test_reads_into_caller_arrays_and_other_dtypes(client: PayloadClient, run_name: str) -> None:
     rows = rng.integers(0, 256, (30, 48, 8)).astype(np.uint8)
     mask = rng.integers(0, 9, (30, 5)).astype(np.int32)
-    (r,), (m,) = client.append_many([(R, rows, 10), (M, mask, 10)], run="out", step=0)
+    (r,), (m,) = client.append_many([(R, rows, 10), (M, mask, 10)], run=run_name, step=0)
     stored = client.read_field([r], R, 10, 40, 0, dtype=np.uint8)
     assert stored is not None and stored.dtype == np.uint8
     np.testing.assert_array_equal(stored, rows)
@@ -379,11 +386,11 @@ def test_reads_into_caller_arrays_and_other_dtypes(client: PayloadClient) -> Non
 
 
 def test_large_http_reads_stream_and_errors_still_come_first(
-    daemon: Daemon, http: httpx.Client
+    daemon: Daemon, http: httpx.Client, run_name: str
 ) -> None:
     rows = np.random.default_rng(11).integers(0, 256, (9000, 48, 8)).astype(np.uint8)  # 3.5 MB
     with PayloadClient(daemon.socket, data_plane=False) as c:
-        segs = c.append_many([(R, rows[:5000], 0), (R, rows[5000:], 5000)], run="stream", step=0)
+        segs = c.append_many([(R, rows[:5000], 0), (R, rows[5000:], 5000)], run=run_name, step=0)
         flat = [s for group in segs for s in group]
         before = c.stats()
         got = c.read_field(flat, R, 100, 8900, 0, dtype=np.uint8)
@@ -428,8 +435,8 @@ def test_symlinked_directories_cannot_lead_out_of_the_root(
 def test_file_paths_that_leave_the_root_are_refused_on_both_planes(
     http: httpx.Client, daemon: Daemon, path: str, match: str
 ) -> None:
-    from payload_client._dataplane_wire import ErrorReply, OpenRequest
-    from payload_client._transports import SyncDataPlane
+    from payload_client.transports import SyncDataPlane
+    from payload_client.wire._dataplane import ErrorReply, OpenRequest
 
     r = http.post("/v1/read", json={"extents": [[path, 0, 1, 1]]})
     assert r.status_code == 422 and r.json()["error"] == "InvalidSegmentError", r.text
@@ -462,7 +469,7 @@ def test_request_limits_answer_413_before_reading_the_body(small_daemon: Daemon)
         assert b"PayloadTooLargeError" in body and f"body of {n} bytes".encode() in body
 
 
-def test_append_header_and_read_answer_limits_are_413(small_daemon: Daemon) -> None:
+def test_append_header_and_read_answer_limits_are_413(small_daemon: Daemon, run_name: str) -> None:
     with httpx.Client(
         transport=httpx.HTTPTransport(uds=str(small_daemon.socket)), base_url="http://d"
     ) as http:
@@ -471,7 +478,7 @@ def test_append_header_and_read_answer_limits_are_413(small_daemon: Daemon) -> N
         assert r.status_code == 413 and "append header of" in r.json()["message"], r.text
     rows = np.ones((200, 48, 8), np.uint8)  # 75 KiB a call, 1.1 MiB in all: above 1 MiB
     with PayloadClient(small_daemon.socket, data_plane=False) as c:
-        segs = [s for i in range(15) for s in c.append(R, rows, 200 * i, run="cap", step=0)]
+        segs = [s for i in range(15) for s in c.append(R, rows, 200 * i, run=run_name, step=0)]
         assert c.read_field(segs, R, 0, 2000, 0) is not None  # 750 KiB: within the limit
         with pytest.raises(PayloadTooLargeError, match="above the limit"):
             c.read_field(segs, R, 0, 3000, 0)

@@ -23,24 +23,24 @@ from payload_client import (
     SegmentFileError,
     StorageFullError,
 )
-from payload_client._dataplane_wire import ReserveRequest
-from payload_client._transports import _descriptors
-from payload_client._transports._dataplane_steps import Exchange
-from payload_client._wire import FRAME_PREFIX, AppendItem
-from payloadd.bench._daemon_process import start_daemon
-from tests.conftest import Daemon
+from payload_client.transports.dataplane import _descriptors
+from payload_client.transports.dataplane._steps import Exchange
+from payload_client.wire._dataplane import ReserveRequest
+from payload_client.wire._frames import FRAME_PREFIX
+from payload_client.wire._http import AppendItem
+from tests.conftest import Daemon, Daemons, wait_until
 
 R = "routed_experts"
 
 
 def test_rows_move_by_descriptor_not_over_http(
-    daemon: Daemon, monkeypatch: pytest.MonkeyPatch
+    daemon: Daemon, monkeypatch: pytest.MonkeyPatch, run_name: str
 ) -> None:
     monkeypatch.setattr(_descriptors, "TELL_USE_S", 1e9)  # no note of runs in use: counted here
     rows = np.random.default_rng(0).integers(0, 128, (500, 48, 8)).astype(np.uint8)
     with PayloadClient(daemon.socket) as c:
         before = c.stats()
-        segs = c.append(R, rows, 0, run="dp", step=0)
+        segs = c.append(R, rows, 0, run=run_name, step=0)
         got = c.read_field(segs, R, 100, 400, 0)
         after = c.stats()
     np.testing.assert_array_equal(got, rows[100:400])
@@ -54,7 +54,7 @@ def test_rows_move_by_descriptor_not_over_http(
     assert (daemon.root / s.file).read_bytes()[s.offset : s.offset + rows.nbytes] == rows.tobytes()
 
 
-def test_small_appends_fill_one_lease_without_round_trips(daemon: Daemon) -> None:
+def test_small_appends_fill_one_lease_without_round_trips(daemon: Daemon, run_name: str) -> None:
     rng = np.random.default_rng(1)
     with PayloadClient(daemon.socket) as a, PayloadClient(daemon.socket) as b:
         before = a.stats()
@@ -62,7 +62,7 @@ def test_small_appends_fill_one_lease_without_round_trips(daemon: Daemon) -> Non
         for k in range(50):  # two writers, interleaved, same run/step/field
             for c in (a, b):
                 rows = rng.integers(0, 128, (int(rng.integers(1, 20)), 48, 8)).astype(np.uint8)
-                written.append((rows, c.append(R, rows, k * 100, run="lease", step=0)))
+                written.append((rows, c.append(R, rows, k * 100, run=run_name, step=0)))
         b.stats()  # each client tells the daemon's counters about its appends
         after = a.stats()
         # ≈190 KB a client: leases of 64, 128 and 256 KiB at most (each renewal doubles),
@@ -82,22 +82,24 @@ def test_small_appends_fill_one_lease_without_round_trips(daemon: Daemon) -> Non
             )
 
 
-def test_a_used_up_lease_is_replaced(tmp_path: Path) -> None:
+def test_a_used_up_lease_is_replaced(tmp_path: Path, daemons: Daemons) -> None:
     sock = tmp_path / "payloadd.sock"
-    with start_daemon(tmp_path / "root", sock, "--lease-bytes", "1000"), PayloadClient(sock) as c:
+    with daemons.run("--lease-bytes", "1000", socket=sock), PayloadClient(sock) as c:
         segs = [c.append(R, np.full((1, 48, 8), k, np.uint8), k, run="r", step=0) for k in range(6)]
         assert c.stats().leases == 3  # 2 rows of 384 bytes per 1000-byte lease
         for k, seg in enumerate(segs):
             np.testing.assert_array_equal(c.read_field(seg, R, k, k + 1, 0), np.full((1, 48, 8), k))
 
 
-def test_a_removed_file_is_never_read_through_a_held_descriptor(daemon: Daemon) -> None:
+def test_a_removed_file_is_never_read_through_a_held_descriptor(
+    daemon: Daemon, run_name: str
+) -> None:
     rows = np.arange(40 * 3, dtype=np.int32).reshape(40, 3)
     with (
         PayloadClient(daemon.socket) as fast,
         PayloadClient(daemon.socket, data_plane=False) as http,
     ):
-        segs = fast.append("sampling_mask", rows, 0, run="held", step=0)
+        segs = fast.append("sampling_mask", rows, 0, run=run_name, step=0)
         np.testing.assert_array_equal(fast.read_field(segs, "sampling_mask", 0, 40, -1), rows)
         longer = msgspec.structs.replace(segs[0], rows=41)
         with pytest.raises(SegmentFileError, match="ends at byte"):  # cached, still checked
@@ -108,15 +110,17 @@ def test_a_removed_file_is_never_read_through_a_held_descriptor(daemon: Daemon) 
         for c in (fast, http):
             with pytest.raises(FileMissingError):
                 c.read_field(segs, "sampling_mask", 0, 40, -1)
-        again = fast.append("sampling_mask", rows, 0, run="held", step=0)  # not into the dead file
+        again = fast.append(
+            "sampling_mask", rows, 0, run=run_name, step=0
+        )  # not into the dead file
         assert again[0].file != segs[0].file
         np.testing.assert_array_equal(http.read_field(again, "sampling_mask", 0, 40, -1), rows)
 
 
 @pytest.fixture
-def http_only(tmp_path: Path) -> Iterator[Daemon]:
+def http_only(tmp_path: Path, daemons: Daemons) -> Iterator[Daemon]:
     d = Daemon(tmp_path / "root", tmp_path / "payloadd.sock")
-    with start_daemon(d.root, d.socket, "--data-plane", "false"):
+    with daemons.run("--data-plane", "false", root=d.root, socket=d.socket):
         yield d
 
 
@@ -129,22 +133,22 @@ def test_without_a_data_plane_clients_fall_back_to_http(http_only: Daemon) -> No
         assert s.data_plane_requests == 0 and s.reads == 1 and s.appends == 1
 
 
-def test_a_restarted_daemon_is_found_again(tmp_path: Path) -> None:
+def test_a_restarted_daemon_is_found_again(tmp_path: Path, daemons: Daemons) -> None:
     sock = tmp_path / "payloadd.sock"
     with PayloadClient(sock) as c:
-        with start_daemon(tmp_path / "root", sock):
+        with daemons.run(socket=sock):
             first = c.append(R, np.full((2, 2), 5, np.uint8), 0, run="rs", step=0)
-        with start_daemon(tmp_path / "root", sock):
+        with daemons.run(socket=sock):
             second = c.append(R, np.full((2, 2), 6, np.uint8), 0, run="rs", step=0)  # old
             got = c.read_field(first + second, R, 0, 2, 0)  # connection dropped: HTTP then
             assert got is not None and (got == 6).all()
             assert first[0].file != second[0].file
 
 
-def test_a_client_that_dies_mid_reservation_harms_nobody(daemon: Daemon) -> None:
+def test_a_client_that_dies_mid_reservation_harms_nobody(daemon: Daemon, run_name: str) -> None:
     raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     raw.connect(f"{daemon.socket}.data")
-    body = msgspec.msgpack.encode(ReserveRequest([AppendItem(R, "uint8", [2], 4, 0, "dead", 0)]))
+    body = msgspec.msgpack.encode(ReserveRequest([AppendItem(R, "uint8", [2], 4, 0, run_name, 0)]))
     raw.sendall(FRAME_PREFIX.pack(len(body)) + body)
     msg, anc, _, _ = raw.recvmsg(4096, socket.CMSG_SPACE(4 * 4))
     assert msg and anc  # a reservation with a descriptor came back
@@ -156,13 +160,11 @@ def test_a_client_that_dies_mid_reservation_harms_nobody(daemon: Daemon) -> None
     assert (daemon.root / reserved).is_file()
     raw.close()  # never commits
     with PayloadClient(daemon.socket) as c:
-        segs = c.append(R, np.full((4, 2), 9, np.uint8), 0, run="dead", step=0)
+        segs = c.append(R, np.full((4, 2), 9, np.uint8), 0, run=run_name, step=0)
         np.testing.assert_array_equal(c.read_field(segs, R, 0, 4, 0), np.full((4, 2), 9))
         assert segs[0].file != reserved  # never in the abandoned file
-    deadline = time.monotonic() + 5
-    while (daemon.root / reserved).exists() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert not (daemon.root / reserved).exists()  # nothing of it was acknowledged: no debris
+    abandoned = daemon.root / reserved  # nothing of it was acknowledged: no debris
+    wait_until(lambda: not abandoned.exists(), 5, "the abandoned reservation's file gone")
 
 
 def test_garbage_on_the_data_socket_gets_an_error_reply(daemon: Daemon) -> None:
@@ -186,15 +188,17 @@ def test_garbage_on_the_data_socket_gets_an_error_reply(daemon: Daemon) -> None:
         assert c.health().status == "ok"
 
 
-def test_a_cancelled_exchange_never_hands_its_reply_to_the_next(daemon: Daemon) -> None:
+def test_a_cancelled_exchange_never_hands_its_reply_to_the_next(
+    daemon: Daemon, run_name: str
+) -> None:
     import asyncio
 
     from payload_client import AsyncPayloadClient
 
     async def main() -> None:
         async with AsyncPayloadClient(daemon.socket) as c:
-            x = await c.append(R, np.full((4, 2), 1, np.uint8), 0, run="cancel-x", step=0)
-            y = await c.append(R, np.full((4, 2), 2, np.uint8), 0, run="cancel-y", step=0)
+            x = await c.append(R, np.full((4, 2), 1, np.uint8), 0, run=f"{run_name}-x", step=0)
+            y = await c.append(R, np.full((4, 2), 2, np.uint8), 0, run=f"{run_name}-y", step=0)
             for _ in range(20):  # cancel reads at every point of their exchange
                 task = asyncio.ensure_future(c.read_field(x, R, 0, 4, 0))
                 await asyncio.sleep(0)
@@ -231,10 +235,12 @@ def test_a_forked_child_gets_its_own_leases(daemon: Daemon, fork: str) -> None:
         np.testing.assert_array_equal(c.read_field([mine], R, 0, 1, 0), [[9, 9]])
 
 
-def test_reads_of_hundreds_of_files_stay_on_the_data_plane(tmp_path: Path) -> None:
+def test_reads_of_hundreds_of_files_stay_on_the_data_plane(
+    tmp_path: Path, daemons: Daemons
+) -> None:
     sock = tmp_path / "payloadd.sock"
     flags = ("--max-file-bytes", "64", "--lease-bytes", "64")
-    with start_daemon(tmp_path / "root", sock, *flags), PayloadClient(sock) as c:
+    with daemons.run(*flags, socket=sock), PayloadClient(sock) as c:
         segs = [c.append(R, np.full((1, 64), k % 250, np.uint8), k, run="many", step=0)[0]
                 for k in range(300)]  # fmt: skip
         assert len({s.file for s in segs}) == 300
@@ -247,36 +253,35 @@ def test_reads_of_hundreds_of_files_stay_on_the_data_plane(tmp_path: Path) -> No
         assert after.data_plane_fds - before.data_plane_fds == 300
 
 
-def test_open_descriptors_stay_bounded_over_many_steps(tmp_path: Path) -> None:
+def test_open_descriptors_stay_bounded_over_many_steps(tmp_path: Path, daemons: Daemons) -> None:
     sock = tmp_path / "payloadd.sock"
-    with start_daemon(tmp_path / "root", sock) as proc, PayloadClient(sock) as c:
+    with daemons.run(socket=sock) as d, PayloadClient(sock) as c:
         for step in range(600):
             c.append(R, np.ones((1, 2), np.uint8), 0, run="steps", step=step)
             c.append("sampling_mask", np.ones((1, 2), np.int32), 0, run="steps", step=step)
-        daemon_fds = len(os.listdir(f"/proc/{proc.pid}/fd"))
+        daemon_fds = len(os.listdir(f"/proc/{d.pid}/fd"))
         client_fds = len(os.listdir("/proc/self/fd"))
     assert daemon_fds < 256 + 64 + 100, daemon_fds  # open-for-append cap, leases, the rest
     assert client_fds < 64 + 128 + 100, client_fds
 
 
-def test_a_stuck_daemon_times_out(tmp_path: Path) -> None:
+def test_a_stuck_daemon_times_out(tmp_path: Path, daemons: Daemons) -> None:
     import signal
-    import time
 
     from payload_client import TimeoutError
-    from payload_client._dataplane_wire import OpenRequest
-    from payload_client._transports import SyncDataPlane
+    from payload_client.transports import SyncDataPlane
+    from payload_client.wire._dataplane import OpenRequest
 
     sock = tmp_path / "payloadd.sock"
-    with start_daemon(tmp_path / "root", sock) as proc, PayloadClient(sock) as c:
+    with daemons.run(socket=sock) as d, PayloadClient(sock) as c:
         (seg,) = c.append(R, np.ones((1, 2), np.uint8), 0, run="stuck", step=0)
         dp = SyncDataPlane(f"{sock}.data", timeout=1.0)
         for fd in dp._exchange(Exchange(OpenRequest([(seg.file, 0)])))[
             1
         ]:  # connected and answering
             os.close(fd)
-        os.kill(proc.pid, signal.SIGSTOP)
-        os.waitpid(proc.pid, os.WUNTRACED)  # stopped for sure, not merely signalled
+        os.kill(d.pid, signal.SIGSTOP)
+        os.waitpid(d.pid, os.WUNTRACED)  # stopped for sure, not merely signalled
         try:
             t0 = time.monotonic()
             with pytest.raises(TimeoutError, match=r"no answer within 1\.0 s"):  # not HTTP then
@@ -284,37 +289,39 @@ def test_a_stuck_daemon_times_out(tmp_path: Path) -> None:
             assert dp.sock is None  # a late reply can never reach the next exchange
             assert time.monotonic() - t0 < 5
         finally:
-            os.kill(proc.pid, signal.SIGCONT)
+            os.kill(d.pid, signal.SIGCONT)
             dp.close()
 
 
-def test_what_a_client_does_to_its_descriptor_never_reaches_the_daemon(daemon: Daemon) -> None:
+def test_what_a_client_does_to_its_descriptor_never_reaches_the_daemon(
+    daemon: Daemon, run_name: str
+) -> None:
     import fcntl
 
     with (
         PayloadClient(daemon.socket) as fast,
         PayloadClient(daemon.socket, data_plane=False) as http,
     ):
-        fast.append(R, np.zeros((1, 2), np.uint8), 0, run="flags", step=0)
+        fast.append(R, np.zeros((1, 2), np.uint8), 0, run=run_name, step=0)
         assert fast._data_plane is not None
         (lease,) = fast._data_plane.leases.items.values()
         fcntl.fcntl(lease.fd, fcntl.F_SETFL, fcntl.fcntl(lease.fd, fcntl.F_GETFL) | os.O_APPEND)
         rows = np.full((3, 2), 5, np.uint8)
-        seg = http.append(R, rows, 0, run="flags", step=0)  # the daemon's own pwrite
+        seg = http.append(R, rows, 0, run=run_name, step=0)  # the daemon's own pwrite
         assert seg[0].file != lease.file  # a client's file is its own
-        more = http.append(R, rows + 1, 3, run="flags", step=0)
+        more = http.append(R, rows + 1, 3, run=run_name, step=0)
         assert more[0].file == seg[0].file and more[0].offset == seg[0].offset + rows.nbytes
         np.testing.assert_array_equal(
             http.read_field(seg + more, R, 0, 6, 0), np.r_[rows, rows + 1]
         )
 
 
-def test_reads_into_outputs_at_any_page_offset_are_exact(daemon: Daemon) -> None:
+def test_reads_into_outputs_at_any_page_offset_are_exact(daemon: Daemon, run_name: str) -> None:
     # destinations a few bytes past the source in its page take the copy detour: same bytes
     rows = np.random.default_rng(7).integers(0, 256, (300, 48, 8)).astype(np.uint8)
     nbytes = rows.nbytes
     with PayloadClient(daemon.socket) as c:
-        segs = c.append(R, rows, 0, run="pages", step=0)
+        segs = c.append(R, rows, 0, run=run_name, step=0)
         src = segs[0].offset % 4096
         buf = np.empty(nbytes + 2 * 4096, np.uint8)
         base = (src - buf.ctypes.data) % 4096  # page offset of buf[base] == the source's
@@ -328,13 +335,15 @@ def test_reads_into_outputs_at_any_page_offset_are_exact(daemon: Daemon) -> None
         )
 
 
-def test_after_a_restart_reads_and_appends_stay_on_the_data_plane(tmp_path: Path) -> None:
+def test_after_a_restart_reads_and_appends_stay_on_the_data_plane(
+    tmp_path: Path, daemons: Daemons
+) -> None:
     sock = tmp_path / "payloadd.sock"
     with PayloadClient(sock) as c:
-        with start_daemon(tmp_path / "root", sock):
+        with daemons.run(socket=sock):
             first = c.append(R, np.full((2, 2), 5, np.uint8), 0, run="rs2", step=0)
             assert c.read_field(first, R, 0, 2, 0) is not None  # its descriptor is cached
-        with start_daemon(tmp_path / "root", sock):
+        with daemons.run(socket=sock):
             second = c.append(R, np.full((2, 2), 6, np.uint8), 2, run="rs2", step=0)
             got = c.read_field(first + second, R, 0, 4, 0)  # cached + a new file to open
             np.testing.assert_array_equal(got, [[5, 5]] * 2 + [[6, 6]] * 2)
@@ -352,10 +361,10 @@ def test_a_lease_whose_file_gc_removes_at_once_is_placed_again(
     # leaves the step open, and the rows are placed again in a new file; a watermark over
     # the step closes it, and the append is refused (StepCollectedError), nothing stored
     from payload_client import StepCollectedError
-    from payload_client._transports import SyncDataPlane, append_steps
-    from payload_client._wire import Extent, GcReport, GcRequest
+    from payload_client.transports import SyncDataPlane, append_steps
+    from payload_client.wire._http import Extent, GcReport, GcRequest
     from payloadd import Store
-    from payloadd.server._dataplane_server import DataPlaneServer
+    from payloadd.server.framed._dataplane_server import DataPlaneServer
     from payloadd.store._appends import LeasedRange
     from payloadd.store._gc import GarbageCollector
 
@@ -404,7 +413,7 @@ def test_a_lease_whose_file_gc_removes_at_once_is_placed_again(
 
 @pytest.mark.parametrize("refusal", ["full", "too-large"])
 def test_an_append_the_daemon_refuses_gives_back_what_it_claimed(
-    tmp_path: Path, refusal: str
+    tmp_path: Path, daemons: Daemons, refusal: str
 ) -> None:
     # item 0 fits its lease; item 1 needs a lease the daemon refuses: too big for the room
     # left under the cap (the append fails, 507), or for the rotation size (the append goes
@@ -414,7 +423,7 @@ def test_an_append_the_daemon_refuses_gives_back_what_it_claimed(
     flags = ["--lease-bytes", "4096", "--max-file-bytes", "8192", "--min-free-bytes", "0"]
     if refusal == "full":
         flags += ["--max-root-bytes", "8192"]  # the two leases take 1/8 of the room each
-    with start_daemon(tmp_path / "root", sock, *flags), PayloadClient(sock) as c:
+    with daemons.run(*flags, socket=sock), PayloadClient(sock) as c:
         one = np.ones((1, 16), np.uint8)
         (first,) = c.append("a", one, 0, run="r", step=0)
         c.append("c", one, 0, run="r", step=0)  # a second lease

@@ -16,10 +16,10 @@ from payload_client import (
     PayloadSegment,
     StorageFullError,
 )
-from payload_client._transports import _descriptors
-from payload_client._wire import AppendItem
+from payload_client.transports.dataplane import _descriptors
+from payload_client.wire._http import AppendItem
 from payloadd import Store
-from payloadd.bench._daemon_process import start_daemon
+from tests.conftest import Daemons
 
 
 @pytest.fixture
@@ -41,11 +41,11 @@ def small_fs(tmp_path: Path) -> Iterator[Path]:
 
 @pytest.mark.parametrize("transport", ["http", "data-plane"])
 def test_enospc_is_507_and_earlier_segments_still_read(
-    small_fs: Path, tmp_path: Path, transport: str
+    small_fs: Path, tmp_path: Path, daemons: Daemons, transport: str
 ) -> None:
     sock = tmp_path / "payloadd.sock"
     no_floor = ("--min-free-bytes", "0")  # the file system itself runs full
-    with start_daemon(small_fs / "root", sock, *no_floor), PayloadClient(sock) as c:
+    with daemons.run(*no_floor, root=small_fs / "root", socket=sock), PayloadClient(sock) as c:
         kept: list[tuple[np.ndarray, list[PayloadSegment]]] = []
         rng = np.random.default_rng(0)
         w = PayloadClient(sock, data_plane=transport == "data-plane")
@@ -63,11 +63,11 @@ def test_enospc_is_507_and_earlier_segments_still_read(
 
 @pytest.mark.parametrize("transport", ["http", "data-plane"])
 def test_the_floor_refuses_before_the_file_system_is_full(
-    small_fs: Path, tmp_path: Path, transport: str
+    small_fs: Path, tmp_path: Path, daemons: Daemons, transport: str
 ) -> None:
     sock = tmp_path / "payloadd.sock"
     floor = ("--min-free-bytes", str(512 << 10), "--lease-bytes", str(64 << 10))
-    with start_daemon(small_fs / "root", sock, *floor), PayloadClient(sock) as c:
+    with daemons.run(*floor, root=small_fs / "root", socket=sock), PayloadClient(sock) as c:
         kept: list[tuple[np.ndarray, list[PayloadSegment]]] = []
         w = PayloadClient(sock, data_plane=transport == "data-plane")
         with w, pytest.raises(StorageFullError, match=r"min_free_bytes = 512 KiB \(524288 bytes\)"):
@@ -82,11 +82,14 @@ def test_the_floor_refuses_before_the_file_system_is_full(
 
 
 def test_gc_frees_a_file_system_that_others_filled(
-    small_fs: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    small_fs: Path, tmp_path: Path, daemons: Daemons, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(_descriptors, "DROP_REMOVED_S", 0.0)  # the client lets go at once
     sock = tmp_path / "payloadd.sock"
-    with start_daemon(small_fs / "root", sock, "--min-free-bytes", "0"), PayloadClient(sock) as c:
+    with (
+        daemons.run("--min-free-bytes", "0", root=small_fs / "root", socket=sock),
+        PayloadClient(sock) as c,
+    ):
         rows = np.full((256, 400), 7, np.uint8)  # 100 KiB a step
         segs = [c.append("f", rows, 0, run="full", step=step) for step in range(3)]
         fd = os.open(small_fs / "checkpoint", os.O_WRONLY | os.O_CREAT)

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 from payload_client import PayloadClient, PayloadSegment, StorageFullError
-from payload_client._wire import AppendItem, GcRequest
 from payload_client.protocol import format_size
+from payload_client.wire._http import AppendItem, GcRequest
 from payloadd import Store
-from payloadd.bench._daemon_process import start_daemon
 from payloadd.store._gc import GarbageCollector
+from tests.conftest import Daemons
 from tests.payloadd.disk_accounting import FIELDS, measure
 
 R = "routed_experts"
@@ -157,11 +157,13 @@ def _fill(c: PayloadClient, rows: np.ndarray, run: str) -> list[tuple[int, list[
 
 
 @pytest.mark.parametrize("transport", ["http", "data-plane"])
-def test_at_the_cap_appends_fail_507_and_reads_go_on(tmp_path: Path, transport: str) -> None:
+def test_at_the_cap_appends_fail_507_and_reads_go_on(
+    tmp_path: Path, daemons: Daemons, transport: str
+) -> None:
     sock, root = tmp_path / "payloadd.sock", tmp_path / "root"
     flags = ("--node", "n", "--max-root-bytes", str(1 << 20), "--lease-bytes", str(256 * KiB))
     rows = np.zeros((256, 48, 8), np.uint8)  # 96 KiB
-    with start_daemon(root, sock, *flags), PayloadClient(sock) as probe:
+    with daemons.run(*flags, root=root, socket=sock), PayloadClient(sock) as probe:
         with PayloadClient(sock, data_plane=transport == "data-plane") as c:
             kept = _fill(c, rows, "cap")
             before = c.stats()
@@ -193,12 +195,15 @@ def files_of(root: Path, node: str) -> dict[str, int]:
 
 @pytest.mark.parametrize("data_plane", [True, False])
 def test_the_cap_refusal_names_the_cap_and_what_frees_room(
-    tmp_path: Path, data_plane: bool
+    tmp_path: Path, daemons: Daemons, data_plane: bool
 ) -> None:
     sock, root = tmp_path / "payloadd.sock", tmp_path / "root"
     rows = np.full((256, 48, 8), 3, np.uint8)  # 96 KiB
     flags = ("--node", "n", "--max-root-bytes", "1MiB", "--lease-bytes", "256KiB")
-    with start_daemon(root, sock, *flags), PayloadClient(sock, data_plane=data_plane) as c:
+    with (
+        daemons.run(*flags, root=root, socket=sock),
+        PayloadClient(sock, data_plane=data_plane) as c,
+    ):
         assert c.stats().max_root_bytes == 1 << 20  # the flag's unit taken
         for step in range(10):  # 960 KiB: the next 96 KiB do not fit
             c.append(R, rows, 0, run="r", step=step)
@@ -224,14 +229,16 @@ def test_the_cap_refusal_names_the_cap_and_what_frees_room(
         np.testing.assert_array_equal(c.read_field(segs, R, 0, 256, 0), rows)
 
 
-def test_a_restarted_daemon_counts_what_is_on_disk_and_keeps_the_cap(tmp_path: Path) -> None:
+def test_a_restarted_daemon_counts_what_is_on_disk_and_keeps_the_cap(
+    tmp_path: Path, daemons: Daemons
+) -> None:
     sock, root = tmp_path / "payloadd.sock", tmp_path / "root"
     rows = np.ones((256, 48, 8), np.uint8)
-    with start_daemon(root, sock, "--node", "n"), PayloadClient(sock) as c:
+    with daemons.run("--node", "n", root=root, socket=sock), PayloadClient(sock) as c:
         segs = [c.append(R, rows, 0, run="old", step=s) for s in range(3)]
     on_disk = node_bytes(root, "n")  # three files of 96 KiB (lease tails are holes inside)
     limits = ("--max-root-bytes", str(on_disk + 1000), "--min-free-bytes", str(1 << 62))
-    with start_daemon(root, sock, "--node", "n", *limits), PayloadClient(sock) as c:
+    with daemons.run("--node", "n", *limits, root=root, socket=sock), PayloadClient(sock) as c:
         assert c.stats().root_bytes == on_disk
         counted = re.escape(f"count {format_size(on_disk, exact=True)}")
         with pytest.raises(StorageFullError, match=counted):
@@ -273,12 +280,13 @@ def test_eight_writers_three_fields_the_cap_counts_rows_and_what_leases_hold(
 
 def test_an_append_refused_a_lease_after_its_key_was_renewed_leaves_nothing_counted(
     tmp_path: Path,
+    daemons: Daemons,
 ) -> None:
     # item 0 claims room in its key's lease; item 1, above the rotation size, asks for a
     # lease (the old one ended where item 0's claim ends), is refused, and the whole append
     # goes through a reservation: item 0's claim, never written, must not stay counted
     sock, root = tmp_path / "payloadd.sock", tmp_path / "root"
-    with start_daemon(root, sock, "--node", "n", "--max-file-bytes", "65536"):
+    with daemons.run("--node", "n", "--max-file-bytes", "65536", root=root, socket=sock):
         with PayloadClient(sock) as c:
             c.append(R, np.ones((1, 48, 8), np.uint8), 0, run="r", step=0)  # the key's lease
             items = [

@@ -19,7 +19,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -35,12 +34,14 @@ from payload_client import (
     Prefetched,
     SegmentFileError,
 )
-from payload_client._wire import AppendItem, Extent, GcReport, GcRequest
+from payload_client.wire._http import AppendItem, Extent, GcReport, GcRequest
 from payloadd import Store
-from payloadd.bench._daemon_process import start_daemon
 from payloadd.store._fs_kind import FsKind, RootPolicy, _mount_of, detect
 from payloadd.store._gc import GarbageCollector
 from payloadd.store._ledger import LEDGER_NAME, Ledger
+from tests.conftest import Daemons, wait_until
+
+pytestmark = pytest.mark.slow  # one of the longest modules (`-m "not slow"` skips it)
 
 ROW = 384  # uint8 [48, 8]
 
@@ -102,27 +103,16 @@ def test_the_defaults_follow_the_kind_and_what_is_set_wins() -> None:
     assert "foreign_wait_s is 0" in said and "gc_grace_s is 0" in said
 
 
-def test_the_daemon_says_what_its_root_is_and_takes_the_kind_as_a_setting(tmp_path: Path) -> None:
+def test_the_daemon_says_what_its_root_is_and_takes_the_kind_as_a_setting(
+    tmp_path: Path, daemons: Daemons
+) -> None:
     log = tmp_path / "log"
-    with (
-        open(log, "wb") as f,
-        start_daemon(tmp_path / "root", tmp_path / "s", log_level="info", stderr=f),
-    ):
+    with daemons.run(socket=tmp_path / "s", log=log, log_level="info"):
         pass
     assert "payload root on ext4: local; other nodes' files kept open" in log.read_text()
-    with (
-        open(log, "wb") as f,
-        start_daemon(
-            tmp_path / "root",
-            tmp_path / "s",
-            "--root-fs",
-            "distributed",
-            "--gc-grace-s",
-            "0",
-            log_level="info",
-            stderr=f,
-        ),  # fmt: skip
-    ):
+    log = tmp_path / "log-distributed"
+    distributed = ("--root-fs", "distributed", "--gc-grace-s", "0")
+    with daemons.run(*distributed, socket=tmp_path / "s", log=log, log_level="info"):
         pass
     text = log.read_text()
     assert "distributed; other nodes' files opened anew at every read, waited for up to 5 s" in text
@@ -184,12 +174,14 @@ def test_without_a_wait_a_late_segment_fails_at_once(tmp_path: Path) -> None:
     assert time.monotonic() - started < 1.0
 
 
-def test_a_read_over_http_of_a_late_segment_waits_off_the_event_loop(tmp_path: Path) -> None:
+def test_a_read_over_http_of_a_late_segment_waits_off_the_event_loop(
+    tmp_path: Path, daemons: Daemons
+) -> None:
     """While one read waits for a's file, the daemon answers everything else."""
     root = tmp_path / "root"
+    daemons.start(node="a")
+    daemons.start("--root-fs", "distributed", node="b")
     with (
-        start_daemon(root, tmp_path / "a.sock", "--node", "a"),
-        start_daemon(root, tmp_path / "b.sock", "--node", "b", "--root-fs", "distributed"),
         PayloadClient(tmp_path / "a.sock") as a,
         PayloadClient(tmp_path / "b.sock", data_plane=False) as b,
         PayloadClient(tmp_path / "b.sock", data_plane=False) as other,
@@ -202,7 +194,7 @@ def test_a_read_over_http_of_a_late_segment_waits_off_the_event_loop(tmp_path: P
             target=lambda: result.append(b.read_field([late], "routed_experts", 2, 3, 0))
         )
         reader.start()
-        time.sleep(0.2)
+        time.sleep(0.2)  # the read is in flight, waiting for a's file (nothing shows it)
         started = time.monotonic()
         assert other.health().status == "ok"  # not behind the waiting read
         assert time.monotonic() - started < 0.5 and reader.is_alive()
@@ -248,14 +240,14 @@ def test_another_nodes_ledger_is_consulted_before_its_files_are_read(
 
 @pytest.mark.parametrize("transport", ["data-plane", "http"])
 def test_a_collection_on_a_reads_gone_on_b_where_b_still_sees_the_file(
-    tmp_path: Path, transport: str
+    tmp_path: Path, daemons: Daemons, transport: str
 ) -> None:
     """b's client and daemon had a's file open; a's GC removes it, but a link elsewhere
     keeps it alive (as a FUSE or NFS client still shows a removed file): b answers 410."""
     root = tmp_path / "root"
+    daemons.start(node="a")
+    daemons.start("--root-fs", "distributed", node="b")
     with (
-        start_daemon(root, tmp_path / "a.sock", "--node", "a"),
-        start_daemon(root, tmp_path / "b.sock", "--node", "b", "--root-fs", "distributed"),
         PayloadClient(tmp_path / "a.sock") as a,
         PayloadClient(tmp_path / "b.sock", data_plane=transport == "data-plane") as b,
     ):
@@ -270,12 +262,12 @@ def test_a_collection_on_a_reads_gone_on_b_where_b_still_sees_the_file(
 
 
 def test_the_gc_grace_puts_the_ledger_line_first_and_other_nodes_answer_410(
-    tmp_path: Path,
+    tmp_path: Path, daemons: Daemons
 ) -> None:
     root = tmp_path / "root"
+    daemons.start("--gc-grace-s", "1.5", node="a")
+    daemons.start("--root-fs", "distributed", node="b")
     with (
-        start_daemon(root, tmp_path / "a.sock", "--node", "a", "--gc-grace-s", "1.5"),
-        start_daemon(root, tmp_path / "b.sock", "--node", "b", "--root-fs", "distributed"),
         PayloadClient(tmp_path / "a.sock") as a,
         PayloadClient(tmp_path / "b.sock", data_plane=False) as b,
     ):
@@ -285,15 +277,17 @@ def test_the_gc_grace_puts_the_ledger_line_first_and_other_nodes_answer_410(
         gc = threading.Thread(target=lambda: done.append(a.gc(run="r", through_step=0).files))
         gc.start()
         ledger = root / "a" / LEDGER_NAME
-        while not ledger.exists() or b"\n" not in ledger.read_bytes():
-            assert time.monotonic() - started < 10
-            time.sleep(0.01)
+        wait_until(lambda: _has_a_line(ledger), timeout=10, what="a's ledger line")
         assert (root / segs[0].file).exists()  # the grace: listed, not removed yet
         with pytest.raises(FileGoneError):
             b.read_field(segs, "routed_experts", 0, 4, 0)
         gc.join(30)
         assert done == [1] and time.monotonic() - started >= 1.5
         assert not (root / segs[0].file).exists()
+
+
+def _has_a_line(ledger: Path) -> bool:
+    return ledger.exists() and b"\n" in ledger.read_bytes()
 
 
 # -- one writer a shared file -----------------------------------------------------------------
@@ -346,9 +340,9 @@ def test_under_one_writer_threads_released_at_once_read_back_whole(tmp_path: Pat
 
 
 @pytest.fixture()
-def prefetch_daemon(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
-    with start_daemon(tmp_path / "root", tmp_path / "s.sock", "--node", "n"):
-        yield tmp_path / "root", tmp_path / "s.sock"
+def prefetch_daemon(daemons: Daemons) -> tuple[Path, Path]:
+    d = daemons.start("--node", "n")
+    return d.root, d.socket
 
 
 @pytest.mark.parametrize("transport", ["data-plane", "http"])
@@ -364,10 +358,8 @@ def test_prefetch_queues_the_windows_bytes_and_reads_them_ahead(
         before = c.stats()
         got = c.prefetch([window])
         assert got == Prefetched(1, 56 * ROW)  # one file; the window's bytes, merged
-        deadline = time.monotonic() + 10
-        while c.stats().bytes_prefetched < before.bytes_prefetched + 56 * ROW:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        wanted = before.bytes_prefetched + 56 * ROW
+        wait_until(lambda: c.stats().bytes_prefetched >= wanted, 10, "the bytes read ahead")
         after = c.stats()
         assert after.prefetches == before.prefetches + 1
         assert c.prefetch([]) == Prefetched(0, 0)  # nothing to ask: no call
@@ -458,7 +450,7 @@ def test_a_run_used_during_the_grace_is_collected_as_planned_listed_and_removed(
     reports: list[GcReport] = []
     t = threading.Thread(target=lambda: reports.append(gc.collect(GcRequest(ttl_s=60))))
     t.start()
-    time.sleep(0.3)
+    wait_until(lambda: _has_a_line(tmp_path / "a" / LEDGER_NAME), 10, "the ledger line")
     extent = [Extent(s.file, s.offset, ROW, s.offset + ROW)]
     assert a.read_extents(extent) == bytes([7]) * ROW  # during the grace: still there
     t.join(30)

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 from payload_client import PayloadClient
-from payload_client._wire import AppendItem, Stats
+from payload_client.wire._http import AppendItem, Stats
 from payloadd import Store
-from payloadd.bench._daemon_process import start_daemon
 from payloadd.store._durability import Flusher
+from tests.conftest import Daemons, wait_until
 
 R = "routed_experts"
 
@@ -85,31 +85,31 @@ def test_flusher_runs_every_interval_and_flushes_once_more_at_stop() -> None:
 
     flusher = Flusher(flush, 0.02)
     flusher.start()
-    deadline = time.monotonic() + 10
-    while len(calls) < 4 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: len(calls) >= 4, 10, "four ticks of the flusher")
     flusher.stop()
     n = len(calls)
     assert n >= 5  # at least 4 ticks (one failed) and the last flush
-    time.sleep(0.1)
+    time.sleep(0.1)  # five of its intervals: time for a call after the stop to show
     assert len(calls) == n  # stopped
     with pytest.raises(ValueError, match="> 0"):
         Flusher(flush, 0)
 
 
 def _wait_for(c: PayloadClient, ok: Callable[[Stats], bool]) -> Stats:
-    deadline = time.monotonic() + 20
-    while not ok(s := c.stats()):
-        assert time.monotonic() < deadline, s
-        time.sleep(0.02)
-    return s
+    """The daemon's counters once ``ok`` holds for them."""
+
+    def counters() -> Stats | None:
+        s = c.stats()
+        return s if ok(s) else None
+
+    return wait_until(counters, 20, "the counters")
 
 
-def test_a_daemon_under_interval_flushes_both_transports(tmp_path: Path) -> None:
+def test_a_daemon_under_interval_flushes_both_transports(tmp_path: Path, daemons: Daemons) -> None:
     sock = tmp_path / "payloadd.sock"
     flags = ("--fsync", "interval", "--fsync-interval-s", "0.1")
     rows = np.arange(4 * 384, dtype=np.uint8).reshape(4, 48, 8)
-    with start_daemon(tmp_path / "root", sock, *flags), PayloadClient(sock) as probe:
+    with daemons.run(*flags, socket=sock), PayloadClient(sock) as probe:
         assert probe.stats().fsync == "interval"
         with PayloadClient(sock, data_plane=False) as http:
             http.append(R, rows, 0, run="http", step=0)
@@ -131,16 +131,16 @@ def test_a_daemon_under_interval_flushes_both_transports(tmp_path: Path) -> None
 
 
 def test_shutdown_flushes_what_the_interval_has_not_yet(
-    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+    tmp_path: Path, daemons: Daemons, capfd: pytest.CaptureFixture[str]
 ) -> None:
     sock = tmp_path / "payloadd.sock"
     flags = ("--fsync", "interval", "--fsync-interval-s", "3600")
-    with start_daemon(tmp_path / "root", sock, *flags, log_level="info") as proc:
+    with daemons.run(*flags, socket=sock, log_level="info") as d:
         with PayloadClient(sock, data_plane=False) as c:
             c.append(R, np.ones((1, 48, 8), np.uint8), 0, run="r", step=0)
             c.append(R, np.ones((1, 48, 8), np.uint8), 0, run="r", step=1)
             s = c.stats()
             assert (s.files_dirty, s.flushes) == (2, 0)  # the first flush is an hour away
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(30) == 0
+        d.proc.send_signal(signal.SIGTERM)
+        assert d.proc.wait(30) == 0
     assert "last flush at shutdown: 2 data files fsync'd" in capfd.readouterr().err

@@ -14,7 +14,6 @@ import re
 import subprocess
 import sys
 import threading
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,9 +29,8 @@ from payload_client import (
     StepCollectedError,
     encode_segments,
 )
-from payloadd.bench._daemon_process import start_daemon
 
-from ..conftest import TRANSPORTS, default_env
+from ..conftest import TRANSPORTS, Daemons, default_env, wait_until
 
 RE = "routed_experts"
 MASK = "sampling_mask"
@@ -59,9 +57,8 @@ def _files(root: Path) -> dict[str, int]:
 def strict(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """A daemon with the default settings (the default fields, unknown ones refused); its
     socket, beside its root ``root``."""
-    tmp = tmp_path_factory.mktemp("strict")
-    with start_daemon(tmp / "root", tmp / "payloadd.sock", "--node", "s", env=default_env()):
-        yield tmp / "payloadd.sock"
+    with Daemons(tmp_path_factory.mktemp("strict")) as d:
+        yield d.start(node="s", socket=d.folder / "payloadd.sock", env=default_env()).socket
 
 
 @pytest.fixture(params=TRANSPORTS)
@@ -176,11 +173,12 @@ def test_a_deleted_run_fixes_its_shapes_anew_for_every_client(strict: Path) -> N
             dp.append(RE, _ids(2), 0, run=run, step=2)  # the client's memory is not the rule
 
 
-def test_shapes_stay_fixed_after_a_restart(tmp_path: Path) -> None:
-    root, sock, run = tmp_path / "root", tmp_path / "s.sock", _run()
-    with start_daemon(root, sock, "--node", "r", env=default_env()), PayloadClient(sock) as c:
+def test_shapes_stay_fixed_after_a_restart(daemons: Daemons) -> None:
+    run = _run()
+    with daemons.run(node="r", env=default_env()) as d, PayloadClient(d.socket) as c:
         c.append(RE, _ids(2), 0, run=run, step=0)
-    with start_daemon(root, sock, "--node", "r", env=default_env()):
+    with daemons.run(node="r", env=default_env()) as d:
+        sock = d.socket
         for dp in (True, False):
             with (
                 PayloadClient(sock, data_plane=dp) as c,
@@ -219,18 +217,17 @@ def test_unknown_fields_over_raw_http_are_refused(strict: Path) -> None:
         assert table["fields"][RE]["ragged"] is False and table["fields"][MASK]["ragged"]
 
 
-def test_unknown_fields_allowed_as_an_explicit_opt_in(tmp_path: Path) -> None:
-    sock = tmp_path / "s.sock"
-    with start_daemon(tmp_path / "root", sock, "--unknown-fields", "allow", env=default_env()):
-        for dp in (True, False):
-            with PayloadClient(sock, data_plane=dp) as c:
-                run = _run()
-                segs = c.append("weights", np.ones((3, 2), np.float32), 0, run=run, step=0)
-                np.testing.assert_array_equal(c.read_field(segs, "weights", 0, 3, 0.0), 1.0)
-                with pytest.raises(InvalidRequestError, match=r"\[2\].*got \[3\]"):  # fixed
-                    c.append("weights", np.ones((3, 3), np.float32), 3, run=run, step=0)
-                with pytest.raises(InvalidRequestError, match="unknown field 'other'"):
-                    c.read_field(segs, "other", 0, 3, 0)  # in no table and no segment
+def test_unknown_fields_allowed_as_an_explicit_opt_in(daemons: Daemons) -> None:
+    sock = daemons.start("--unknown-fields", "allow", env=default_env()).socket
+    for dp in (True, False):
+        with PayloadClient(sock, data_plane=dp) as c:
+            run = _run()
+            segs = c.append("weights", np.ones((3, 2), np.float32), 0, run=run, step=0)
+            np.testing.assert_array_equal(c.read_field(segs, "weights", 0, 3, 0.0), 1.0)
+            with pytest.raises(InvalidRequestError, match=r"\[2\].*got \[3\]"):  # fixed
+                c.append("weights", np.ones((3, 3), np.float32), 3, run=run, step=0)
+            with pytest.raises(InvalidRequestError, match="unknown field 'other'"):
+                c.read_field(segs, "other", 0, 3, 0)  # in no table and no segment
 
 
 # -- 3. appends into collected steps refused ----------------------------------------------------
@@ -254,40 +251,36 @@ def test_an_append_into_a_collected_step_is_refused(c: PayloadClient, strict: Pa
 
 
 def test_the_watermark_holds_after_a_restart_and_across_nodes_of_a_shared_root(
-    tmp_path: Path,
+    daemons: Daemons,
 ) -> None:
-    root, run = tmp_path / "root", _run()
-    a, b = tmp_path / "a.sock", tmp_path / "b.sock"
-    env = default_env()
-    with start_daemon(root, a, "--node", "a", env=env), PayloadClient(a) as c:
+    run, env = _run(), default_env()
+    with daemons.run(node="a", env=env) as first, PayloadClient(first.socket) as c:
         c.append(RE, _ids(2), 0, run=run, step=1)
         c.gc(run=run, through_step=1)
-    with (
-        start_daemon(root, a, "--node", "a", env=env),
-        start_daemon(root, b, "--node", "b", env=env),
-    ):
-        for sock in (a, b):  # a restarted daemon, and another node's daemon
-            for dp in (True, False):
-                with (
-                    PayloadClient(sock, data_plane=dp) as c,
-                    pytest.raises(StepCollectedError, match="through step 1"),
-                ):
-                    c.append(RE, _ids(2), 0, run=run, step=1)
-        with PayloadClient(b) as c:
-            c.append(RE, _ids(2), 0, run=run, step=5)
-            c.gc(run=run, through_step=5)  # collected on node b: node a refuses too
-        with PayloadClient(a, data_plane=False) as c:  # each append asks the daemon
-            deadline = time.monotonic() + 10
-            while True:
-                try:
-                    c.append(RE, _ids(2), 0, run=run, step=4)
-                except StepCollectedError as exc:
-                    assert "through step 5" in str(exc)
-                    break
-                assert time.monotonic() < deadline, "node a never saw node b's watermark"
-                time.sleep(0.2)
-        with PayloadClient(a) as c, pytest.raises(StepCollectedError, match="through step 5"):
-            c.append(RE, _ids(2), 0, run=run, step=4)  # a new lease of a collected step
+    a, b = daemons.start_all(["a", "b"], env=env).values()  # a restarted, and another node
+    for sock in (a.socket, b.socket):
+        for dp in (True, False):
+            with (
+                PayloadClient(sock, data_plane=dp) as c,
+                pytest.raises(StepCollectedError, match="through step 1"),
+            ):
+                c.append(RE, _ids(2), 0, run=run, step=1)
+    with PayloadClient(b.socket) as c:
+        c.append(RE, _ids(2), 0, run=run, step=5)
+        c.gc(run=run, through_step=5)  # collected on node b: node a refuses too
+    with PayloadClient(a.socket, data_plane=False) as c:  # each append asks the daemon
+
+        def refusal() -> str:
+            try:
+                c.append(RE, _ids(2), 0, run=run, step=4)
+            except StepCollectedError as exc:
+                return str(exc)
+            return ""
+
+        said = wait_until(refusal, 10, "node a seeing node b's watermark", every=0.2)
+        assert "through step 5" in said
+    with PayloadClient(a.socket) as c, pytest.raises(StepCollectedError, match="through step 5"):
+        c.append(RE, _ids(2), 0, run=run, step=4)  # a new lease of a collected step
 
 
 # -- 4. the watermark is named through_step -----------------------------------------------------

@@ -25,9 +25,8 @@ from payload_client import (
     StepCollectedError,
     StorageFullError,
 )
-from payloadd.bench._daemon_process import start_daemon
 
-from ..conftest import default_env
+from ..conftest import Daemons, default_env
 
 RE, MASK = "routed_experts", "sampling_mask"
 
@@ -42,9 +41,8 @@ def _run() -> str:
 
 @pytest.fixture(scope="module")
 def sock(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    tmp = tmp_path_factory.mktemp("races")
-    with start_daemon(tmp / "root", tmp / "s.sock", "--node", "n0", env=default_env()):
-        yield tmp / "s.sock"
+    with Daemons(tmp_path_factory.mktemp("races")) as d:
+        yield d.start("--node", "n0", env=default_env()).socket
 
 
 def test_one_client_s_concurrent_appends_of_two_shapes_store_one(sock: Path) -> None:
@@ -53,11 +51,12 @@ def test_one_client_s_concurrent_appends_of_two_shapes_store_one(sock: Path) -> 
 
     async def both(run: str) -> Sequence[object]:
         async with AsyncPayloadClient(sock) as c:
-            return await asyncio.gather(
+            got = await asyncio.gather(
                 c.append(RE, _ids(2), 0, run=run, step=0),
                 c.append(RE, _ids(2, (8, 48)), 2, run=run, step=0),
                 return_exceptions=True,
             )
+        return got
 
     for _ in range(10):
         got = asyncio.run(both(_run()))
@@ -111,10 +110,10 @@ def test_a_collection_racing_leases_leaves_no_file_and_takes_no_later_append(
                 c.close()
 
 
-def test_refused_data_plane_appends_fix_no_shape(tmp_path: Path) -> None:
+def test_refused_data_plane_appends_fix_no_shape(tmp_path: Path, daemons: Daemons) -> None:
     cap = ("--max-root-bytes", "200000", "--min-free-bytes", "0")
     s = tmp_path / "s.sock"
-    with start_daemon(tmp_path / "root", s, *cap, env=default_env()), PayloadClient(s) as c:
+    with daemons.run(*cap, socket=s, env=default_env()), PayloadClient(s) as c:
         late, full = _run(), _run()
         c.gc(run=late, through_step=5)
         with pytest.raises(StepCollectedError):
@@ -139,30 +138,32 @@ def test_a_client_s_old_shapes_do_not_fix_a_deleted_run_s(sock: Path) -> None:
             a.append(RE, _ids(4), 4, run=run, step=1)
 
 
-def test_a_torn_shape_record_keeps_the_next_one_after_a_restart(tmp_path: Path) -> None:
+def test_a_torn_shape_record_keeps_the_next_one_after_a_restart(
+    tmp_path: Path, daemons: Daemons
+) -> None:
     root, s = tmp_path / "root", tmp_path / "s.sock"
     env = default_env()
-    with start_daemon(root, s, "--node", "n0", env=env), PayloadClient(s) as c:
+    with daemons.run("--node", "n0", root=root, socket=s, env=env), PayloadClient(s) as c:
         c.append(RE, _ids(1), 0, run="r0", step=0)
     record = root / "n0" / "@run-shapes.jsonl"
     record.write_bytes(record.read_bytes()[:-8])  # a crash in the middle of its line
-    with start_daemon(root, s, "--node", "n0", env=env), PayloadClient(s) as c:
+    with daemons.run("--node", "n0", root=root, socket=s, env=env), PayloadClient(s) as c:
         c.append(RE, _ids(1), 0, run="r1", step=0)
     assert record.read_bytes().endswith(b'\n["r1","routed_experts",[48,8]]\n')  # own line
-    with start_daemon(root, s, "--node", "n0", env=env):
+    with daemons.run("--node", "n0", root=root, socket=s, env=env):
         for dp in (True, False):
             with PayloadClient(s, data_plane=dp) as c, pytest.raises(InvalidRequestError):
                 c.append(RE, _ids(1, (8, 48)), 1, run="r1", step=0)
 
 
-def test_deleting_a_gone_node_s_run_forgets_its_shapes(tmp_path: Path) -> None:
+def test_deleting_a_gone_node_s_run_forgets_its_shapes(tmp_path: Path, daemons: Daemons) -> None:
     root, env = tmp_path / "root", default_env()
     a, b = tmp_path / "a.sock", tmp_path / "b.sock"
-    with start_daemon(root, b, "--node", "b", env=env), PayloadClient(b) as c:
+    with daemons.run("--node", "b", root=root, socket=b, env=env), PayloadClient(b) as c:
         c.append(RE, _ids(1), 0, run="r", step=0)
-    with start_daemon(root, a, "--node", "a", env=env), PayloadClient(a) as c:
+    with daemons.run("--node", "a", root=root, socket=a, env=env), PayloadClient(a) as c:
         assert c.delete_run("r", node="b").files == 1  # b is gone: a deletes its run
-    with start_daemon(root, b, "--node", "b", env=env), PayloadClient(b) as c:
+    with daemons.run("--node", "b", root=root, socket=b, env=env), PayloadClient(b) as c:
         try:  # b back: a new run of the name fixes its own shape
             assert c.append(RE, _ids(1, (8, 48)), 0, run="r", step=0)[0].shape == [8, 48]
         except PayloadError as exc:  # pragma: no cover - the failure said plainly

@@ -13,10 +13,9 @@ import numpy as np
 import pytest
 
 from payload_client import AsyncPayloadClient, FieldsTable, InvalidRequestError, PayloadClient
-from payloadd.bench._daemon_process import start_daemon
 from payloadd.settings._settings import Settings
 
-from ..conftest import TRANSPORTS, default_env
+from ..conftest import TRANSPORTS, Daemons, default_env
 
 TABLE = {
     "routed_experts": {"dtypes": ["uint8", "uint16"], "fill": 0},
@@ -28,11 +27,9 @@ TABLE = {
 @pytest.fixture(scope="module")
 def strict(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """A daemon with a custom fields table that refuses unknown fields; its socket."""
-    tmp = tmp_path_factory.mktemp("fields")
-    sock = tmp / "payloadd.sock"
-    flags = ("--fields", json.dumps(TABLE), "--unknown-fields", "refuse")
-    with start_daemon(tmp / "root", sock, "--node", "f", *flags):
-        yield sock
+    flags = ("--node", "f", "--fields", json.dumps(TABLE), "--unknown-fields", "refuse")
+    with Daemons(tmp_path_factory.mktemp("fields")) as d:
+        yield d.start(*flags, socket=d.folder / "payloadd.sock").socket
 
 
 @pytest.fixture(params=TRANSPORTS)
@@ -44,10 +41,8 @@ def sc(strict: Path, request: pytest.FixtureRequest) -> Iterator[PayloadClient]:
 @pytest.fixture(scope="module")
 def default_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """A daemon started with no fields table of its own (the default one); its socket."""
-    tmp = tmp_path_factory.mktemp("default")
-    sock = tmp / "payloadd.sock"
-    with start_daemon(tmp / "root", sock, "--node", "d", env=default_env()):
-        yield sock
+    with Daemons(tmp_path_factory.mktemp("default")) as d:
+        yield d.start("--node", "d", socket=d.folder / "payloadd.sock", env=default_env()).socket
 
 
 @pytest.fixture(params=TRANSPORTS)

@@ -27,8 +27,9 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from payload_client._wire import APPEND_CONTENT_TYPE, FRAME_PREFIX, MSGPACK_CONTENT_TYPE
-from payloadd.bench._daemon_process import start_daemon
+from payload_client.wire._frames import FRAME_PREFIX
+from payload_client.wire._http import APPEND_CONTENT_TYPE, MSGPACK_CONTENT_TYPE
+from tests.conftest import Daemons
 
 CHECKS = [
     not_a_server_error,
@@ -73,14 +74,11 @@ def _framed(ctx: Any, value: Any) -> bytes:
 @pytest.fixture(scope="module")
 def fuzz_http(tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]:
     """A daemon of its own (the fuzzer calls GC and deletes runs), reached over raw HTTP."""
-    tmp = tmp_path_factory.mktemp("fuzz")
-    sock = tmp / "payloadd.sock"
     extra = ("--node", "fuzz", "--max-request-bytes", str(1 << 20))
-    with (
-        start_daemon(tmp / "root", sock, *extra),
-        httpx.Client(transport=httpx.HTTPTransport(uds=str(sock)), base_url="http://d") as c,
-    ):
-        yield c
+    with Daemons(tmp_path_factory.mktemp("fuzz")) as d:
+        transport = httpx.HTTPTransport(uds=str(d.start(*extra).socket))
+        with httpx.Client(transport=transport, base_url="http://d") as c:
+            yield c
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from payload_client import (
     StepCollectedError,
     StorageFullError,
 )
-from payload_client._wire import AppendItem, Extent, GcRequest
+from payload_client.wire._http import AppendItem, Extent, GcRequest
 from payloadd import Store
 from payloadd.store._gc import GarbageCollector
 from payloadd.store._ledger import LEDGER_NAME

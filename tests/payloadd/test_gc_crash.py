@@ -12,17 +12,15 @@ import json
 import os
 import signal
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from payload_client import FileGoneError, PayloadClient, PayloadError, PayloadSegment
-from payloadd.bench._daemon_process import start_daemon
 from payloadd.store._ledger import LEDGER_NAME, Ledger
 
-from ..conftest import TRANSPORTS, default_env
+from ..conftest import TRANSPORTS, Daemons, default_env, wait_until
 
 RE = "routed_experts"
 SMALL = ("--node", "n", "--max-file-bytes", "4096")  # a file every 10 rows of 384 bytes
@@ -41,10 +39,10 @@ def _write(sock: Path, steps: int, per_step: int) -> dict[int, list[PayloadSegme
 
 @pytest.mark.parametrize("reader", TRANSPORTS)
 def test_a_collection_cut_after_its_line_is_finished_by_the_restart(
-    tmp_path: Path, reader: str
+    tmp_path: Path, daemons: Daemons, reader: str
 ) -> None:
     root, sock, env = tmp_path / "root", tmp_path / "s.sock", default_env()
-    with start_daemon(root, sock, *SMALL, env=env):
+    with daemons.run(*SMALL, root=root, socket=sock, env=env):
         segs = _write(sock, 2, 8)
     files = sorted({s.file for s in segs[0]})
     assert len(files) == 8
@@ -52,7 +50,7 @@ def test_a_collection_cut_after_its_line_is_finished_by_the_restart(
     ledger.begin("r", "watermark", files, 0)  # its line written, fsync'd ...
     for rel in files[:3]:
         os.unlink(root / rel)  # ... and only some of its files removed
-    with start_daemon(root, sock, *SMALL, env=env):
+    with daemons.run(*SMALL, root=root, socket=sock, env=env):
         assert not [rel for rel in files if (root / rel).exists()]
         with PayloadClient(sock, data_plane=reader == "data-plane") as c:
             for s in segs[0]:
@@ -65,10 +63,11 @@ def test_a_collection_cut_after_its_line_is_finished_by_the_restart(
 
 def test_kill_9_during_a_large_collection_leaves_no_listed_file_after_the_restart(
     tmp_path: Path,
+    daemons: Daemons,
 ) -> None:
     root, sock, env = tmp_path / "root", tmp_path / "s.sock", default_env()
     ledger_path = root / "n" / LEDGER_NAME
-    with start_daemon(root, sock, *SMALL, env=env) as proc:
+    with daemons.run(*SMALL, root=root, socket=sock, env=env) as d:
         segs = _write(sock, 4, 80)  # 320 files
 
         def collect() -> None:
@@ -77,19 +76,17 @@ def test_kill_9_during_a_large_collection_leaves_no_listed_file_after_the_restar
 
         t = threading.Thread(target=collect)
         t.start()
-        deadline = time.monotonic() + 30
-        while b'"files":["n/r/' not in (
-            ledger_path.read_bytes() if ledger_path.exists() else b""
-        ):  # its line is written: the removals begin
-            assert time.monotonic() < deadline, "the collection never wrote its line"
-            time.sleep(0.001)
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(10)
+        wait_until(  # its line is written: the removals begin
+            lambda: b'"files":["n/r/' in (ledger_path.read_bytes() if ledger_path.exists() else b""),
+            30, "the collection's line", every=0.001,
+        )  # fmt: skip
+        os.kill(d.pid, signal.SIGKILL)
+        d.proc.wait(10)
         t.join(60)
     lines = [json.loads(line) for line in ledger_path.read_bytes().splitlines()]
     listed = {f for line in lines for f in line.get("files", [])}  # each: a file that goes
     assert listed
-    with start_daemon(root, sock, *SMALL, env=env):
+    with daemons.run(*SMALL, root=root, socket=sock, env=env):
         gone = [s for step in segs for s in segs[step] if s.file in listed]
         assert not [s.file for s in gone if (root / s.file).exists()]
         with PayloadClient(sock) as c:

@@ -26,9 +26,8 @@ from payload_client import (
     PayloadSegment,
     StepCollectedError,
 )
-from payload_client._transports import _descriptors
-from payloadd.bench._daemon_process import start_daemon
-from tests.conftest import Daemon
+from payload_client.transports.dataplane import _descriptors
+from tests.conftest import Daemon, Daemons, wait_until
 
 PAYLOADD = [sys.executable, "-m", "payloadd"]
 
@@ -149,9 +148,9 @@ def test_a_read_in_progress_completes_intact(daemon: Daemon) -> None:
             read(c, [seg])
 
 
-def test_ledger_survives_a_restart_and_the_cli_collects(tmp_path: Path) -> None:
+def test_ledger_survives_a_restart_and_the_cli_collects(tmp_path: Path, daemons: Daemons) -> None:
     root, sock = tmp_path / "root", tmp_path / "d.sock"
-    with start_daemon(root, sock, "--node", "n"), PayloadClient(sock) as c:
+    with daemons.run("--node", "n", root=root, socket=sock), PayloadClient(sock) as c:
         segs = c.append("f", rows(2), 0, run="r", step=1)
         keep = c.append("f", rows(2), 0, run="r", step=2)
         done = subprocess.run([*PAYLOADD, "gc", "--socket", str(sock), "--run", "r",
@@ -177,26 +176,24 @@ def test_ledger_survives_a_restart_and_the_cli_collects(tmp_path: Path) -> None:
         done = subprocess.run([*PAYLOADD, "gc", "--socket", str(sock), "--run", "r",
                                "--through-step", "1"], capture_output=True, text=True)  # fmt: skip
         assert json.loads(done.stdout)["files"] == 1
-    with start_daemon(root, sock, "--node", "n"), PayloadClient(sock) as c:
+    with daemons.run("--node", "n", root=root, socket=sock), PayloadClient(sock) as c:
         with pytest.raises(FileGoneError, match="step 1 of run 'r'"):
             read(c, segs)
         assert np.array_equal(read(c, keep), rows(2))
 
 
-def test_background_sweep_removes_old_steps_and_orphans(tmp_path: Path) -> None:
+def test_background_sweep_removes_old_steps_and_orphans(tmp_path: Path, daemons: Daemons) -> None:
     root, sock = tmp_path / "root", tmp_path / "d.sock"
     orphan = root / "n" / "crashed" / "0" / "f-deadbeef-000001.bin"
     orphan.parent.mkdir(parents=True)
     orphan.touch()  # an earlier daemon created it and died before writing
     sweep = ("--node", "n", "--ttl-s", "1", "--gc-interval-s", "0.2")
-    with start_daemon(root, sock, *sweep), PayloadClient(sock) as c:
+    with daemons.run(*sweep, root=root, socket=sock), PayloadClient(sock) as c:
         segs = c.append("f", rows(2), 0, run="old", step=0)
         hour_ago = time.time() - 3600
         os.utime(root / segs[0].file, (hour_ago, hour_ago))
-        deadline = time.monotonic() + 30
-        while (root / "n" / "old").exists() or (root / "n" / "crashed").exists():
-            assert time.monotonic() < deadline, "the sweep did not collect"
-            time.sleep(0.1)
+        gone = (root / "n" / "old", root / "n" / "crashed")
+        wait_until(lambda: not any(p.exists() for p in gone), 30, "the sweep collecting")
         with pytest.raises(FileGoneError, match="ttl"):
             read(c, segs)
 
@@ -225,10 +222,12 @@ def open_files() -> list[str]:
 
 
 @pytest.mark.parametrize("use", ["read", "append"])
-def test_ttl_spares_a_run_in_use_over_the_data_plane(tmp_path: Path, use: str) -> None:
+def test_ttl_spares_a_run_in_use_over_the_data_plane(
+    tmp_path: Path, daemons: Daemons, use: str
+) -> None:
     root, sock = tmp_path / "root", tmp_path / "d.sock"
     sweep = ("--node", "n", "--ttl-s", "1", "--gc-interval-s", "0.2")
-    with start_daemon(root, sock, *sweep), PayloadClient(sock) as c:
+    with daemons.run(*sweep, root=root, socket=sock), PayloadClient(sock) as c:
         segs = c.append("f", rows(2), 0, run="busy", step=0)
         assert np.array_equal(read(c, segs), rows(2))
         t0 = time.monotonic()

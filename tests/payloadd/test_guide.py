@@ -32,8 +32,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from payloadd.bench._daemon_process import start_daemon
-from tests.conftest import default_env
+from tests.conftest import Daemons, default_env
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 GUIDE = DOCS / "guide.md"
@@ -135,18 +134,12 @@ EXAMPLES = GUIDE_EXAMPLES + API_EXAMPLES  # in this order: http-api.md's example
 def folder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """The guide's two daemons, in a temporary folder standing for ``/tmp/docs2``, started as
     the guide says: with the default fields table (not the tests' own)."""
-    tmp = tmp_path_factory.mktemp("docs2")
     env = default_env()
-    with (
-        start_daemon(tmp / "root", tmp / "s.sock", "--node", "node0", env=env),
-        start_daemon(
-            tmp / "small-root",
-            tmp / "small.sock",
-            *("--node", "node0", "--max-file-bytes", "4096"),
-            env=env,
-        ),
-    ):
-        yield tmp
+    with Daemons(tmp_path_factory.mktemp("docs2")) as d:
+        d.start("--node", "node0", env=env)
+        small = ("--node", "node0", "--max-file-bytes", "4096")
+        d.start(*small, root=d.folder / "small-root", socket=d.folder / "small.sock", env=env)
+        yield d.folder
 
 
 def test_the_guide_has_its_examples() -> None:

@@ -17,12 +17,11 @@ import pytest
 
 from payload_client import DEFAULT_SOCKET
 from payload_client._errors import NO_DAEMON as CLIENT_NO_DAEMON
-from payloadd.bench._daemon_process import start_daemon
 from payloadd.cli._health import DEFAULT_SOCKET as HEALTH_DEFAULT_SOCKET
 from payloadd.cli._health import NO_DAEMON as HEALTH_NO_DAEMON
 from payloadd.cli._main import main
 from payloadd.settings._settings import Settings
-from tests.conftest import Daemon
+from tests.conftest import Daemon, Daemons
 
 PAYLOADD = [sys.executable, "-m", "payloadd"]
 
@@ -65,12 +64,12 @@ def test_no_daemon_is_said_as_the_client_says_it() -> None:
     assert HEALTH_NO_DAEMON == CLIENT_NO_DAEMON
 
 
-def test_daemon_with_admin_token_needs_none_for_health(tmp_path: Path) -> None:
+def test_daemon_with_admin_token_needs_none_for_health(tmp_path: Path, daemons: Daemons) -> None:
     token = tmp_path / "token"
     token.write_text("0123456789abcdef0123456789abcdef\n")
     token.chmod(0o600)
     sock = tmp_path / "s.sock"
-    with start_daemon(tmp_path / "root", sock, "--admin-token-file", str(token)):
+    with daemons.run("--admin-token-file", str(token), socket=sock):
         assert main(["health", "--socket", str(sock)]) == 0
 
 
@@ -279,7 +278,7 @@ def test_health_imports_none_of_the_heavy_modules(tmp_path: Path) -> None:
 # -- --wait: a script that has just started a daemon ----------------------------------------
 
 
-def test_wait_for_a_daemon_that_starts_later(tmp_path: Path) -> None:
+def test_wait_for_a_daemon_that_starts_later(tmp_path: Path, daemons: Daemons) -> None:
     sock = tmp_path / "late.sock"
     started = time.monotonic()
     waiting = subprocess.Popen(
@@ -291,7 +290,7 @@ def test_wait_for_a_daemon_that_starts_later(tmp_path: Path) -> None:
     try:
         time.sleep(1.0)  # it finds no socket, then a socket nobody listens on yet
         assert waiting.poll() is None
-        with start_daemon(tmp_path / "root", sock, "--node", "late"):
+        with daemons.run("--node", "late", socket=sock):
             out, err = waiting.communicate(timeout=60)
     finally:
         if waiting.poll() is None:

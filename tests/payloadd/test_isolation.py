@@ -18,9 +18,10 @@ import numpy as np
 import pytest
 
 from payload_client import PayloadClient, PayloadSegment
-from payload_client._dataplane_wire import OpenRequest, ReserveRequest
-from payload_client._wire import FRAME_PREFIX, AppendItem
-from payloadd.bench._daemon_process import start_daemon
+from payload_client.wire._dataplane import OpenRequest, ReserveRequest
+from payload_client.wire._frames import FRAME_PREFIX
+from payload_client.wire._http import AppendItem
+from tests.conftest import Daemons
 
 R = "routed_experts"
 FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
@@ -55,9 +56,9 @@ def _ask(sock: socket.socket, request: object) -> tuple[list[object], list[int]]
     return msgspec.msgpack.decode(msg[FRAME_PREFIX.size :]), fds
 
 
-def test_a_hostile_writer_reaches_nobody_elses_rows(tmp_path: Path) -> None:
+def test_a_hostile_writer_reaches_nobody_elses_rows(tmp_path: Path, daemons: Daemons) -> None:
     sock = tmp_path / "s.sock"
-    with start_daemon(tmp_path / "root", sock, "--node", "n"):
+    with daemons.run("--node", "n", socket=sock):
         rng = np.random.default_rng(9)
         honest: list[tuple[np.ndarray, list[PayloadSegment]]] = []
         with (

@@ -29,14 +29,13 @@ from payload_client import (
     StepCollectedError,
     StorageFullError,
 )
-from payload_client._dataplane_wire import DATA_SOCKET_SUFFIX, FieldsReply, FieldsRequest
-from payload_client._transports import _descriptors
-from payload_client._transports._dataplane_appends import _removed
-from payload_client._wire import FRAME_PREFIX
+from payload_client.transports.dataplane import _descriptors
+from payload_client.transports.dataplane._appends import _removed
+from payload_client.wire._dataplane import DATA_SOCKET_SUFFIX, FieldsReply, FieldsRequest
+from payload_client.wire._frames import FRAME_PREFIX
 from payloadd import Store
-from payloadd.bench._daemon_process import start_daemon
 from payloadd.store._leases import AHEAD_ROOM
-from tests.conftest import Daemon
+from tests.conftest import Daemon, Daemons, wait_until
 
 R, M = "routed_experts", "sampling_mask"
 
@@ -147,8 +146,8 @@ def test_appends_racing_collections_never_return_rows_of_a_removed_file(daemon: 
             for seg, value in segs[:: max(1, len(segs) // 200)]:
                 try:
                     np.testing.assert_array_equal(read(c, seg), rows(value, 1))
-                except FileGoneError:
-                    continue
+                except FileGoneError:  # answered gone: its file is gone
+                    assert not (daemon.root / seg.file).exists(), seg.file
         for seg, _ in last:  # appended after the last deletion, collected with its step
             with pytest.raises(FileGoneError):
                 read(admin, seg)
@@ -191,9 +190,7 @@ def test_a_lease_taken_ahead_and_never_written_leaves_nothing(daemon: Daemon) ->
         step_dir = daemon.root / "test" / run / "1"
         assert len(list(step_dir.iterdir())) == 2  # one file of each field
     # the connection ended: the mask file, never written, goes; the rows stay
-    deadline = time.monotonic() + 5
-    while len(list(step_dir.iterdir())) > 1 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: len(list(step_dir.iterdir())) <= 1, 5, "the unwritten file gone")
     assert [p.name for p in step_dir.iterdir()] == [Path(seg.file).name]
     with PayloadClient(daemon.socket) as c:
         np.testing.assert_array_equal(read(c, seg), rows(1))
@@ -211,9 +208,11 @@ def _fields_with_page(data_socket: str) -> tuple[FieldsReply, list[int]]:
         return msgspec.msgpack.decode(data[FRAME_PREFIX.size :], type=FieldsReply), fds
 
 
-def test_the_generation_page_counts_removals_and_no_client_can_write_it(tmp_path: Path) -> None:
+def test_the_generation_page_counts_removals_and_no_client_can_write_it(
+    tmp_path: Path, daemons: Daemons
+) -> None:
     sock = tmp_path / "payloadd.sock"
-    with start_daemon(tmp_path / "root", sock):
+    with daemons.run(socket=sock):
         _check_the_page(sock)
 
 
@@ -243,12 +242,14 @@ def _check_the_page(sock: Path) -> None:
         os.close(fd)
 
 
-def test_after_a_restart_the_new_daemon_s_removals_are_seen(tmp_path: Path) -> None:
+def test_after_a_restart_the_new_daemon_s_removals_are_seen(
+    tmp_path: Path, daemons: Daemons
+) -> None:
     sock, root, run = tmp_path / "payloadd.sock", tmp_path / "root", "rs"
     with PayloadClient(sock) as c:
-        with start_daemon(root, sock, "--node", "n"):
+        with daemons.run("--node", "n", root=root, socket=sock):
             (old,) = c.append(R, rows(1), 0, run=run, step=0)
-        with start_daemon(root, sock, "--node", "n"):
+        with daemons.run("--node", "n", root=root, socket=sock):
             (first,) = c.append(R, rows(2), 2, run=run, step=0)  # a new connection, page, lease
             assert first.file != old.file
             assert c.delete_run(run).files == 2  # both daemons' files

@@ -19,10 +19,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from payload_client import FileMissingError, PayloadClient, PayloadSegment
-from payload_client._dataplane_wire import DATA_SOCKET_SUFFIX, NoteRequest
-from payload_client._wire import FRAME_PREFIX
-from payloadd.bench._daemon_process import start_daemon
-from tests.conftest import free_port
+from payload_client.wire._dataplane import DATA_SOCKET_SUFFIX, NoteRequest
+from payload_client.wire._frames import FRAME_PREFIX
+from tests.conftest import Daemons, free_port
 
 TOKEN = "m3trics-" + "0123abcd" * 4
 R, M = "routed_experts", "sampling_mask"
@@ -60,10 +59,8 @@ def observed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Observed]:
         "--unknown-fields", "allow",  # a field outside the table: counted, under one label
     )  # fmt: skip
     env = {**os.environ, "PAYLOADD_ADMIN_TOKEN": TOKEN}
-    with (
-        open(o.log, "wb") as log,
-        start_daemon(o.root, o.socket, *flags, log_level="info", env=env, stderr=log),
-    ):
+    with Daemons(tmp) as d:
+        d.start(*flags, log=o.log, log_level="info", env=env)
         yield o
 
 
@@ -301,10 +298,10 @@ def test_metrics_over_tcp_need_the_token(observed: Observed) -> None:
     assert requests_of(after, "/metrics", "4xx") - requests_of(before, "/metrics", "4xx") == 1
 
 
-def test_gauges_match_the_root_on_disk(tmp_path: Path) -> None:
+def test_gauges_match_the_root_on_disk(tmp_path: Path, daemons: Daemons) -> None:
     sock = tmp_path / "s.sock"
     flags = ("--node", "g", "--data-plane", "false", "--max-root-bytes", str(1 << 30))
-    with start_daemon(tmp_path / "root", sock, *flags), PayloadClient(sock) as c:
+    with daemons.run(*flags, socket=sock), PayloadClient(sock) as c:
         segs = c.append(R, np.ones((10, 48, 8), np.uint8), 0, run="g", step=0)
         c.append(M, np.ones((5, 9), np.int32), 0, run="g", step=0)
         c.read_field(segs, R, 0, 10, 0)
@@ -369,11 +366,13 @@ def test_a_sane_request_id_is_echoed_and_others_replaced(
     assert got == sent if echoed else HEX16.fullmatch(got)
 
 
-def test_text_logs_carry_the_request_id_and_uvicorn_follows(tmp_path: Path) -> None:
+def test_text_logs_carry_the_request_id_and_uvicorn_follows(
+    tmp_path: Path, daemons: Daemons
+) -> None:
     sock, log = tmp_path / "s.sock", tmp_path / "log"
     with (
         open(log, "wb") as err,
-        start_daemon(tmp_path / "root", sock, "--access-log", "true", log_level="info", stderr=err),
+        daemons.run("--access-log", "true", socket=sock, log_level="info", stderr=err),
         httpx.Client(transport=httpx.HTTPTransport(uds=str(sock)), base_url="http://d") as h,
     ):
         rid = h.get("/v1/stats", headers={"X-Request-ID": "text-1"}).headers["x-request-id"]
@@ -384,12 +383,14 @@ def test_text_logs_carry_the_request_id_and_uvicorn_follows(tmp_path: Path) -> N
                      r"sent \[request text-1\]$", text, re.M), text  # fmt: skip
 
 
-def test_a_path_with_a_newline_cannot_forge_an_access_log_line(tmp_path: Path) -> None:
+def test_a_path_with_a_newline_cannot_forge_an_access_log_line(
+    tmp_path: Path, daemons: Daemons
+) -> None:
     sock, log = tmp_path / "s.sock", tmp_path / "log"
     forged = "/v1/none%0AERROR%20payloadd:%20forged%0D%1B[2J%E2%80%A8x"  # decoded by the server
     with (
         open(log, "wb") as err,
-        start_daemon(tmp_path / "root", sock, "--access-log", "true", log_level="info", stderr=err),
+        daemons.run("--access-log", "true", socket=sock, log_level="info", stderr=err),
         httpx.Client(transport=httpx.HTTPTransport(uds=str(sock)), base_url="http://d") as h,
     ):
         assert h.get(forged, headers={"X-Request-ID": "forge-1"}).status_code == 404
@@ -403,11 +404,11 @@ def test_a_path_with_a_newline_cannot_forge_an_access_log_line(tmp_path: Path) -
     ], lines
 
 
-def test_notes_with_absurd_counts_leave_stats_answering(tmp_path: Path) -> None:
+def test_notes_with_absurd_counts_leave_stats_answering(tmp_path: Path, daemons: Daemons) -> None:
     sock = tmp_path / "s.sock"
     huge = 2**63 - 1  # the largest count a note may carry
     with (
-        start_daemon(tmp_path / "root", sock),
+        daemons.run(socket=sock),
         httpx.Client(transport=httpx.HTTPTransport(uds=str(sock)), base_url="http://d") as h,
     ):
         for _ in range(3):  # their sum no longer fits 64 bits

@@ -14,7 +14,7 @@ import resource
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,12 +22,15 @@ from typing import Any
 import httpx
 import msgspec
 import numpy as np
+import pytest
 
 from payload_client import BusyError, PayloadClient, PayloadSegment
-from payload_client._wire import FRAME_PREFIX
 from payload_client.protocol import PeerHello, PeerReply, PeerWelcome
-from payloadd.bench._daemon_process import start_daemon
-from tests.conftest import free_port
+from payload_client.wire._frames import FRAME_PREFIX
+from tests.conftest import Daemons, free_port, wait_until
+from tests.payloadd.procfs import accept_queue
+
+pytestmark = pytest.mark.slow  # one of the longest modules (`-m "not slow"` skips it)
 
 R = "routed_experts"
 TOKEN = "neighbours-token-" + "n" * 20
@@ -58,10 +61,11 @@ class Node:
         return [line for line in text.splitlines() if "Exception in ASGI" in line]
 
 
-@contextlib.contextmanager
-def node(tmp: Path, *extra: str, nofile: int | None = None) -> Iterator[Node]:
+def start_node(daemons: Daemons, *extra: str, nofile: int | None = None) -> Node:
+    """Start node ``nb`` (until ``daemons`` closes): TCP and the peer port on loopback, the
+    admin token `TOKEN`, its log in ``daemon.log``; under RLIMIT_NOFILE ``nofile``."""
     http, peer = free_port(), free_port()
-    log = tmp / "daemon.log"
+    log = daemons.folder / "daemon.log"
     flags = ["--node", "nb", "--tcp-port", str(http), "--peer-port", str(peer), *extra]
     env = dict(os.environ, PAYLOADD_ADMIN_TOKEN=TOKEN)
     popen: dict[str, Any] = {}
@@ -71,11 +75,8 @@ def node(tmp: Path, *extra: str, nofile: int | None = None) -> Iterator[Node]:
             resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
 
         popen["preexec_fn"] = lowered
-    with (
-        log.open("wb") as out,
-        start_daemon(tmp / "root", tmp / "s.sock", *flags, env=env, stderr=out, **popen),
-    ):
-        yield Node(tmp / "root", tmp / "s.sock", http, peer, log)
+    d = daemons.start(*flags, log=log, env=env, **popen)
+    return Node(d.root, d.socket, http, peer, log)
 
 
 def closed_within(s: socket.socket, seconds: float) -> bool:
@@ -133,72 +134,72 @@ def released_together(work: Callable[[int], list[str]], threads: int) -> list[st
     return [f for part in found for f in part]
 
 
-def test_idle_tcp_strangers_do_not_refuse_the_unix_socket(tmp_path: Path) -> None:
+def test_idle_tcp_strangers_do_not_refuse_the_unix_socket(daemons: Daemons) -> None:
     """200 TCP connections that never send a head, beside 8 local clients released together:
     every local call (the health probe among them) is served. (One share for both used to
     refuse them all.)"""
-    with node(tmp_path, "--max-connections", "8") as n:
-        strangers = []
-        for _ in range(200):
-            with contextlib.suppress(OSError):
-                strangers.append(n.stranger())
-        time.sleep(0.3)
-        failures = released_together(local_calls(n, rounds=5), threads=8)
-        for s in strangers:
-            s.close()
-        assert failures == []
-        assert n.server_errors() == []
+    n = start_node(daemons, "--max-connections", "8")
+    strangers = []
+    for _ in range(200):
+        with contextlib.suppress(OSError):
+            strangers.append(n.stranger())
+    wait_until(lambda: accept_queue(n.http) == 0, 10, "the daemon taking in the strangers")
+    failures = released_together(local_calls(n, rounds=5), threads=8)
+    for s in strangers:
+        s.close()
+    assert failures == []
+    assert n.server_errors() == []
 
 
-def test_a_stranger_has_seconds_to_show_the_token(tmp_path: Path) -> None:
+def test_a_stranger_has_seconds_to_show_the_token(daemons: Daemons) -> None:
     """A TCP connection that sends no head is closed within 5 s though request_timeout_s is
     30; a head without the token is answered 401 and its connection closed; one with it is
     served, and its connection kept."""
-    with node(tmp_path, "--request-timeout-s", "30", "--keep-alive-s", "30") as n:
-        idle = n.stranger()
-        started = time.monotonic()
-        assert closed_within(idle, 10)
-        assert time.monotonic() - started < 10  # far below request_timeout_s
-        no_token = n.stranger()
-        no_token.sendall(b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n")
-        no_token.settimeout(5)
-        assert no_token.recv(65536).startswith(b"HTTP/1.1 401")
-        assert closed_within(no_token, 5)
-        headers = {"Authorization": f"Bearer {TOKEN}"}
-        with httpx.Client(headers=headers, timeout=10) as h:
-            for _ in range(3):  # one connection, kept: a trusted one has keep_alive_s
-                assert h.get(n.url("/healthz")).status_code == 200
-            time.sleep(6)  # beyond the strangers' deadline, within keep_alive_s
+    n = start_node(daemons, "--request-timeout-s", "30", "--keep-alive-s", "30")
+    idle = n.stranger()
+    started = time.monotonic()
+    assert closed_within(idle, 10)
+    assert time.monotonic() - started < 10  # far below request_timeout_s
+    no_token = n.stranger()
+    no_token.sendall(b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n")
+    no_token.settimeout(5)
+    assert no_token.recv(65536).startswith(b"HTTP/1.1 401")
+    assert closed_within(no_token, 5)
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    with httpx.Client(headers=headers, timeout=10) as h:
+        for _ in range(3):  # one connection, kept: a trusted one has keep_alive_s
             assert h.get(n.url("/healthz")).status_code == 200
+        time.sleep(6)  # beyond the strangers' deadline, within keep_alive_s
+        assert h.get(n.url("/healthz")).status_code == 200
 
 
-def test_strangers_of_one_host_hold_a_share_of_their_own(tmp_path: Path) -> None:
+def test_strangers_of_one_host_hold_a_share_of_their_own(daemons: Daemons) -> None:
     """With max_tcp_connections 64, strangers may hold 8 connections, 2 of one host: the
     third of 127.0.0.1 is answered 503 at once; another host (127.0.0.2) is served, and a
     stranger's request with the token takes it out of the strangers' share."""
-    with node(tmp_path, "--max-tcp-connections", "64") as n:
-        held = [n.stranger(), n.stranger()]
-        time.sleep(0.2)
-        third = n.stranger()
-        third.settimeout(5)
-        answer = third.recv(65536)
-        assert answer.startswith(b"HTTP/1.1 503"), answer
-        assert b"retry-after: 1" in answer and b"a host's" in answer
-        other = httpx.Client(
-            transport=httpx.HTTPTransport(local_address="127.0.0.2"),
-            headers={"Authorization": f"Bearer {TOKEN}"},
-            timeout=10,
-        )
-        with other:
-            assert other.get(n.url("/healthz")).status_code == 200
-        held[0].sendall(
-            f"GET /healthz HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {TOKEN}\r\n\r\n".encode()
-        )
-        assert held[0].recv(65536).startswith(b"HTTP/1.1 200")
-        with httpx.Client(headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10) as h:
-            assert h.get(n.url("/healthz")).status_code == 200  # a place again for this host
-        for s in held:
-            s.close()
+    n = start_node(daemons, "--max-tcp-connections", "64")
+    held = [n.stranger(), n.stranger()]
+    wait_until(lambda: accept_queue(n.http) == 0, 10, "the daemon taking in both")
+    third = n.stranger()
+    third.settimeout(5)
+    answer = third.recv(65536)
+    assert answer.startswith(b"HTTP/1.1 503"), answer
+    assert b"retry-after: 1" in answer and b"a host's" in answer
+    other = httpx.Client(
+        transport=httpx.HTTPTransport(local_address="127.0.0.2"),
+        headers={"Authorization": f"Bearer {TOKEN}"},
+        timeout=10,
+    )
+    with other:
+        assert other.get(n.url("/healthz")).status_code == 200
+    held[0].sendall(
+        f"GET /healthz HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {TOKEN}\r\n\r\n".encode()
+    )
+    assert held[0].recv(65536).startswith(b"HTTP/1.1 200")
+    with httpx.Client(headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10) as h:
+        assert h.get(n.url("/healthz")).status_code == 200  # a place again for this host
+    for s in held:
+        s.close()
 
 
 def _peer_stall(n: Node, announced: int) -> socket.socket:
@@ -222,39 +223,39 @@ def _http_stall(n: Node, announced: int) -> socket.socket:
     return s
 
 
-def test_one_host_cannot_take_every_byte_in_flight(tmp_path: Path) -> None:
+def test_one_host_cannot_take_every_byte_in_flight(daemons: Daemons) -> None:
     """16 peer connections and 16 HTTP reads over TCP of one host, each announcing 16 MiB
     and never sending it: the host holds its share of max_inflight_bytes (256 MiB) and no
     more; appends and reads on the Unix socket, both planes, are served all the while."""
-    with node(tmp_path, "--request-timeout-s", "20") as n:
-        rows = np.full((64, 48, 8), 5, np.uint8)
-        stalls = [_peer_stall(n, 16 << 20) for _ in range(16)]
-        stalls += [_http_stall(n, 16 << 20) for _ in range(16)]
-        time.sleep(1.0)
-        with httpx.Client(
-            transport=httpx.HTTPTransport(uds=str(n.sock)), base_url="http://payloadd"
-        ) as h:
-            metrics = h.get("/metrics").text
-        held = next(
-            float(line.split()[-1])
-            for line in metrics.splitlines()
-            if line.startswith("payloadd_inflight_bytes ")
-        )
-        assert 0 < held <= 32 << 20  # the host's eighth: two of its 16 MiB frames
-        for data_plane in (False, True):
-            with PayloadClient(n.sock, data_plane=data_plane, timeout=10) as c:
-                segs: list[PayloadSegment] = []
-                for step in range(4):
-                    segs += c.append(R, rows, 0, run=f"dp{data_plane}", step=step)
-                for seg in segs:
-                    np.testing.assert_array_equal(c.read_field([seg], R, 0, 64, 0), rows)
-                c.health()
-        for s in stalls:
-            s.close()
-        assert n.server_errors() == []
+    n = start_node(daemons, "--request-timeout-s", "20")
+    rows = np.full((64, 48, 8), 5, np.uint8)
+    stalls = [_peer_stall(n, 16 << 20) for _ in range(16)]
+    stalls += [_http_stall(n, 16 << 20) for _ in range(16)]
+    time.sleep(1.0)  # time for the host to take more than its share, were it let (a bound)
+    with httpx.Client(
+        transport=httpx.HTTPTransport(uds=str(n.sock)), base_url="http://payloadd"
+    ) as h:
+        metrics = h.get("/metrics").text
+    held = next(
+        float(line.split()[-1])
+        for line in metrics.splitlines()
+        if line.startswith("payloadd_inflight_bytes ")
+    )
+    assert 0 < held <= 32 << 20  # the host's eighth: two of its 16 MiB frames
+    for data_plane in (False, True):
+        with PayloadClient(n.sock, data_plane=data_plane, timeout=10) as c:
+            segs: list[PayloadSegment] = []
+            for step in range(4):
+                segs += c.append(R, rows, 0, run=f"dp{data_plane}", step=step)
+            for seg in segs:
+                np.testing.assert_array_equal(c.read_field([seg], R, 0, 64, 0), rows)
+            c.health()
+    for s in stalls:
+        s.close()
+    assert n.server_errors() == []
 
 
-def test_appends_refused_under_a_low_limit_were_not_stored(tmp_path: Path) -> None:
+def test_appends_refused_under_a_low_limit_were_not_stored(daemons: Daemons) -> None:
     """Under RLIMIT_NOFILE 64, 16 threads released together make 640 HTTP appends: every
     one answered BusyError stored nothing (the daemon counts exactly the appends answered
     with segments, and holds exactly their rows), and no server error was logged."""
@@ -271,15 +272,15 @@ def test_appends_refused_under_a_low_limit_were_not_stored(tmp_path: Path) -> No
                     pass
         return []
 
-    with node(tmp_path, nofile=64) as n:
-        released_together(work, threads=16)
-        with PayloadClient(n.sock, data_plane=False, timeout=20, token=TOKEN) as c:
-            stats = c.stats()
-            usage = c.usage(max_steps=10_000)
-        done = sum(answered)
-        assert 0 < done <= 640
-        assert stats.appends == done  # not one refused append was carried out
-        assert stats.bytes_appended == done * 2 * 48 * 8
-        steps = sum(len(r.steps) for r in usage.runs)
-        assert steps == done
-        assert n.server_errors() == []
+    n = start_node(daemons, nofile=64)
+    released_together(work, threads=16)
+    with PayloadClient(n.sock, data_plane=False, timeout=20, token=TOKEN) as c:
+        stats = c.stats()
+        usage = c.usage(max_steps=10_000)
+    done = sum(answered)
+    assert 0 < done <= 640
+    assert stats.appends == done  # not one refused append was carried out
+    assert stats.bytes_appended == done * 2 * 48 * 8
+    steps = sum(len(r.steps) for r in usage.runs)
+    assert steps == done
+    assert n.server_errors() == []

@@ -26,8 +26,7 @@ from payload_client import (
     ReadResult,
     Window,
 )
-from payloadd.bench._daemon_process import start_daemon
-from tests.conftest import Daemon, default_env
+from tests.conftest import Daemon, Daemons, default_env
 
 ROWS = np.zeros((4, 48, 8), np.uint8)
 
@@ -38,8 +37,8 @@ def lax_socket(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     tmp = tmp_path_factory.mktemp("lax")
     sock = tmp / "payloadd.sock"
     flags = ("--node", "lax", "--unknown-fields", "allow")
-    with start_daemon(tmp / "root", sock, *flags, env=default_env()):
-        yield sock
+    with Daemons(tmp) as d:
+        yield d.start(*flags, socket=sock, env=default_env()).socket
 
 
 @pytest.fixture
@@ -81,8 +80,8 @@ def test_a_field_one_typo_away_is_refused_naming_the_field_meant(
     assert got is not None and got.dtype == np.float32 and (got == 0).all()
 
 
-def test_required_raises_for_a_field_no_segment_has(client: PayloadClient) -> None:
-    segs = client.append("routed_experts", ROWS, 0, run="req", step=0)
+def test_required_raises_for_a_field_no_segment_has(client: PayloadClient, run_name: str) -> None:
+    segs = client.append("routed_experts", ROWS, 0, run=run_name, step=0)
     # docs/contract.md, "Reading a window": a field of the table with no segment reads as None
     assert client.read_field(segs, "sampling_mask", 0, 4, -1) is None
     with pytest.raises(InvalidRequestError, match=r"no segment of field 'sampling_mask' in the"
@@ -99,14 +98,14 @@ def test_required_raises_for_a_field_no_segment_has(client: PayloadClient) -> No
     assert got is not None and got.shape == (4, 48, 8)
 
 
-def test_a_closed_client_raises_a_payload_error(daemon: Daemon) -> None:
+def test_a_closed_client_raises_a_payload_error(daemon: Daemon, run_name: str) -> None:
     c = PayloadClient(daemon.socket)
-    segs = c.append("routed_experts", ROWS, 0, run="closed", step=0)
+    segs = c.append("routed_experts", ROWS, 0, run=run_name, step=0)
     c.close()
     c.close()  # again: nothing
     for call in (
         lambda: c.read_field(segs, "routed_experts", 0, 4, 0),
-        lambda: c.append("routed_experts", ROWS, 0, run="closed", step=0),
+        lambda: c.append("routed_experts", ROWS, 0, run=run_name, step=0),
         c.stats,
         c.health,
     ):
@@ -141,18 +140,19 @@ def test_the_data_plane_socket_given_as_the_daemons_is_named(daemon: Daemon) -> 
     ],
 )
 def test_rows_of_a_dtype_not_stored_get_a_hint_for_their_field(
-    client: PayloadClient, field: str, dtype: type, message: str
+    client: PayloadClient, field: str, dtype: type, message: str, run_name: str
 ) -> None:
     rows: np.ndarray = np.zeros((4, 48, 8) if field == "routed_experts" else (4, 3), dtype)
     with pytest.raises(InvalidRequestError, match=message) as err:
-        client.append(field, rows, 0, run="dtype", step=0)
+        client.append(field, rows, 0, run=run_name, step=0)
     assert "cast them yourself" in str(err.value)
 
 
 def test_collecting_a_run_that_is_not_there_says_so_and_names_the_close_one(
-    daemon: Daemon,
+    daemons: Daemons,
 ) -> None:
-    with PayloadClient(daemon.socket) as c:
+    """A daemon of its own: the note is built from every run the daemon has."""
+    with PayloadClient(daemons.start(node="test").socket) as c:
         c.append("routed_experts", ROWS, 0, run="grpo-run-7", step=0)
         report = c.gc(run="grpo-run7", through_step=0, dry_run=True)
         assert report.files == 0
@@ -164,14 +164,15 @@ def test_collecting_a_run_that_is_not_there_says_so_and_names_the_close_one(
         assert c.gc(run="grpo-run-7", through_step=0, dry_run=True).note == ""  # it is there
 
 
-def test_usage_of_one_run_and_more_said_plainly(daemon: Daemon) -> None:
+def test_usage_of_one_run_and_more_said_plainly(daemon: Daemon, run_name: str) -> None:
+    a, b = f"{run_name}-a", f"{run_name}-b"
     with PayloadClient(daemon.socket) as c:
         for step in range(3):
-            c.append("routed_experts", ROWS, 0, run="usage-a", step=step)
-        c.append("routed_experts", ROWS, 0, run="usage-b", step=0)
+            c.append("routed_experts", ROWS, 0, run=a, step=step)
+        c.append("routed_experts", ROWS, 0, run=b, step=0)
         every = c.usage()
-        one = c.usage(run="usage-b", max_steps=1)
-        assert [r.run for r in one.runs] == ["usage-b"] and len(one.runs[0].steps) == 1
+        one = c.usage(run=b, max_steps=1)
+        assert [r.run for r in one.runs] == [b] and len(one.runs[0].steps) == 1
         assert one.more_runs == len(every.runs) - 1  # the others, counted not listed
         assert one.files == every.files  # totals of every run
         with pytest.raises(InvalidRequestError, match="run"):
@@ -185,10 +186,10 @@ def test_usage_of_one_run_and_more_said_plainly(daemon: Daemon) -> None:
     assert re.search(r"\d+ more runs? not listed \(--max-steps N, or --run RUN\)", out.stdout)
 
 
-def test_read_many_is_typed_by_its_coverage(client: PayloadClient) -> None:
+def test_read_many_is_typed_by_its_coverage(client: PayloadClient, run_name: str) -> None:
     # `assert_type` is checked by mypy (make test): the common case is arrays, no cast
     rows = np.arange(2 * 48 * 8, dtype=np.uint8).reshape(2, 48, 8)
-    segs = client.append("routed_experts", rows, 0, run="typed", step=0)
+    segs = client.append("routed_experts", rows, 0, run=run_name, step=0)
     windows = [Window(segs, "routed_experts", 0, 3, 0), Window(segs, "sampling_mask", 0, 3, -1)]
     arrays = assert_type(client.read_many(windows), list[np.ndarray | None])
     assert arrays[0] is not None and arrays[0].shape == (3, 48, 8) and arrays[1] is None
@@ -202,9 +203,11 @@ def test_read_many_is_typed_by_its_coverage(client: PayloadClient) -> None:
 
 
 @pytest.mark.asyncio
-async def test_async_read_many_is_typed_by_its_coverage(aclient: AsyncPayloadClient) -> None:
+async def test_async_read_many_is_typed_by_its_coverage(
+    aclient: AsyncPayloadClient, run_name: str
+) -> None:
     rows = np.ones((2, 48, 8), np.uint8)
-    segs = await aclient.append("routed_experts", rows, 0, run="typed-async", step=0)
+    segs = await aclient.append("routed_experts", rows, 0, run=run_name, step=0)
     windows = [Window(segs, "routed_experts", 0, 2, 0)]
     (array,) = assert_type(await aclient.read_many(windows), list[np.ndarray | None])
     assert array is not None and (array == 1).all()

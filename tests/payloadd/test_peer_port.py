@@ -7,14 +7,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import fcntl
 import os
 import resource
 import socket
+import struct
+import termios
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import msgspec
@@ -29,14 +33,6 @@ from payload_client import (
     PayloadSegment,
     SegmentFileError,
 )
-from payload_client._timeout import Timeout
-from payload_client._transports import (
-    AsyncPeerTransport,
-    Call,
-    DataPlaneDownError,
-    SyncPeerTransport,
-)
-from payload_client._transports._peer import CONNECT_S
 from payload_client.protocol import (
     FRAME_PREFIX,
     PEER_VERSION,
@@ -49,10 +45,19 @@ from payload_client.protocol import (
     PeerReply,
     PeerWelcome,
 )
-from payloadd.bench._daemon_process import start_daemon
-from tests.conftest import free_port
-from tests.payloadd.procfs import fds, status
+from payload_client.transports import (
+    AsyncPeerTransport,
+    Call,
+    DataPlaneDownError,
+    SyncPeerTransport,
+)
+from payload_client.transports._peer import CONNECT_S
+from payload_client.transports._timeout import Timeout
+from tests.conftest import Daemons, free_port, wait_until
+from tests.payloadd.procfs import fds, status, tcp_open
 from tests.payloadd.test_metrics import Samples, delta, scrape
+
+pytestmark = pytest.mark.slow  # one of the longest modules (`-m "not slow"` skips it)
 
 TOKEN = "peer-port-token-" + "z" * 20
 _reply = msgspec.msgpack.Decoder(PeerReply)
@@ -88,21 +93,25 @@ class Peer:
             return scrape(h)
 
 
-@contextlib.contextmanager
-def peer_daemon(tmp: Path, *extra: str) -> Iterator[Peer]:
+LIMITS = ("--request-timeout-s", "2", "--keep-alive-s", "1",
+          "--max-peer-connections-per-host", "6")  # fmt: skip
+"""The limits of the `peer` daemon."""
+
+
+def start_peer(daemons: Daemons, *flags: str, **popen: Any) -> Peer:
+    """Start node ``pp`` (until ``daemons`` closes) with TCP and the peer port on loopback,
+    the admin token `TOKEN`, and ``flags``."""
     http, port = free_port(), free_port()
-    flags = ["--node", "pp", "--tcp-port", str(http), "--peer-port", str(port),
-             "--request-timeout-s", "2", "--keep-alive-s", "1",
-             "--max-peer-connections-per-host", "6", *extra]  # fmt: skip
+    ports = ("--tcp-port", str(http), "--peer-port", str(port))
     env = dict(os.environ, PAYLOADD_ADMIN_TOKEN=TOKEN)
-    with start_daemon(tmp / "root", tmp / "s.sock", *flags, env=env) as proc:
-        yield Peer(tmp / "root", tmp / "s.sock", http, port, proc.pid)
+    d = daemons.start("--node", "pp", *ports, *flags, env=env, **popen)
+    return Peer(d.root, d.socket, http, port, d.pid)
 
 
 @pytest.fixture(scope="module")
 def peer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Peer]:
-    with peer_daemon(tmp_path_factory.mktemp("peer")) as p:
-        yield p
+    with Daemons(tmp_path_factory.mktemp("peer")) as d:
+        yield start_peer(d, *LIMITS)
 
 
 def send(s: socket.socket, msg: msgspec.Struct) -> None:
@@ -296,32 +305,35 @@ def test_fuzzed_frames_get_an_answer_or_a_closed_connection(peer: Peer) -> None:
                 recv_exact(s, reply.nbytes)
     with peer.client() as c:
         assert np.array_equal(read8(c, segs, 0, 64), rows)
-    deadline = time.monotonic() + 10
-    while status(peer.pid, "Threads") > before and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert status(peer.pid, "Threads") <= before
+    wait_until(lambda: status(peer.pid, "Threads") <= before, 10, "the daemon's threads back")
 
 
-def test_a_peer_that_stops_reading_does_not_hold_the_daemon(tmp_path: Path) -> None:
-    with peer_daemon(tmp_path) as peer:
-        rows = np.random.default_rng(5).integers(0, 255, (1 << 17, 48, 8), dtype=np.uint8)
-        with peer.local() as c:  # 48 MiB: far more than the socket buffers hold
-            segs = c.append("routed_experts", rows, 0, run="big", step=0)
-        extents = [Extent(s.file, s.offset, s.rows * 384, s.offset + s.rows * 384) for s in segs]
-        stuck = peer.connect()
-        send(stuck, PeerRead(extents))
-        time.sleep(0.2)
-        with peer.client() as c:  # others are served meanwhile
-            got = read8(c, segs, 100, 200)
-            assert np.array_equal(got, rows[100:200])
-        time.sleep(4)  # request_timeout_s is 2: the daemon gives up on the stuck one
-        total = 0
-        with contextlib.suppress(ConnectionError):
-            stuck.settimeout(10)
-            while chunk := stuck.recv(1 << 20):
-                total += len(chunk)
-        stuck.close()
-        assert total < len(rows) * 384  # cut short, not waited for
+def _unread(s: socket.socket) -> int:
+    """Bytes waiting in the receive buffer of ``s``."""
+    return int(struct.unpack("i", fcntl.ioctl(s.fileno(), termios.FIONREAD, bytes(4)))[0])
+
+
+def test_a_peer_that_stops_reading_does_not_hold_the_daemon(daemons: Daemons) -> None:
+    peer = start_peer(daemons, *LIMITS)
+    rows = np.random.default_rng(5).integers(0, 255, (1 << 17, 48, 8), dtype=np.uint8)
+    with peer.local() as c:  # 48 MiB: far more than the socket buffers hold
+        segs = c.append("routed_experts", rows, 0, run="big", step=0)
+    extents = [Extent(s.file, s.offset, s.rows * 384, s.offset + s.rows * 384) for s in segs]
+    stuck = peer.connect()
+    send(stuck, PeerRead(extents))
+    wait_until(lambda: _unread(stuck) > 0, 10, "the answer to the stuck peer")
+    with peer.client() as c:  # others are served meanwhile
+        got = read8(c, segs, 100, 200)
+        assert np.array_equal(got, rows[100:200])
+    mine = {stuck.getsockname()[1]}  # request_timeout_s is 2: the daemon gives up on it
+    wait_until(lambda: not tcp_open(peer.port, mine), 10, "the daemon closing the stuck one")
+    total = 0
+    with contextlib.suppress(ConnectionError):
+        stuck.settimeout(10)
+        while chunk := stuck.recv(1 << 20):
+            total += len(chunk)
+    stuck.close()
+    assert total < len(rows) * 384  # cut short, not waited for
 
 
 def test_connections_beyond_the_limit_per_host_are_closed_at_once(peer: Peer) -> None:
@@ -447,7 +459,7 @@ def test_where_sendfile_is_not_served_the_bytes_are_sent_by_hand(
 
 
 def test_under_a_low_descriptor_limit_the_peer_port_sheds_and_keeps_serving(
-    tmp_path: Path,
+    daemons: Daemons,
 ) -> None:
     """RLIMIT_NOFILE 96: 60 connections that never send a hello, then a read of 20 new
     files at once (its per-request share is 30): the daemon stays under its limit, answers (rows, or a clear refusal),
@@ -456,38 +468,35 @@ def test_under_a_low_descriptor_limit_the_peer_port_sheds_and_keeps_serving(
     def low() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (96, 96))
 
-    http, port = free_port(), free_port()
-    flags = ("--node", "pp", "--tcp-port", str(http), "--peer-port", str(port),
-             "--request-timeout-s", "2", "--max-peer-connections-per-host", "200")  # fmt: skip
-    env = dict(os.environ, PAYLOADD_ADMIN_TOKEN=TOKEN)
-    with start_daemon(tmp_path / "root", tmp_path / "s.sock", *flags, env=env,
-                      preexec_fn=low) as proc:  # fmt: skip
-        peer = Peer(tmp_path / "root", tmp_path / "s.sock", http, port, proc.pid)
-        rows = np.arange(20 * 384, dtype=np.uint32).astype(np.uint8).reshape(20, 48, 8)
-        with peer.local() as c:
-            segs = [s for i in range(20)
-                    for s in c.append("routed_experts", rows[i : i + 1], i, run="low", step=i)]  # fmt: skip
-        silent = []
-        for _ in range(60):
-            with contextlib.suppress(OSError):
-                silent.append(socket.create_connection(("127.0.0.1", port), timeout=5))
-        try:
-            assert len(fds(proc.pid)) <= 96
-            with peer.client(timeout=10) as c:
-                c.stats()  # the port is named: the read tries it first
-                try:
-                    assert np.array_equal(read8(c, segs, 0, 20), rows)
-                except BusyError as exc:
-                    assert "try again" in str(exc)
-            assert len(fds(proc.pid)) <= 96
-        finally:
-            for s in silent:
-                s.close()
-        time.sleep(3)  # the silent ones are gone by now
-        with peer.client() as c:
-            c.stats()
-            before = peer.metrics()
-            assert np.array_equal(read8(c, segs, 0, 20), rows)
-            after = peer.metrics()
-        assert delta(before, after, "payloadd_read_bytes_total", field="routed_experts",
-                     transport="peer") == 20 * 384  # fmt: skip
+    flags = ("--request-timeout-s", "2", "--max-peer-connections-per-host", "200")
+    peer = start_peer(daemons, *flags, preexec_fn=low)
+    port, pid = peer.port, peer.pid
+    rows = np.arange(20 * 384, dtype=np.uint32).astype(np.uint8).reshape(20, 48, 8)
+    with peer.local() as c:
+        segs = [s for i in range(20)
+                for s in c.append("routed_experts", rows[i : i + 1], i, run="low", step=i)]  # fmt: skip
+    silent = []
+    for _ in range(60):
+        with contextlib.suppress(OSError):
+            silent.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+    silent_ports = {s.getsockname()[1] for s in silent}
+    try:
+        assert len(fds(pid)) <= 96
+        with peer.client(timeout=10) as c:
+            c.stats()  # the port is named: the read tries it first
+            try:
+                assert np.array_equal(read8(c, segs, 0, 20), rows)
+            except BusyError as exc:
+                assert "try again" in str(exc)
+        assert len(fds(pid)) <= 96
+    finally:
+        for s in silent:
+            s.close()
+    wait_until(lambda: not tcp_open(port, silent_ports), 30, "the silent ones gone")
+    with peer.client() as c:
+        c.stats()
+        before = peer.metrics()
+        assert np.array_equal(read8(c, segs, 0, 20), rows)
+        after = peer.metrics()
+    assert delta(before, after, "payloadd_read_bytes_total", field="routed_experts",
+                 transport="peer") == 20 * 384  # fmt: skip

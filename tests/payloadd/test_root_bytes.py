@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 
 from payload_client import PayloadClient, StorageFullError
-from payloadd.bench._daemon_process import start_daemon
 from payloadd.bench._root_bytes import file_bytes, root_bytes
+from tests.conftest import Daemons
 
 R = "routed_experts"
 ROW = 48 * 8  # bytes of a row of R (uint8 [48, 8])
@@ -91,11 +91,12 @@ def _stragglers_and_a_leader(
 
 def test_stragglers_on_an_old_step_while_one_thread_moves_on_leave_the_count_the_files(
     tmp_path: Path,
+    daemons: Daemons,
 ) -> None:
     # the leader's lease requests end step 0's lease (a step before its two latest) while
     # the stragglers write rows they claimed in it: their file must stay open until then
     root, sock = tmp_path / "root", tmp_path / "payloadd.sock"
-    with start_daemon(root, sock, "--node", "n"):
+    with daemons.run("--node", "n", root=root, socket=sock):
         refused = [0]
         with PayloadClient(sock) as c:
             _together(_stragglers_and_a_leader(c, 3, 120, 256, refused))
@@ -111,12 +112,13 @@ def test_stragglers_on_an_old_step_while_one_thread_moves_on_leave_the_count_the
 
 def test_threads_of_one_key_while_its_file_rotates_leave_the_count_the_files(
     tmp_path: Path,
+    daemons: Daemons,
 ) -> None:
     # six threads on one key, its file rotating every 256 KiB: a renewal that starts a new
     # file seals the old one while the other threads still write rows claimed in it
     root, sock = tmp_path / "root", tmp_path / "payloadd.sock"
     rows, appends = 256, 200
-    with start_daemon(root, sock, "--node", "n", "--max-file-bytes", str(256 << 10)):
+    with daemons.run("--node", "n", "--max-file-bytes", str(256 << 10), root=root, socket=sock):
         with PayloadClient(sock) as c:
 
             def writer(i: int) -> None:
@@ -135,13 +137,14 @@ def test_threads_of_one_key_while_its_file_rotates_leave_the_count_the_files(
 
 def test_under_a_cap_stragglers_and_a_leader_never_take_the_files_past_it(
     tmp_path: Path,
+    daemons: Daemons,
 ) -> None:
     # appends go on past the point where the cap refuses them, then everything is
     # collected, round after round (a drift outlives the files it was made in): the files
     # stay under the cap
     cap = 6 << 20
     root, sock = tmp_path / "root", tmp_path / "payloadd.sock"
-    with start_daemon(root, sock, "--node", "n", "--max-root-bytes", str(cap)):
+    with daemons.run("--node", "n", "--max-root-bytes", str(cap), root=root, socket=sock):
         for rnd in range(4):
             refused = [0]
             with PayloadClient(sock) as c:

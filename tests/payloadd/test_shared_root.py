@@ -33,9 +33,12 @@ from payload_client import (
     PayloadSegment,
     StepCollectedError,
 )
-from payloadd.bench._daemon_process import start_daemon
 from payloadd.settings._settings import Settings
 from payloadd.store._watermarks import REFRESH_S
+from tests.conftest import Daemons, wait_until
+from tests.payloadd.test_metrics import scrape, value
+
+pytestmark = pytest.mark.slow  # one of the longest modules (`-m "not slow"` skips it)
 
 PAYLOADD = [sys.executable, "-m", "payloadd"]
 
@@ -60,29 +63,31 @@ class Pair:
         return PayloadClient(sock, data_plane=transport == "data-plane")
 
 
-@contextlib.contextmanager
-def two_daemons(
-    tmp: Path, a_flags: tuple[str, ...] = (), b_flags: tuple[str, ...] = ()
-) -> Iterator[Pair]:
-    """Daemons ``a`` and ``b`` on one root ``tmp/root``, sockets ``tmp/a.sock`` and ``tmp/b.sock``.
+def start_pair(
+    daemons: Daemons, a_flags: tuple[str, ...] = (), b_flags: tuple[str, ...] = ()
+) -> Pair:
+    """Start daemons ``a`` and ``b`` (until ``daemons`` closes) on one root, ``root`` of
+    its folder, sockets ``a.sock`` and ``b.sock``.
 
-    Yields once both have run their first GC sweep (it removes an orphan left for it), so
+    Returns once both have run their first GC sweep (it removes an orphan left for it), so
     that files a test lays out afterwards meet only the sweeps it asks for.
     """
-    root = tmp / "root"
+    root = daemons.folder / "root"
     firsts = [root / node / "first-sweep" for node in ("a", "b")]
     for first in firsts:  # an earlier daemon's empty file: the first sweep removes it
         (first / "0").mkdir(parents=True)
         (first / "0" / "f-00000000-000001.bin").touch()
-    with (
-        start_daemon(root, tmp / "a.sock", "--node", "a", *a_flags) as pa,
-        start_daemon(root, tmp / "b.sock", "--node", "b", *b_flags) as pb,
-    ):
-        deadline = time.monotonic() + 30
-        while any(first.exists() for first in firsts):
-            assert time.monotonic() < deadline, "a first GC sweep did not run"
-            time.sleep(0.02)
-        yield Pair(root, tmp / "a.sock", tmp / "b.sock", pa.pid, pb.pid)
+    a = daemons.start(*a_flags, node="a")
+    b = daemons.start(*b_flags, node="b")
+    wait_until(lambda: not any(first.exists() for first in firsts), what="a first GC sweep")
+    return Pair(root, a.socket, b.socket, a.pid, b.pid)
+
+
+def sweeps(pair: Pair, node: str) -> float:
+    """How many background GC sweeps the daemon of ``node`` has finished."""
+    sock = pair.a if node == "a" else pair.b
+    with httpx.Client(transport=httpx.HTTPTransport(uds=str(sock)), base_url="http://x") as h:
+        return value(scrape(h), "payloadd_gc_runs_total", trigger="sweep")
 
 
 @pytest.fixture(scope="module")
@@ -90,8 +95,8 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     """One pair for the module (each test uses runs of its own): ``a`` keeps descriptors of
     ``b``'s files (``--foreign-reads cached``, the default), ``b`` opens ``a``'s anew for
     every read (``--foreign-reads reopen``)."""
-    with two_daemons(tmp_path_factory.mktemp("shared"), b_flags=REOPEN) as p:
-        yield p
+    with Daemons(tmp_path_factory.mktemp("shared")) as d:
+        yield start_pair(d, b_flags=REOPEN)
 
 
 def rows(n: int, seed: int = 0) -> np.ndarray:
@@ -209,8 +214,9 @@ def test_a_prefix_that_does_not_exist_is_404(pair: Pair, transport: str) -> None
         assert b.health().status == "ok"
 
 
-def test_gc_on_a_leaves_b_files_bit_for_bit(tmp_path: Path) -> None:
-    with two_daemons(tmp_path) as pair, pair.client("a") as a, pair.client("b") as b:
+def test_gc_on_a_leaves_b_files_bit_for_bit(daemons: Daemons) -> None:
+    pair = start_pair(daemons)
+    with pair.client("a") as a, pair.client("b") as b:
         root = pair.root
         for run in ("shared", "only-b"):  # b's runs, one of the same name as a's
             for step in range(3):
@@ -238,9 +244,10 @@ def test_gc_on_a_leaves_b_files_bit_for_bit(tmp_path: Path) -> None:
         assert not (root / "b" / "@gc-ledger.jsonl").exists()
 
 
-def test_b_sweep_leaves_a_prefix(tmp_path: Path) -> None:
+def test_b_sweep_leaves_a_prefix(daemons: Daemons) -> None:
     sweep = ("--ttl-s", "1", "--gc-interval-s", "0.2")
-    with two_daemons(tmp_path, b_flags=sweep) as pair, pair.client("a") as a:
+    pair = start_pair(daemons, b_flags=sweep)
+    with pair.client("a") as a:
         with pair.client("b") as b:
             mine = b.append("f", rows(2), 0, run="b-run", step=0)
         theirs = a.append("f", rows(2), 0, run="a-run", step=0)
@@ -249,26 +256,26 @@ def test_b_sweep_leaves_a_prefix(tmp_path: Path) -> None:
         orphan.touch()
         age(pair.root)
         before = digest(pair.root / "a")
-        deadline = time.monotonic() + 30
-        while (pair.root / mine[0].file).exists():  # b's own aged step goes: its sweep ran
-            assert time.monotonic() < deadline, "b's sweep did not collect its own step"
-            time.sleep(0.1)
-        time.sleep(0.5)  # two more sweeps
+        own_step = pair.root / mine[0].file  # b's own aged step goes: its sweep ran
+        wait_until(lambda: not own_step.exists(), what="b's sweep collecting its own step")
+        more = sweeps(pair, "b") + 2
+        wait_until(lambda: sweeps(pair, "b") >= more, what="two more sweeps of b")
         assert digest(pair.root / "a") == before
         np.testing.assert_array_equal(read(a, theirs), rows(2))
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
-def test_the_cap_counts_only_the_own_prefix(tmp_path: Path, transport: str) -> None:
+def test_the_cap_counts_only_the_own_prefix(daemons: Daemons, transport: str) -> None:
     cap = ("--max-root-bytes", str(1 << 20), "--lease-bytes", "65536", "--gc-interval-s", "0.2")
+    pair = start_pair(daemons, a_flags=cap)
     with (
-        two_daemons(tmp_path, a_flags=cap) as pair,
         pair.client("a", transport) as a,
         pair.client("b", transport) as b,
     ):
         for k in range(8):  # 8 x 384 KiB = 3 MiB via b, three times a's cap
             b.append("f", rows(1024, k), 0, run="big", step=k)
-        time.sleep(0.5)  # a's sweeps recount its prefix meanwhile
+        more = sweeps(pair, "a") + 2
+        wait_until(lambda: sweeps(pair, "a") >= more, what="a's sweeps recounting its prefix")
         assert a.stats().root_bytes == 0
         segs = a.append("f", rows(1024), 0, run="small", step=0)  # 384 KiB fits under 1 MiB
         np.testing.assert_array_equal(read(b, segs), rows(1024))
@@ -402,10 +409,7 @@ def test_reopen_keeps_no_descriptor_and_cached_keeps_one(pair: Pair, transport: 
             np.testing.assert_array_equal(read(b, in_a), rows(4))
             assert path_a not in open_paths()  # the client closed it after the read
             # the daemon closes what it passed once sent (its thread may not be there yet)
-            deadline = time.monotonic() + 10
-            while path_a in open_paths(pair.pid_b):
-                assert time.monotonic() < deadline, "daemon b kept a descriptor of a's file"
-                time.sleep(0.01)
+            wait_until(lambda: path_a not in open_paths(pair.pid_b), 10, "b letting a's file go")
     with pair.client("a", transport) as a:  # a: cached
         np.testing.assert_array_equal(read(a, in_b), rows(4))
         assert path_b in open_paths(pair.pid_a)

@@ -18,7 +18,6 @@ import numpy as np
 import pytest
 
 from payload_client import PayloadClient, PayloadSegment, Window
-from payloadd.bench._daemon_process import start_daemon
 from payloadd.cli._soak import add_soak_flags
 from payloadd.soak import _verdict
 from payloadd.soak._check import (
@@ -38,6 +37,9 @@ from payloadd.soak._report import dump_document, growth_checks, held_deleted
 from payloadd.soak._run import Soak
 from payloadd.soak._state import Kill, Probes, RunState
 from payloadd.soak._workers import Tally, check_windows, write_sample
+from tests.conftest import Daemons
+
+pytestmark = pytest.mark.slow  # one of the longest modules (`-m "not slow"` skips it)
 
 PAYLOADD = [sys.executable, "-m", "payloadd"]
 SHAPE = SoakShape(seed=3, max_tokens=300, max_turns=4, seq_len=256, cp=3)
@@ -46,9 +48,8 @@ SHAPE = SoakShape(seed=3, max_tokens=300, max_turns=4, seq_len=256, cp=3)
 @pytest.fixture(scope="module")
 def soak_socket(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """A daemon of its own (the soak's writes go to run ``soak``)."""
-    tmp = tmp_path_factory.mktemp("soak")
-    with start_daemon(tmp / "root", tmp / "s.sock", "--node", "soak"):
-        yield tmp / "s.sock"
+    with Daemons(tmp_path_factory.mktemp("soak")) as d:
+        yield d.start("--node", "soak").socket
 
 
 def test_a_short_soak_with_a_restart_passes(tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
@@ -19,32 +19,27 @@ import numpy as np
 import pytest
 
 from payload_client import PayloadClient
-from payload_client._dataplane_wire import LeaseRequest, ReserveRequest
-from payload_client._wire import APPEND_CONTENT_TYPE, FRAME_PREFIX, AppendItem, AppendRequest
-from payloadd.bench._daemon_process import start_daemon
-from tests.conftest import Daemon
+from payload_client.wire._dataplane import LeaseRequest, ReserveRequest
+from payload_client.wire._frames import FRAME_PREFIX
+from payload_client.wire._http import APPEND_CONTENT_TYPE, AppendItem, AppendRequest
+from tests.conftest import Daemon, Daemons, wait_until
 from tests.payloadd import procfs
+
+pytestmark = pytest.mark.slow  # one of the longest modules (`-m "not slow"` skips it)
 
 R = "routed_experts"
 GiB = 1 << 30
 
 
-def _wait_for(check: Callable[[], bool], seconds: float = 10.0) -> None:
-    deadline = time.monotonic() + seconds
-    while not check():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.02)
-
-
 @pytest.fixture
-def strict(tmp_path: Path) -> Iterator[tuple[Daemon, int]]:
+def strict(tmp_path: Path, daemons: Daemons) -> Iterator[tuple[Daemon, int]]:
     """A daemon with a 1 s request timeout, a 2 s reservation timeout and a disk cap of
     64 GiB (so that reserved bytes show in ``root_bytes``); yields it and its pid."""
     d = Daemon(tmp_path / "root", tmp_path / "s.sock")
     extra = ("--node", "n", "--request-timeout-s", "1", "--reservation-timeout-s", "2",
              "--max-root-bytes", str(64 * GiB), "--min-free-bytes", "0")  # fmt: skip
-    with start_daemon(d.root, d.socket, *extra, log_level="error") as proc:
-        yield d, proc.pid
+    with daemons.run(*extra, root=d.root, socket=d.socket, log_level="error") as dm:
+        yield d, dm.pid
 
 
 def _raw(path: Path | str) -> socket.socket:
@@ -93,13 +88,13 @@ def test_a_stalled_append_body_is_cut_off_and_gives_back_what_it_held(
     head, _ = _append_head([AppendItem(R, "uint8", [48, 8], 8 << 20, 0, "stall", 0)])  # 3 GiB
     s = _raw(d.socket)
     s.sendall(head + bytes(2 << 20))  # 2 MiB of the rows, then nothing
-    _wait_for(lambda: _root_bytes(d) >= base + 3 * GiB)  # reserved while it may still come
+    wait_until(lambda: _root_bytes(d) >= base + 3 * GiB, 10)  # reserved while it may still come
     assert len(_files(d, "stall")) == 4  # files of its own, rotated at 1 GiB (384-byte rows)
     answer = _until_closed(s)  # within about request_timeout_s (head and body may come apart)
     assert b" 408 " in answer.split(b"\r\n")[0] and b"RequestTimeoutError" in answer
     assert s.recv(4096) == b""  # and closed
     s.close()
-    _wait_for(lambda: _root_bytes(d) == base)  # the reservation is given back
+    wait_until(lambda: _root_bytes(d) == base, 10)  # the reservation is given back
     assert _files(d, "stall") == []  # nothing of it was acknowledged: no file is left
     with PayloadClient(d.socket) as c:  # and the step is collectable
         c.append(R, np.ones((1, 48, 8), np.uint8), 0, run="stall", step=0)
@@ -115,9 +110,9 @@ def test_an_append_whose_client_leaves_gives_back_its_reservation(
     head, _ = _append_head([AppendItem(R, "uint8", [48, 8], 8 << 20, 0, "gone", 0)])
     s = _raw(d.socket)
     s.sendall(head + bytes(2 << 20))
-    _wait_for(lambda: _root_bytes(d) >= base + 3 * GiB)
+    wait_until(lambda: _root_bytes(d) >= base + 3 * GiB, 10)
     s.close()  # gone before its body ended
-    _wait_for(lambda: _root_bytes(d) == base)
+    wait_until(lambda: _root_bytes(d) == base, 10)
     assert _files(d, "gone") == []
 
 
@@ -160,8 +155,8 @@ def test_a_client_that_stops_reading_an_answer_lets_go_of_its_files(
     def held() -> int:
         return sum(t.startswith(target) for t in procfs.fds(pid))
 
-    _wait_for(lambda: held() == 2)  # the read's descriptor, and the one the cache keeps
-    _wait_for(lambda: held() == 1, seconds=15)  # cut off after request_timeout_s
+    wait_until(lambda: held() == 2, 10)  # the read's descriptor, and the one the cache keeps
+    wait_until(lambda: held() == 1, timeout=15)  # cut off after request_timeout_s
     s.close()
     with PayloadClient(d.socket, data_plane=False) as c:  # its descriptors are given back
         metrics = c._http.client.get("/metrics").text
@@ -194,7 +189,7 @@ def test_reservations_and_leases_end_with_their_connection(strict: tuple[Daemon,
     assert reply[0] == "reserved" and n == 4, reply  # 3 GiB: 4 files of its own
     assert _root_bytes(d) >= base + 10 * GiB
     dp.close()  # the client goes: everything it held is given back
-    _wait_for(lambda: _root_bytes(d) == base)
+    wait_until(lambda: _root_bytes(d) == base, 10)
     assert _files(d, "held") == []  # its empty lease files and its reservation: no debris
 
 
@@ -211,7 +206,7 @@ def test_an_uncommitted_reservation_expires(strict: tuple[Daemon, int]) -> None:
         os.close(int(np.frombuffer(data[:4], np.int32)[0]))
     txn = msgspec.msgpack.decode(msg[FRAME_PREFIX.size :])[1]
     assert _root_bytes(d) >= base + (4 << 20) * 384
-    _wait_for(lambda: _root_bytes(d) == base, seconds=10)  # given back after 2 s idle
+    wait_until(lambda: _root_bytes(d) == base, timeout=10)  # given back after 2 s idle
     commit = msgspec.msgpack.encode(["commit", txn])
     dp.sendall(FRAME_PREFIX.pack(len(commit)) + commit)
     reply = dp.recv(4096)
@@ -220,20 +215,22 @@ def test_an_uncommitted_reservation_expires(strict: tuple[Daemon, int]) -> None:
     assert _files(d, "late") == []
 
 
-def test_data_plane_frames_are_bounded_in_size_and_in_memory(tmp_path: Path) -> None:
+def test_data_plane_frames_are_bounded_in_size_and_in_memory(
+    tmp_path: Path, daemons: Daemons
+) -> None:
     sock = tmp_path / "s.sock"
     cap = 16 << 20
     extra = ("--max-control-bytes", str(8 << 20), "--max-inflight-bytes", str(cap),
              "--request-timeout-s", "20")  # fmt: skip
-    with start_daemon(tmp_path / "root", sock, *extra, log_level="error") as proc:
+    with daemons.run(*extra, socket=sock, log_level="error") as d:
         big = _raw(f"{sock}.data")  # above the frame limit: refused in words
         big.sendall(FRAME_PREFIX.pack(60 << 20))
         reply = big.recv(4096)
         assert b"PayloadTooLargeError" in reply and b"max_control_bytes" in reply
         big.close()
-        time.sleep(0.2)
-        procfs.reset_peak_rss(proc.pid)
-        base = procfs.status(proc.pid, "VmRSS")
+        wait_until(lambda: procfs.unix_connections(f"{sock}.data") == (0, 0), 10, "big gone")
+        procfs.reset_peak_rss(d.pid)
+        base = procfs.status(d.pid, "VmRSS")
         frame = FRAME_PREFIX.pack(7 << 20) + b"\x91" + bytes((7 << 20) - 1)  # garbage, 7 MiB
         answers: list[bytes] = []
 
@@ -250,7 +247,7 @@ def test_data_plane_frames_are_bounded_in_size_and_in_memory(tmp_path: Path) -> 
         for t in threads:
             t.join()
         assert len(answers) == 20 and all(b"Error" in a for a in answers)
-        peak = procfs.status(proc.pid, "VmHWM")
+        peak = procfs.status(d.pid, "VmHWM")
         assert (peak - base) * 1024 < cap + (24 << 20), (base, peak)  # not 20 x 7 MiB
         with PayloadClient(sock) as c:
             assert c.health().status == "ok"
@@ -319,8 +316,8 @@ def test_a_large_append_holds_no_memory_in_flight_while_it_streams(
     s = _raw(d.socket)
     s.sendall(head + bytes(4 << 20))  # its first MiB is buffered, the rest streams
     with PayloadClient(d.socket, data_plane=False) as c:
-        _wait_for(lambda: len(_files(d, "flow")) == 1)
-        time.sleep(0.2)
+        wait_until(lambda: len(_files(d, "flow")) == 1, 10)
+        time.sleep(0.2)  # a moment into the stream: time for bytes held in flight to show
         metrics = c._http.client.get("/metrics").text
     assert "\npayloadd_inflight_bytes 0.0\n" in metrics
     s.close()

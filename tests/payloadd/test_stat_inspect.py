@@ -27,10 +27,9 @@ from payload_client import (
     UnauthorizedError,
 )
 from payload_client.protocol import format_size
-from payloadd.bench._daemon_process import start_daemon
 from payloadd.cli._main import main
 from payloadd.cli._stat import rates
-from tests.conftest import Daemon
+from tests.conftest import Daemon, Daemons, wait_until
 
 PAYLOADD = [sys.executable, "-m", "payloadd"]
 TOKEN = "stat-token-" + "0123456789abcdef"
@@ -73,10 +72,9 @@ def files_on_disk(root: Path, run_dir: Path) -> dict[int, tuple[int, int, int]]:
 @pytest.fixture(scope="module")
 def own(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     """A daemon of this module's own (GC and ledger assertions need a quiet node)."""
-    tmp = tmp_path_factory.mktemp("stat")
-    d = Daemon(tmp / "root", tmp / "payloadd.sock")
-    with start_daemon(d.root, d.socket, "--node", "st"):
-        yield d
+    with Daemons(tmp_path_factory.mktemp("stat")) as d:
+        own = d.start("--node", "st", socket=d.folder / "payloadd.sock")
+        yield Daemon(own.root, own.socket)
 
 
 # -- the route and the clients -------------------------------------------------------------
@@ -127,7 +125,9 @@ async def test_async_client_usage(aclient: AsyncPayloadClient) -> None:
     assert [(s.step, s.files) for s in r.steps] == [(9, 1)]
 
 
-def test_usage_is_an_admin_call(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_usage_is_an_admin_call(
+    tmp_path: Path, daemons: Daemons, capsys: pytest.CaptureFixture[str]
+) -> None:
     (tmp_path / "token").write_text(TOKEN)
     (tmp_path / "token").chmod(0o600)
     sock = tmp_path / "s.sock"
@@ -135,7 +135,7 @@ def test_usage_is_an_admin_call(tmp_path: Path, capsys: pytest.CaptureFixture[st
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     flags = ("--admin-token-file", str(tmp_path / "token"), "--tcp-port", str(port))
-    with start_daemon(tmp_path / "root", sock, *flags):
+    with daemons.run(*flags, socket=sock):
         with PayloadClient(sock) as c:
             segs = c.append("f", np.arange(8, dtype=np.uint8).reshape(2, 4), 0, run="t", step=0)
             with pytest.raises(UnauthorizedError, match="401"):
@@ -263,10 +263,12 @@ def test_every_size_is_written_by_format_size(n: float, text: str, exact: str) -
     assert format_size(n, exact=True) == exact
 
 
-def test_stat_writes_the_limits_with_units_and_exact_bytes(tmp_path: Path) -> None:
+def test_stat_writes_the_limits_with_units_and_exact_bytes(
+    tmp_path: Path, daemons: Daemons
+) -> None:
     root, sock = tmp_path / "root", tmp_path / "s.sock"
     limits = ("--max-root-bytes", "1.5GiB", "--min-free-bytes", "64KiB")
-    with start_daemon(root, sock, "--node", "n", *limits), PayloadClient(sock) as c:
+    with daemons.run("--node", "n", *limits, root=root, socket=sock), PayloadClient(sock) as c:
         c.append("routed_experts", routed(4, 0), 0, run="r", step=0)  # 1536 bytes
         out = run_cli("stat", "--socket", str(sock), "--interval", "0")
     assert out.returncode == 0, out.stderr
@@ -302,18 +304,20 @@ def test_stat_with_one_sample_has_no_rates_and_refuses_bad_flags(
     assert code == 1 and "ConnectError" in err
 
 
-def test_stat_has_no_rates_across_a_restart_between_its_samples(tmp_path: Path) -> None:
+def test_stat_has_no_rates_across_a_restart_between_its_samples(
+    tmp_path: Path, daemons: Daemons
+) -> None:
     root, sock = tmp_path / "root", tmp_path / "s.sock"
-    with start_daemon(root, sock), PayloadClient(sock, data_plane=False) as c:
+    with daemons.run(root=root, socket=sock), PayloadClient(sock, data_plane=False) as c:
         for step in range(3):
             c.append("routed_experts", routed(2, step), 0, run="r", step=step)
         s1, u1 = c.stats(), c.usage()
     sampled = time.monotonic()
-    with start_daemon(root, sock), PayloadClient(sock, data_plane=False) as c:
+    with daemons.run(root=root, socket=sock), PayloadClient(sock, data_plane=False) as c:
         for step in range(3, 8):  # more than the first daemon: no counter goes down
             c.append("routed_experts", routed(2, step), 0, run="r", step=step)
-        while c.stats().uptime_s <= s1.uptime_s:  # the new daemon's uptime passes the old one's
-            time.sleep(0.05)
+        # the new daemon's uptime passes the old one's
+        wait_until(lambda: c.stats().uptime_s > s1.uptime_s, 30, "the uptime", every=0.05)
         elapsed = time.monotonic() - sampled
         s2, u2 = c.stats(), c.usage()
     assert s2.appends > s1.appends and s2.uptime_s > s1.uptime_s

@@ -21,7 +21,7 @@ from payload_client import (
     assemble,
     plan_window,
 )
-from payload_client._wire import AppendItem, Extent
+from payload_client.wire._http import AppendItem, Extent
 from payloadd import Store
 
 

@@ -10,7 +10,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from payload_client._wire import AppendItem, GcRequest
+from payload_client.wire._http import AppendItem, GcRequest
 from payloadd import Store
 from payloadd.store._gc import GarbageCollector
 from payloadd.store._ledger import LEDGER_NAME

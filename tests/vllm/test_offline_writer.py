@@ -36,8 +36,7 @@ from payload_client import (
     shift_segments,
 )
 from payload_client.vllm import MASK, ROUTED, awrite_outputs, write_outputs
-from payloadd.bench._daemon_process import start_daemon
-from tests.conftest import Daemon, default_env
+from tests.conftest import Daemon, Daemons, default_env
 from tests.vllm.engine import decode_npy, offline_engine
 from tests.vllm.offline import (
     SAMPLING,
@@ -58,10 +57,9 @@ WIDTH = SAMPLING["top_k"]
 def vllm_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     """A real daemon with the default fields table (routed_experts uint8/uint16, fixed;
     sampling_mask int32, ragged)."""
-    tmp = tmp_path_factory.mktemp("vllm-daemon")
-    d = Daemon(tmp / "root", tmp / "payloadd.sock")
-    with start_daemon(d.root, d.socket, "--node", "vllm", env=default_env()):
-        yield d
+    with Daemons(tmp_path_factory.mktemp("vllm-daemon")) as d:
+        own = d.start("--node", "vllm", socket=d.folder / "payloadd.sock", env=default_env())
+        yield Daemon(own.root, own.socket)
 
 
 @pytest.fixture

@@ -17,8 +17,7 @@ import numpy as np
 import pytest
 
 from payload_client import PayloadClient, PayloadSegment
-from payloadd.bench._daemon_process import start_daemon
-from tests.conftest import free_port
+from tests.conftest import Daemons, free_port
 from tests.vllm.engine import ServerURL, api_server, decode_npy, post_json
 
 MIDDLEWARE = "payload_client.vllm.server.PayloadMiddleware"
@@ -28,10 +27,9 @@ SAMPLING = {"temperature": 1.0, "top_k": 5, "seed": 7}
 
 @pytest.fixture(scope="module")
 def daemon_socket(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    tmp = tmp_path_factory.mktemp("payloadd")
     env = {k: v for k, v in os.environ.items() if k != "PAYLOADD_FIELDS"}  # the default table
-    with start_daemon(tmp / "root", tmp / "payloadd.sock", "--node", "vllm", env=env):
-        yield tmp / "payloadd.sock"
+    with Daemons(tmp_path_factory.mktemp("payloadd")) as d:
+        yield d.start("--node", "vllm", socket=d.folder / "payloadd.sock", env=env).socket
 
 
 @pytest.fixture(scope="module")

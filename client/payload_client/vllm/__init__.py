@@ -15,9 +15,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .._async_client import AsyncPayloadClient
-from .._clients import PayloadClient
-from .._segment import PayloadSegment
+from ..clients._async import AsyncPayloadClient
+from ..clients._sync import PayloadClient
+from ..segments._segment import PayloadSegment
 from ._outputs import MASK, ROUTED, completion_items, mask_blocks
 
 __all__ = [

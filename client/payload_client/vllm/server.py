@@ -46,8 +46,8 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from .._async_client import AsyncPayloadClient
 from .._errors import AppendInDoubtError, PayloadError
+from ..clients._async import AsyncPayloadClient
 from ._outputs import MASK, ROUTED, mask_blocks
 
 __all__ = ["FALLBACK_HEADER", "PATHS", "RUN_HEADER", "STEP_HEADER", "PayloadMiddleware"]
