@@ -175,7 +175,9 @@ def check_health(socket_path: str, timeout: float = DEFAULT_TIMEOUT_S) -> dict[s
         ) from None
     except TimeoutError:
         raise HealthError(
-            f"no answer from {socket_path} within {timeout:g} s", again=True
+            # a check cut to the time left is said to the hundredth: 0.999999 s is 1 s
+            f"no answer from {socket_path} within {round(timeout, 2):g} s",
+            again=True,
         ) from None
     except http.client.HTTPException as exc:
         raise HealthError(

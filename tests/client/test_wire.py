@@ -28,7 +28,7 @@ import pytest
 from payload_client import PayloadSegment
 from payload_client.clients import _base as client_base
 from payload_client.transports import _call as client_call
-from payload_client.transports.dataplane import _transport as client_drivers
+from payload_client.transports.dataplane import _socket as client_drivers
 from payload_client.wire import _dataplane as dataplane_wire
 from payload_client.wire import _http as wire
 from payload_client.wire import _peer as peer_wire

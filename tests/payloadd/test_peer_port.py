@@ -47,8 +47,8 @@ from payload_client.protocol import (
 )
 from payload_client.transports import (
     AsyncPeerTransport,
-    Call,
     DataPlaneDownError,
+    ReadCall,
     SyncPeerTransport,
 )
 from payload_client.transports._peer import CONNECT_S
@@ -403,8 +403,8 @@ def test_a_port_that_never_answers_the_hello_is_given_up_in_seconds(mode: str) -
     client gives it up after `CONNECT_S` (HTTP carries the read), not after its 60 s."""
     with socket.create_server(("127.0.0.1", 0)) as hole:  # listens, never accepts
         port = hole.getsockname()[1]
-        call = Call("POST", "/v1/read", decode=lambda _: None, expected=0,
-                    peer_extents=lambda: [])  # fmt: skip
+        call = ReadCall("POST", "/v1/read", decode=lambda _: [], expected=0,
+                        extents=lambda: [])  # fmt: skip
         timeout = Timeout(connect=60.0)
         start = time.monotonic()
         with pytest.raises(DataPlaneDownError, match="cannot reach"):

@@ -29,16 +29,15 @@ from ..segments._segment import (
     check_name,
 )
 from ..transports import (
+    AppendCall,
     AttemptError,
     Call,
     DataPlaneDownError,
+    FieldsCall,
+    ReadCall,
     Target,
-    append_steps,
-    read_steps,
-    table_steps,
 )
 from ..transports._timeout import DEFAULT_TIMEOUT_S, Timeout
-from ..transports.dataplane._steps import Steps
 from ..wire._dataplane import DATA_SOCKET_SUFFIX
 from ..wire._frames import FRAME_PREFIX
 from ..wire._http import (
@@ -85,11 +84,6 @@ HTTP_CHUNK = 256 << 10
 
 _encoder = msgspec.msgpack.Encoder()
 _append_response = msgspec.msgpack.Decoder(AppendResponse)
-
-
-def _then(steps: Steps[None], result: T) -> Steps[T]:
-    yield from steps
-    return result
 
 
 class BaseClient(Generic[HTTPT, DataPlaneT, PeerT]):
@@ -170,9 +164,9 @@ class BaseClient(Generic[HTTPT, DataPlaneT, PeerT]):
         """The transports ``call`` takes, attempt by attempt, as effects for `drive`.
 
         Yields `Send` ``(transport, call)``; receives the call's result through the transport, or
-        has the attempt's exception thrown in. A call answered locally yields nothing. One
-        with data plane steps goes to the data plane when this client has one and it is
-        due; a read of a client over TCP with a token goes to the daemon's peer port once an
+        has the attempt's exception thrown in. A call answered locally yields nothing. An
+        append, a read or the fields table (`AppendCall`, `ReadCall`, `FieldsCall`) goes to
+        the data plane when this client has one and it is due; a read of a client over TCP with a token goes to the daemon's peer port once an
         HTTP answer of the daemon named it (`PEER_PORT_HEADER`). If that way is down
         (`DataPlaneDownError`: nothing reached a file), HTTP carries the call, and the next
         ones for `DATA_PLANE_RETRY_S` (the peer port: `PEER_RETRY_S`); a read the peer
@@ -188,9 +182,9 @@ class BaseClient(Generic[HTTPT, DataPlaneT, PeerT]):
         if call.local:
             return call.decode(b"")
         fast: Any = None
-        if call.data_plane_steps is not None:
+        if isinstance(call, AppendCall | ReadCall | FieldsCall):
             fast = self._data_plane_first()
-        if fast is None and call.peer_extents is not None and self._token:
+        if fast is None and isinstance(call, ReadCall) and self._token:
             fast = self._peer_for(call)
         if fast is not None:
             try:
@@ -283,9 +277,7 @@ class BaseClient(Generic[HTTPT, DataPlaneT, PeerT]):
     ) -> Call[list[list[PayloadSegment]]]:
         return self._append_call_of(*self._append_items(items, run, step))
 
-    def _append_call_of(
-        self, headers: list[AppendItem], bodies: list[memoryview]
-    ) -> Call[list[list[PayloadSegment]]]:
+    def _append_call_of(self, headers: list[AppendItem], bodies: list[memoryview]) -> AppendCall:
         """The call of an append of `_append_items`."""
 
         def body() -> list[Any]:
@@ -295,13 +287,14 @@ class BaseClient(Generic[HTTPT, DataPlaneT, PeerT]):
             step = HTTP_CHUNK
             return chunks + [b[i : i + step] for b in bodies for i in range(0, b.nbytes, step)]
 
-        return Call(
+        return AppendCall(
             "POST",
             "/v1/append",
             decode=lambda answer: self._decode_append(answer, len(headers)),
             headers={"Content-Type": APPEND_CONTENT_TYPE},
             body=body,
-            data_plane_steps=lambda dp: append_steps(headers, bodies, dp.leases),
+            items=headers,
+            bodies=bodies,
         )
 
     @staticmethod
@@ -338,7 +331,7 @@ class BaseClient(Generic[HTTPT, DataPlaneT, PeerT]):
             return Call("POST", "/v1/prefetch", decode=lambda _: Prefetched(0, 0), local=True)
         return self._json_call("/v1/prefetch", Prefetched, "POST", ReadRequest(extents))
 
-    def _read_call_of(self, planned: Planned) -> Call[list[ReadResult]]:
+    def _read_call_of(self, planned: Planned) -> ReadCall:
         plans, outs, results = planned.plans, planned.outs, planned.results
         box: list[ReadLayout] = []
 
@@ -359,7 +352,7 @@ class BaseClient(Generic[HTTPT, DataPlaneT, PeerT]):
             layout().finish()
             return results
 
-        return Call(
+        return ReadCall(
             "POST",
             "/v1/read",
             decode=decode,
@@ -368,17 +361,23 @@ class BaseClient(Generic[HTTPT, DataPlaneT, PeerT]):
             targets=targets,
             expected=planned.nbytes,
             local=not planned.files,
-            data_plane_steps=lambda dp: _then(
-                read_steps(plans, outs, dp.cache, dp.scratch, dp.leases), results
-            ),
             idempotent=True,
-            peer_extents=lambda: _extents(layout()),
+            plans=plans,
+            outs=outs,
+            results=results,
+            extents=lambda: _extents(layout()),
         )
 
     # -- small calls --------------------------------------------------------------------
 
     @staticmethod
-    def _json_call(path: str, typ: type[T], method: str = "GET", body: Any = None) -> Call[T]:
+    def _json_call(
+        path: str,
+        typ: type[T],
+        method: str = "GET",
+        body: Any = None,
+        kind: Callable[..., Call[T]] = Call,
+    ) -> Call[T]:
         decoder = msgspec.json.Decoder(typ)
 
         def decode(answer: bytes) -> T:
@@ -394,7 +393,7 @@ class BaseClient(Generic[HTTPT, DataPlaneT, PeerT]):
             encoded = msgspec.json.encode(body)
             chunks = lambda: [encoded]  # noqa: E731
         # every one is idempotent: a repeated GC removes nothing more
-        return Call(method, path, decode=decode, headers=headers, body=chunks, idempotent=True)
+        return kind(method, path, decode=decode, headers=headers, body=chunks, idempotent=True)
 
     def _gc_call(
         self,
@@ -441,9 +440,7 @@ class BaseClient(Generic[HTTPT, DataPlaneT, PeerT]):
 
     def _fields_call(self) -> Call[FieldsTable]:
         """The daemon's fields table: on the data plane, as its connection fetched it."""
-        call = self._json_call("/v1/fields", FieldsTable)
-        call.data_plane_steps = lambda dp: table_steps(dp.leases)
-        return call
+        return self._json_call("/v1/fields", FieldsTable, kind=FieldsCall)
 
     def _usage_call(
         self, max_steps: int | None, ledger: int | None, run: str | None = None

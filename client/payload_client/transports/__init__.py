@@ -20,7 +20,7 @@ from ._base import (
     drive,
     drive_async,
 )
-from ._call import Call, Target
+from ._call import AppendCall, Call, FieldsCall, ReadCall, Target
 from ._http import AsyncHTTPTransport, HTTPTransport
 from ._peer import AsyncPeerTransport, SyncPeerTransport
 from .dataplane._appends import append_steps
@@ -36,10 +36,13 @@ __all__ = [
     "AsyncHTTPTransport",
     "AsyncPeerTransport",
     "AsyncTransport",
+    "AppendCall",
     "AttemptError",
     "Call",
     "DataPlaneDownError",
+    "FieldsCall",
     "HTTPTransport",
+    "ReadCall",
     "SyncDataPlane",
     "SyncPeerTransport",
     "Target",

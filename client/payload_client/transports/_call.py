@@ -1,22 +1,28 @@
-"""`Call`: one exchange with the daemon, fully described, and how its answer is received.
+"""Calls: one exchange with the daemon, fully described, and how its answer is received.
 
-The I/O-free client (`payload_client.clients._base.BaseClient`) builds a `Call`; a transport
-(`payload_client.transports`) carries it: HTTP sends its request line, headers and body and
-receives the answer into a `Call.new_sink`; the data plane runs its `Call.data_plane_steps`.
+The I/O-free client (`payload_client.clients._base.BaseClient`) builds a call; a transport
+(`payload_client.transports`) carries it. Every call is an HTTP exchange (`Call`: its
+request line, headers and body; its answer received into a `Call.new_sink`). Three kinds of
+call can also go another way, and say so by their type, not by a hook per transport: an
+`AppendCall` (its items and rows: the data plane places them in its leases), a `ReadCall`
+(its plans and outputs: the data plane reads them through descriptors; its extents: the
+peer port sends them) and a `FieldsCall` (the data plane's connection has the table).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 import msgspec
 
 from .._errors import ProtocolError, error_from_wire
-from ..wire._http import ErrorBody, Extent
+from ..reads._windows import ReadResult, WindowPlan
+from ..segments._segment import PayloadSegment
+from ..wire._http import AppendItem, ErrorBody, Extent, FieldsTable
 
-__all__ = ["Call", "Target"]
+__all__ = ["AppendCall", "Call", "FieldsCall", "ReadCall", "Target"]
 
 T = TypeVar("T")
 _error_json = msgspec.json.Decoder(ErrorBody)
@@ -37,10 +43,6 @@ class Call(Generic[T]):
         goes over HTTP; ``Content-Length`` is set from them.
     local : bool
         True when the answer is known without asking the daemon (``decode(b"")`` is it).
-    data_plane_steps : callable, optional
-        The same exchange on the data plane: ``data_plane_steps(data_plane)`` gives the
-        steps (`payload_client.transports.dataplane._steps.Steps`) whose result is the
-        call's result; ``None``: HTTP only.
     expected : int or None
         Exact length of a successful answer's body when known in advance; the body is then
         received into one preallocated buffer.
@@ -54,9 +56,6 @@ class Call(Generic[T]):
         True when sending the call twice has the effect of sending it once (a read, stats,
         health): it is retried once, on a new connection, when its connection drops. Other
         calls (an append) are never re-sent by the client.
-    peer_extents : callable, optional
-        The same exchange on a daemon's peer port (a read): gives the extents whose bytes
-        the answer is, in order, received into ``targets``; ``None``: not a read.
     timeout : float, optional
         Over HTTP, at most this many seconds for connecting, each read and write and
         waiting for a pooled connection, where the client's own limits are longer (a
@@ -70,10 +69,8 @@ class Call(Generic[T]):
     body: Callable[[], list[Any]] | None = None
     expected: int | None = None
     local: bool = False
-    data_plane_steps: Callable[[Any], Generator[Any, Any, T]] | None = None
     targets: Callable[[], list[Target]] | None = None
     idempotent: bool = False
-    peer_extents: Callable[[], list[Extent]] | None = None
     timeout: float | None = None
 
     def http_body(self) -> tuple[dict[str, str], list[Any]]:
@@ -98,6 +95,54 @@ class Call(Generic[T]):
         except msgspec.DecodeError:
             text = body[:200].decode("utf-8", "replace")
             raise error_from_wire(status, None, text or f"HTTP {status}") from None
+
+
+@dataclass
+class AppendCall(Call[list[list[PayloadSegment]]]):
+    """An append: over HTTP its framed body, on the data plane its ``items`` placed in the
+    connection's leases (`payload_client.transports.dataplane._appends.append_steps`).
+
+    Attributes
+    ----------
+    items : list of AppendItem
+        Each block of rows: its run, step, field, position, row count, dtype and shape.
+    bodies : list of memoryview
+        Each block's rows in their wire form, ``bytes [rows * row size]``.
+    """
+
+    items: list[AppendItem] = field(default_factory=list)
+    bodies: list[memoryview] = field(default_factory=list)
+
+
+@dataclass
+class ReadCall(Call[list[ReadResult]]):
+    """A read of planned windows: over HTTP (and the peer port) the bytes of ``extents``
+    received into ``targets``, on the data plane the ``plans`` read into ``outs`` through
+    descriptors; the result is ``results`` (filled in place).
+
+    Attributes
+    ----------
+    plans : list of WindowPlan or None
+        Each window's plan (`payload_client.clients._plans.Planned`).
+    outs : list of numpy.ndarray or None
+        Each window's output.
+    results : list
+        Each window's result.
+    extents : callable
+        The extents whose bytes the answer is, in order, each with its file's end
+        (`ReadRequest.extents`).
+    """
+
+    plans: list[WindowPlan | None] = field(default_factory=list)
+    outs: list[Any] = field(default_factory=list)
+    results: list[ReadResult] = field(default_factory=list)
+    extents: Callable[[], list[Extent]] = list
+
+
+@dataclass
+class FieldsCall(Call[FieldsTable]):
+    """The daemon's fields table: ``GET /v1/fields``, or the one the data plane's connection
+    fetched."""
 
 
 Target = tuple[memoryview, Callable[[], None] | None]

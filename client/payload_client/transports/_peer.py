@@ -34,7 +34,7 @@ from ..wire._frames import FrameReader, decode_frame, encode_frame
 from ..wire._http import Extent
 from ..wire._peer import HELLO_BYTES, PeerBytes, PeerHello, PeerRead, PeerReply, PeerWelcome
 from ._base import AsyncTransport, DataPlaneDownError, Transport, drive, drive_async
-from ._call import Call, Target
+from ._call import Call, ReadCall, Target
 from ._timeout import Timeout
 
 __all__ = ["AsyncPeerTransport", "SyncPeerTransport"]
@@ -99,8 +99,7 @@ class _Peer:
 
     def takes(self, call: Call[Any]) -> bool:
         """Whether ``call`` can go here: a read within the daemon's limits (once known)."""
-        extents = call.peer_extents
-        if extents is None:
+        if not isinstance(call, ReadCall):
             return False
         w = self.welcome
         return w is None or ((call.expected or 0) <= w.max_read_bytes)
@@ -193,6 +192,12 @@ class _Peer:
 def _reply_frame() -> FrameReader:
     """A reply frame to receive: a peer port's replies are small, the bytes follow them."""
     return FrameReader(HELLO_BYTES * 16, "peer port reply frame", ProtocolError)
+
+
+def _extents_of(call: Call[Any]) -> list[Extent]:
+    """The extents of a read call (`takes` let only reads through)."""
+    assert isinstance(call, ReadCall)
+    return call.extents()
 
 
 class _ShortError(Exception):
@@ -293,8 +298,7 @@ class _PeerSteps(_Peer):
         raise AssertionError("unreachable: the second try is fresh")
 
     def _read_steps(self, call: Call[T]) -> Generator[_Effect, Any, T]:
-        assert call.peer_extents is not None
-        frame = self._check(call.peer_extents(), call)
+        frame = self._check(_extents_of(call), call)
         conn, reply = yield from self._ask_steps(frame)
         targets = self._targets(conn, reply, call)
         try:

@@ -9,40 +9,47 @@ id) before they hand out anything cached.
 
 from __future__ import annotations
 
-import array
 import asyncio
 import builtins
 import contextlib
 import os
-import select
 import socket
 import threading
 import time
 from collections.abc import Generator, Sequence
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import msgspec
-
-from ..._errors import ProtocolError, TimeoutError, TransportError
+from ..._errors import TimeoutError, TransportError
 from ...reads._windows import WindowPlan
 from ...segments._segment import PayloadSegment
 from ...wire._dataplane import DataReply, ErrorReply, NoteRequest
-from ...wire._frames import FrameReader, decode_frame, encode_frame
+from ...wire._frames import encode_frame
 from ...wire._http import AppendItem
 from .._base import AsyncTransport, DataPlaneDownError, Transport, drive, drive_async
-from .._call import Call
+from .._call import AppendCall, Call, FieldsCall, ReadCall
 from . import _descriptors
-from ._appends import append_leased
+from ._appends import append_leased, append_steps
 from ._descriptors import LeaseCache, ReadCache, Scratch
+from ._socket import (
+    ANCILLARY,
+    Poll,
+    RecvFirst,
+    RecvMore,
+    ReplyFrame,
+    Send,
+    answer_before_close,
+    closed_by_peer,
+    fds_of,
+)
 from ._steps import (
-    MAX_FDS,
     Blocking,
     Exchange,
     Fresh,
     Steps,
     note_steps,
     read_cached,
+    read_steps,
+    table_steps,
 )
 
 __all__ = ["AsyncDataPlane", "SyncDataPlane"]
@@ -50,7 +57,6 @@ __all__ = ["AsyncDataPlane", "SyncDataPlane"]
 T = TypeVar("T")
 THREAD_BYTES = 1 << 20
 """The async data plane moves more bytes than this in a worker thread."""
-_decoder = msgspec.msgpack.Decoder(DataReply)
 
 _pid = [os.getpid()]
 """This process's id, kept current across forks without asking the kernel on every call."""
@@ -63,118 +69,12 @@ def _after_fork() -> None:
 os.register_at_fork(after_in_child=_after_fork)
 
 
-def _fds_of(ancdata: list[tuple[int, int, bytes]]) -> list[int]:
-    fds: list[int] = []
-    for level, kind, data in ancdata:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            usable = len(data) - len(data) % 4
-            fds += array.array("i", data[:usable]).tolist()
-    return fds
-
-
-def _decode(body: bytes | bytearray | memoryview, fds: list[int]) -> DataReply:
-    try:
-        reply: DataReply = decode_frame(_decoder, body, "data plane reply")
-        return reply
-    except ProtocolError:
-        for fd in fds:
-            os.close(fd)
-        raise
-
-
-_ANCILLARY = socket.CMSG_SPACE(MAX_FDS * 4)
-_ANY_LENGTH = (1 << 32) - 1
-"""A reply frame's body may be as long as its prefix can say."""
 _MISSING = frozenset({"FileMissingError", "FileGoneError"})
 
 
-class _Poll:
-    """Whether a socket has something to read (a reply, or its end): a look that never
-    waits, safe from several threads at once (an epoll set; ``select`` where there is none).
-    """
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self.epoll: Any = None
-        try:
-            self.epoll = select.epoll()
-            self.epoll.register(sock.fileno(), select.EPOLLIN)
-        except (AttributeError, OSError):  # no epoll here, or no descriptor left for one
-            if self.epoll is not None:
-                self.epoll.close()
-            self.epoll = None
-
-    def readable(self) -> bool:
-        """Whether it has; ``True`` when it cannot tell (closed meanwhile)."""
-        try:
-            if self.epoll is not None:
-                return bool(self.epoll.poll(0))
-            return bool(select.select([self.sock], [], [], 0)[0])
-        except (OSError, ValueError):
-            return True
-
-    def close(self) -> None:
-        if self.epoll is not None:
-            self.epoll.close()
-
-
-def _closed_by_peer(sock: socket.socket | None, poll: _Poll | None) -> bool:
-    """Whether the daemon closed ``sock`` (it restarted): a look that never waits (``poll``:
-    the socket's)."""
-    if sock is None or poll is None:
-        return False
-    if not poll.readable():
-        return False  # open, nothing pending: the normal case
-    try:
-        return sock.recv(1, socket.MSG_PEEK) == b""  # readable: end of stream, or an error
-    except OSError:
-        return True
-
-
-class _Frame:
-    """One reply frame being received (a `FrameReader`'s), descriptors with it."""
-
-    def __init__(self, first: bytes, fds: list[int]) -> None:
-        self.fds = fds
-        self.reader = FrameReader(_ANY_LENGTH, "data plane reply", ProtocolError)
-        if not first:
-            self.close_fds()
-            raise ConnectionResetError("data plane closed the connection")
-        self.add(first)
-
-    def missing(self) -> int:
-        return self.reader.missing()
-
-    def add(self, more: bytes) -> None:
-        if not more:
-            raise ConnectionResetError("data plane closed the connection")
-        if self.reader.feed_all(memoryview(more)).nbytes:
-            self.close_fds()
-            raise ProtocolError("data plane reply longer than its frame")
-
-    def reply(self) -> tuple[DataReply, list[int]]:
-        return _decode(self.reader.body(), self.fds), self.fds
-
-    def close_fds(self) -> None:
-        for fd in self.fds:
-            os.close(fd)
-        self.fds = []
-
-
-def _answer_before_close(sock: socket.socket) -> tuple[DataReply, list[int]] | None:
-    """The reply a daemon sent before it closed ``sock`` (sending the request failed): a
-    daemon out of descriptors answers `BusyError` at once and closes, before the request
-    arrives. ``None`` when there is no whole frame."""
-    try:
-        msg, anc, _flags, _addr = sock.recvmsg(1 << 16, _ANCILLARY, socket.MSG_DONTWAIT)
-    except OSError:
-        return None
-    frame = _Frame(msg, _fds_of(anc)) if msg else None
-    if frame is None or frame.missing() > 0:
-        if frame is not None:
-            frame.close_fds()
-        return None
-    return frame.reply()
+def _then(steps: Steps[None], result: T) -> Steps[T]:
+    yield from steps
+    return result
 
 
 class _DataPlane:
@@ -188,12 +88,32 @@ class _DataPlane:
         self.connect_timeout = connect_timeout
         self.pid = _pid[0]
         self.sock: socket.socket | None = None
-        self.poll: _Poll | None = None  # of sock: readable means gone (or a reply)
+        self.poll: Poll | None = None  # of sock: readable means gone (or a reply)
         self.cache = ReadCache()
         self.leases = LeaseCache()
         self._checked = time.monotonic()  # last look for removed files
         self._told = 0.0  # last note of the runs in use
         self.scratch = Scratch()
+
+    calls = (AppendCall, ReadCall, FieldsCall)
+    """The kinds of call the data plane carries (any other goes over HTTP)."""
+
+    def steps_of(self, call: Call[T]) -> Steps[T]:
+        """The data plane's steps of ``call``, one of `calls`."""
+        steps: Steps[Any] = self._steps_any(call)
+        return steps
+
+    def _steps_any(self, call: Call[Any]) -> Steps[Any]:
+        if isinstance(call, ReadCall):
+            return _then(
+                read_steps(call.plans, call.outs, self.cache, self.scratch, self.leases),
+                call.results,
+            )
+        if isinstance(call, AppendCall):
+            return append_steps(call.items, call.bodies, self.leases)
+        if isinstance(call, FieldsCall):
+            return table_steps(self.leases)
+        raise TypeError(f"the data plane carries no {type(call).__name__}")
 
     def _drop(self) -> None:
         """Forget the connection and everything the daemon handed out on it."""
@@ -206,13 +126,13 @@ class _DataPlane:
         self.cache.clear()
         self.leases.clear()
 
-    def _failed(self, exc: OSError | None, frame: _Frame | None) -> DataPlaneDownError:
+    def _failed(self, exc: OSError | None, frame: ReplyFrame | None) -> DataPlaneDownError:
         if frame is not None:
             frame.close_fds()
         self._drop()
         return DataPlaneDownError(f"data plane at {self.path} failed: {exc}")
 
-    def _timed_out(self, frame: _Frame | None) -> TimeoutError:
+    def _timed_out(self, frame: ReplyFrame | None) -> TimeoutError:
         """A daemon that does not answer in time is stuck: HTTP would wait as long again, so
         the call fails (a late reply must not reach the next exchange: the connection goes)."""
         self._failed(None, frame)
@@ -255,7 +175,7 @@ class _DataPlane:
     def _connected(self, sock: socket.socket) -> None:
         """``sock`` is the connection from now on."""
         self.sock = sock
-        self.poll = _Poll(sock)
+        self.poll = Poll(sock)
 
     def _answered(self, answer: tuple[DataReply, list[int]]) -> tuple[DataReply, list[int]]:
         """``answer``, as received; one naming a missing file of the daemon's (maybe removed
@@ -316,7 +236,7 @@ class _DataPlane:
         """Drop what a parent process or a daemon that went away handed out; call only when
         no reply is on its way."""
         self._check_owner(exact=True)
-        if _closed_by_peer(self.sock, self.poll):  # restarted: a new connection, fresh ones
+        if closed_by_peer(self.sock, self.poll):  # restarted: a new connection, fresh ones
             self._drop()
         now = time.monotonic()
         if now - self._checked >= _descriptors.DROP_REMOVED_S:
@@ -326,25 +246,25 @@ class _DataPlane:
 
     def _exchange_steps(
         self, step: Exchange, request: Any, sock: socket.socket
-    ) -> Generator[_Send | _RecvFirst | _RecvMore, Any, Any]:
+    ) -> Generator[Send | RecvFirst | RecvMore, Any, Any]:
         """One exchange on ``sock`` as I/O-free steps, run under the connection's lock: the
         request sent, its reply and descriptors received; the connection dropped when it
         fails (a late reply must not reach the next exchange)."""
-        frame: _Frame | None = None
+        frame: ReplyFrame | None = None
         try:
             try:
-                yield _Send(sock, encode_frame(request))
+                yield Send(sock, encode_frame(request))
             except (BrokenPipeError, ConnectionResetError):
-                early = _answer_before_close(sock)
+                early = answer_before_close(sock)
                 if early is None:
                     raise
                 self._drop()
                 return early
             if not step.reply:
                 return None
-            frame = _Frame(*(yield _RecvFirst(sock)))
+            frame = ReplyFrame(*(yield RecvFirst(sock)))
             while (n := frame.missing()) > 0:
-                frame.add((yield _RecvMore(sock, max(n, 1 << 16))))
+                frame.add((yield RecvMore(sock, max(n, 1 << 16))))
         except builtins.TimeoutError as exc:
             raise self._timed_out(frame) from exc
         except OSError as exc:
@@ -354,29 +274,6 @@ class _DataPlane:
             raise
         answer = self._answered(frame.reply())
         return answer if step.take is None else step.take(answer)
-
-
-@dataclass(slots=True)
-class _Send:
-    """Effect: send all of ``data`` on ``sock``."""
-
-    sock: socket.socket
-    data: bytes
-
-
-@dataclass(slots=True)
-class _RecvFirst:
-    """Effect: receive the first part of a reply with its descriptors: ``(bytes, fds)``."""
-
-    sock: socket.socket
-
-
-@dataclass(slots=True)
-class _RecvMore:
-    """Effect: receive at most ``n`` more bytes of a reply."""
-
-    sock: socket.socket
-    n: int
 
 
 class SyncDataPlane(_DataPlane, Transport):
@@ -425,12 +322,12 @@ class SyncDataPlane(_DataPlane, Transport):
                 steps.close()  # interrupted: the connection dropped (`_exchange_steps`)
 
     @staticmethod
-    def _io(effect: _Send | _RecvFirst | _RecvMore) -> Any:
-        if isinstance(effect, _Send):
+    def _io(effect: Send | RecvFirst | RecvMore) -> Any:
+        if isinstance(effect, Send):
             return effect.sock.sendall(effect.data)
-        if isinstance(effect, _RecvFirst):
-            msg, anc, _flags, _addr = effect.sock.recvmsg(1 << 16, _ANCILLARY)
-            return msg, _fds_of(anc)
+        if isinstance(effect, RecvFirst):
+            msg, anc, _flags, _addr = effect.sock.recvmsg(1 << 16, ANCILLARY)
+            return msg, fds_of(anc)
         return effect.sock.recv(effect.n)
 
     def run(self, steps: Steps[T]) -> T:
@@ -453,7 +350,7 @@ class SyncDataPlane(_DataPlane, Transport):
         return step.fn()
 
     def handle_call(self, call: Call[T]) -> T:
-        """Run the call's data plane steps (`Call.data_plane_steps`).
+        """Run the data plane's steps of ``call`` (`calls`: an append, a read, the table).
 
         Raises
         ------
@@ -462,8 +359,7 @@ class SyncDataPlane(_DataPlane, Transport):
         PayloadError
             As the steps raise it (the daemon's error, a timeout, an append in doubt).
         """
-        assert call.data_plane_steps is not None
-        return self.run(call.data_plane_steps(self))
+        return self.run(self.steps_of(call))
 
     def tell_counters(self, ack: bool = False) -> None:
         """Tell the daemon's counters about the appends placed in leases and not told yet
@@ -505,8 +401,8 @@ class AsyncDataPlane(_DataPlane, AsyncTransport):
         loop = asyncio.get_running_loop()
         while True:
             try:
-                msg, anc, _flags, _addr = sock.recvmsg(1 << 16, _ANCILLARY)
-                return msg, _fds_of(anc)
+                msg, anc, _flags, _addr = sock.recvmsg(1 << 16, ANCILLARY)
+                return msg, fds_of(anc)
             except BlockingIOError:
                 ready = loop.create_future()
                 loop.add_reader(sock.fileno(), ready.set_result, None)
@@ -529,9 +425,9 @@ class AsyncDataPlane(_DataPlane, AsyncTransport):
             finally:
                 steps.close()  # cancelled: the connection dropped (`_exchange_steps`)
 
-    async def _io(self, effect: _Send | _RecvFirst | _RecvMore) -> Any:
+    async def _io(self, effect: Send | RecvFirst | RecvMore) -> Any:
         loop = asyncio.get_running_loop()
-        if isinstance(effect, _Send):
+        if isinstance(effect, Send):
             data, sock = effect.data, effect.sock
             try:
                 sent = sock.send(data)  # a frame fits the socket buffer: no wait
@@ -541,7 +437,7 @@ class AsyncDataPlane(_DataPlane, AsyncTransport):
                 rest = loop.sock_sendall(sock, memoryview(data)[sent:])
                 await asyncio.wait_for(rest, self.timeout)
             return None
-        if isinstance(effect, _RecvFirst):
+        if isinstance(effect, RecvFirst):
             return await asyncio.wait_for(self._recvmsg(effect.sock), self.timeout)
         return await asyncio.wait_for(loop.sock_recv(effect.sock, effect.n), self.timeout)
 
@@ -585,8 +481,7 @@ class AsyncDataPlane(_DataPlane, AsyncTransport):
 
     async def handle_async_call(self, call: Call[T]) -> T:
         """Awaitable `SyncDataPlane.handle_call`."""
-        assert call.data_plane_steps is not None
-        return await self.run(call.data_plane_steps(self))
+        return await self.run(self.steps_of(call))
 
     async def tell_counters(self, ack: bool = False) -> None:
         """Awaitable `SyncDataPlane.tell_counters`."""
