@@ -101,18 +101,19 @@ _LOADED_ON_USE = {
 """The names whose modules import httpx, and where each is; loaded at their first use."""
 
 
-def __getattr__(name: str) -> Any:
-    """The clients and `Timeout`, imported at their first use (PEP 562)."""
-    module = _LOADED_ON_USE.get(name)
-    if module is None:
-        raise AttributeError(f"module 'payload_client' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value
-    return value
+if not TYPE_CHECKING:  # type checkers see the imports above: a misspelt name stays an error
 
+    def __getattr__(name: str) -> Any:
+        """The clients and `Timeout`, imported at their first use (PEP 562)."""
+        module = _LOADED_ON_USE.get(name)
+        if module is None:
+            raise AttributeError(f"module 'payload_client' has no attribute {name!r}")
+        value = getattr(importlib.import_module(module, __name__), name)
+        globals()[name] = value
+        return value
 
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+    def __dir__() -> list[str]:
+        return sorted(set(globals()) | set(__all__))
 
 
 __version__ = "0.1.0"

@@ -146,6 +146,7 @@ class Store:
         self.max_file_bytes = max_file_bytes
         self.max_append_bytes = max_append_bytes
         self.max_append_items = max_append_items
+        self.max_read_bytes, self.append_files = max_read_bytes, append_files
         self.fsync = fsync
         self.fields = fields if fields is not None else FieldsTable({})
         self.instance = secrets.token_hex(4)
@@ -166,6 +167,8 @@ class Store:
             self.counts.read,
         )  # fmt: skip
         self.removals = Removals(self._table, self.reads, self._last_use)
+        # the GC's two halves, as `Removals` has them
+        self.plan_step, self.remove_planned = self.removals.plan_step, self.removals.remove_planned
         self.prefetcher = Prefetcher(self.reads, self.counts, max_read_bytes)
         self.shapes = RunShapes(self.root / node / SHAPES_NAME, self.fields)
         self.watermarks = Watermarks(self.reads)

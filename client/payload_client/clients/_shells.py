@@ -25,7 +25,7 @@ from types import MethodType, TracebackType
 from typing import Any, Concatenate, Generic, NamedTuple, ParamSpec, Self, TypeVar, overload
 
 from ..transports import Call
-from ..transports._base import drive, drive_async
+from ..transports._base import NOT_BEGUN, begun, drive, drive_async
 
 __all__ = [
     "Awaiting",
@@ -115,8 +115,8 @@ class Blocking:
     _perform: Callable[[Any], Any] = staticmethod(perform)
     """Performs one effect of an operation (a cluster client's, its own too)."""
 
-    def _run(self, effects: Effects[T]) -> T:
-        return drive(effects, self._perform)
+    def _run(self, effects: Effects[T], first: Any = NOT_BEGUN) -> T:
+        return drive(effects, self._perform, first)
 
     def close(self) -> None:
         """Close the client."""
@@ -144,8 +144,8 @@ class Awaiting:
     _perform: Callable[[Any], Awaitable[Any]] = staticmethod(perform_async)
     """Awaitable `Blocking._perform`."""
 
-    async def _run(self, effects: Effects[T]) -> T:
-        return await drive_async(effects, self._perform)
+    async def _run(self, effects: Effects[T], first: Any = NOT_BEGUN) -> T:
+        return await drive_async(effects, self._perform, first)
 
     async def close(self) -> None:
         """Close the client."""
@@ -190,7 +190,9 @@ def blocking(operation: Callable[Concatenate[Any, P], Effects[T]]) -> Callable[P
 
     @functools.wraps(operation)
     def method(self: Blocking, /, *args: Any, **kwargs: Any) -> Any:
-        return self._run(operation(self, *args, **kwargs))
+        effects = operation(self, *args, **kwargs)
+        done, value = begun(effects)  # served at once (cached reads, leased appends): no loop
+        return value if done else self._run(effects, value)
 
     method.__signature__ = _signature(operation)  # type: ignore[attr-defined]
     return method  # type: ignore[return-value]  # typed as once bound
@@ -204,7 +206,9 @@ def awaitable(
 
     @functools.wraps(operation)
     async def method(self: Awaiting, /, *args: Any, **kwargs: Any) -> Any:
-        return await self._run(operation(self, *args, **kwargs))
+        effects = operation(self, *args, **kwargs)
+        done, value = begun(effects)
+        return value if done else await self._run(effects, value)
 
     method.__signature__ = _signature(operation)  # type: ignore[attr-defined]
     method.__doc__ = f"Awaitable `PayloadClient.{operation.__name__.lstrip('_')}`."

@@ -24,9 +24,11 @@ from ._call import Call
 
 __all__ = [
     "AsyncTransport",
+    "NOT_BEGUN",
     "AttemptError",
     "DataPlaneDownError",
     "Transport",
+    "begun",
     "drive",
     "drive_async",
     "nest",
@@ -35,6 +37,8 @@ __all__ = [
 T = TypeVar("T")
 E = TypeVar("E")
 F = TypeVar("F")
+NOT_BEGUN: Any = object()
+"""`drive`'s ``first`` when its generator has not been started."""
 
 
 class DataPlaneDownError(Exception):
@@ -122,17 +126,21 @@ class _Run(Generic[E, T]):
     """A generator of effects being run: its next effect, given how the last one ended (the
     one loop of `drive`, `drive_async` and `nest`; slots: it runs every step of every call)."""
 
-    __slots__ = ("_effects", "_failed", "effect", "result", "value")
+    __slots__ = ("_effects", "_failed", "_first", "effect", "result", "value")
 
-    def __init__(self, effects: Generator[E, Any, T]) -> None:
+    def __init__(self, effects: Generator[E, Any, T], first: Any = NOT_BEGUN) -> None:
         self._effects = effects
         self._failed = False
+        self._first = first is not NOT_BEGUN  # its first effect, yielded already (`begun`)
         self.value: Any = None  # what the last effect gave (or raised): `next` sends it in
-        self.effect: E
+        self.effect: E = first
         self.result: T
 
     def next(self) -> bool:
         """Resume the generator: ``True`` with its next `effect`, ``False`` with its `result`."""
+        if self._first:
+            self._first = False
+            return True
         try:
             if self._failed:
                 self._failed = False
@@ -149,7 +157,16 @@ class _Run(Generic[E, T]):
         self.value, self._failed = exc, True
 
 
-def drive(effects: Generator[E, Any, T], perform: Callable[[E], Any]) -> T:
+def begun(effects: Generator[E, Any, T]) -> tuple[bool, Any]:
+    """Start ``effects``: ``(True, its result)`` when it needed no effect (a call served at
+    once: no loop to run), else ``(False, its first effect)`` for `drive`'s ``first``."""
+    try:
+        return False, effects.send(None)
+    except StopIteration as done:
+        return True, done.value
+
+
+def drive(effects: Generator[E, Any, T], perform: Callable[[E], Any], first: Any = NOT_BEGUN) -> T:
     """Run ``effects`` to its result, performing each effect it yields.
 
     Parameters
@@ -158,13 +175,15 @@ def drive(effects: Generator[E, Any, T], perform: Callable[[E], Any]) -> T:
         Yields effects; receives each one's result, or has its `Exception` thrown in.
     perform : callable
         Performs one effect (the I/O), returns its result.
+    first : object, optional
+        The effect ``effects`` yielded already (`begun`); `NOT_BEGUN`: not started.
 
     Returns
     -------
     object
         What ``effects`` returns.
     """
-    run = _Run(effects)
+    run = _Run(effects, first)
     while run.next():
         try:
             run.value = perform(run.effect)
@@ -173,9 +192,11 @@ def drive(effects: Generator[E, Any, T], perform: Callable[[E], Any]) -> T:
     return run.result
 
 
-async def drive_async(effects: Generator[E, Any, T], perform: Callable[[E], Awaitable[Any]]) -> T:
+async def drive_async(
+    effects: Generator[E, Any, T], perform: Callable[[E], Awaitable[Any]], first: Any = NOT_BEGUN
+) -> T:
     """Awaitable `drive`: ``perform`` gives an awaitable."""
-    run = _Run(effects)
+    run = _Run(effects, first)
     while run.next():
         try:
             run.value = await perform(run.effect)

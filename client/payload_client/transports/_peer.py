@@ -234,6 +234,12 @@ class _Recv:
 _Effect = _Open | _Send | _Recv
 
 
+def _left(by: float) -> float:
+    """Seconds left until the monotonic deadline ``by`` (a thousandth at least: a socket
+    given no time would not wait at all)."""
+    return max(by - time.monotonic(), 0.001)
+
+
 def _advance(views: list[memoryview], i: int, got: int) -> int:
     """The view to fill next after ``got`` more bytes went into ``views[i:]`` (a view
     partly filled is cut to what it still misses)."""
@@ -251,21 +257,26 @@ class _PeerSteps(_Peer):
     """A read on the peer port as I/O-free steps (`_Open`, `_Send`, `_Recv`): the sync and
     async transports only perform them (`drive`, `drive_async`)."""
 
-    def _reply_steps(self, sock: socket.socket, wait: float | None) -> Generator[_Effect, Any, Any]:
+    def _reply_steps(
+        self, sock: socket.socket, wait: float | None, by: float | None = None
+    ) -> Generator[_Effect, Any, Any]:
+        """A reply frame, each receive within ``wait`` seconds (or what is left until the
+        monotonic deadline ``by``)."""
         frame = _reply_frame()
         while not frame.done():
             n = frame.missing()
-            yield _Recv(sock, [frame.buffer()], wait)
+            yield _Recv(sock, [frame.buffer()], wait if by is None else _left(by))
             frame.received(n)
         return _decode(frame.body())
 
     def _connect_steps(self) -> Generator[_Effect, Any, _Conn]:
+        """A new connection and its hello, all within `_connect_s` seconds."""
         sock = self._new_socket()
-        wait = self._connect_s()
+        by = time.monotonic() + self._connect_s()
         try:
-            yield _Open(sock, wait)
-            yield _Send(sock, encode_frame(PeerHello(self.token)), wait)
-            self._welcomed((yield from self._reply_steps(sock, wait)))
+            yield _Open(sock, _left(by))
+            yield _Send(sock, encode_frame(PeerHello(self.token)), _left(by))
+            self._welcomed((yield from self._reply_steps(sock, None, by)))
         except (_ShortError, OSError) as exc:
             sock.close()
             raise self._unreachable(exc) from None

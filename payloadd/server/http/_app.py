@@ -63,6 +63,7 @@ def create_app(
         redoc_url=None,
     )
     app.state.daemon = daemon  # what the routes reach (request.app.state), the protocol too
+    app.state.metrics = daemon.metrics  # (as before the routes moved: for embedders)
     _around(app, token, daemon.metrics, settings.access_log)
     return app
 
