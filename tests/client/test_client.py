@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+import collections.abc
+import inspect
 import subprocess
 import sys
+import typing
 from pathlib import Path
 
 import numpy as np
@@ -197,3 +201,16 @@ def test_gc_refuses_a_ttl_that_is_no_finite_number_of_seconds(
         pytest.raises(InvalidRequestError, match="ttl_s"),
     ):
         c.gc(ttl_s=ttl_s)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("name", ["append", "append_many", "read_field", "read_many", "stats"])
+def test_the_methods_read_as_methods_when_looked_at(name: str) -> None:
+    """Each operation is written once for both clients: introspection still sees what a
+    method takes and returns (`typing.get_type_hints`, `inspect.signature`), and the async
+    client's methods are coroutine functions."""
+    sync, aio = getattr(PayloadClient, name), getattr(AsyncPayloadClient, name)
+    assert asyncio.iscoroutinefunction(aio) and not asyncio.iscoroutinefunction(sync)
+    assert inspect.signature(sync) == inspect.signature(aio)
+    returns = typing.get_type_hints(sync)["return"]
+    assert typing.get_type_hints(aio)["return"] == returns
+    assert typing.get_origin(returns) is not collections.abc.Generator

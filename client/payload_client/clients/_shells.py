@@ -175,13 +175,15 @@ def bind_operations(cls: type, *, awaited: bool) -> None:
             setattr(cls, name, found.async_ if awaited else found.sync)
 
 
-def _signature(operation: Callable[..., Any]) -> inspect.Signature:
-    """The signature of ``operation``, returning what its effects return."""
+def _as_method(method: Callable[..., Any], operation: Callable[..., Any]) -> None:
+    """Give ``method`` the signature and annotations of ``operation``, returning what its
+    effects return (`inspect.signature`, `typing.get_type_hints` read them)."""
     sig = inspect.signature(operation)
     returns = sig.return_annotation  # a string: annotations are postponed
     if isinstance(returns, str) and returns.startswith("Effects["):
         sig = sig.replace(return_annotation=returns[len("Effects[") : -1])
-    return sig
+    method.__signature__ = sig  # type: ignore[attr-defined]
+    method.__annotations__ = {**operation.__annotations__, "return": sig.return_annotation}
 
 
 def blocking(operation: Callable[Concatenate[Any, P], Effects[T]]) -> Callable[P, T]:
@@ -194,7 +196,7 @@ def blocking(operation: Callable[Concatenate[Any, P], Effects[T]]) -> Callable[P
         done, value = begun(effects)  # served at once (cached reads, leased appends): no loop
         return value if done else self._run(effects, value)
 
-    method.__signature__ = _signature(operation)  # type: ignore[attr-defined]
+    _as_method(method, operation)
     return method  # type: ignore[return-value]  # typed as once bound
 
 
@@ -210,7 +212,7 @@ def awaitable(
         done, value = begun(effects)
         return value if done else await self._run(effects, value)
 
-    method.__signature__ = _signature(operation)  # type: ignore[attr-defined]
+    _as_method(method, operation)
     method.__doc__ = f"Awaitable `PayloadClient.{operation.__name__.lstrip('_')}`."
     return method  # type: ignore[return-value]  # typed as once bound
 
