@@ -4,6 +4,9 @@
 # `make check-glusterfs` (not part of `make test`, as root): a shared root on a real GlusterFS
 # volume mounted twice; installs glusterfs-server/-client if missing; figures into
 # docs/benchmarks/glusterfs.json.
+# `make check-hosts` (not part of `make test`, as root): four hosts, each a network namespace
+# with its own address, root and daemon on a bridge of its own; cluster reads bit for bit from
+# ranks inside them, and a host whose link drops packets (then comes back).
 # `make check-container` (not part of `make test`, as root): the image of
 # deploy/container/Dockerfile built with podman and run as a sidecar; installs podman, runc
 # and debootstrap if missing.
@@ -17,7 +20,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck pytest soak soak-cluster check-glusterfs check-container check-vllm clean
+.PHONY: demo test lint typecheck pytest soak soak-cluster check-glusterfs check-hosts check-container check-vllm clean
 
 $(STAMP): pyproject.toml client/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -51,6 +54,10 @@ soak-cluster: $(STAMP)
 
 check-container:
 	bash deploy/container/check.sh
+
+check-hosts: $(STAMP)
+	@test "$$(id -u)" = 0 || { echo "check-hosts makes network namespaces: run it as root"; exit 1; }
+	PAYLOADD_HOSTS=1 $(BIN)/pytest tests/integration/test_hosts.py -v -s -p no:cacheprovider
 
 check-glusterfs: $(STAMP)
 	@test "$$(id -u)" = 0 || { echo "check-glusterfs runs glusterd and FUSE mounts: run it as root"; exit 1; }

@@ -10,14 +10,23 @@ import pytest
 
 from tests.integration.glusterfs import GlusterVolume
 
+CHECKS = {
+    "tests/integration/test_hosts.py": ("PAYLOADD_HOSTS", "make check-hosts"),
+    "tests/integration/": ("PAYLOADD_GLUSTERFS", "make check-glusterfs"),
+}
+"""Each check's tests (the first prefix that matches), the variable that runs them, and the
+make target that sets it."""
+
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    if os.environ.get("PAYLOADD_GLUSTERFS") == "1":
-        return
-    skip = pytest.mark.skip(reason="a GlusterFS check: run `make check-glusterfs` (as root)")
     for item in items:
-        if "tests/integration/" in item.nodeid:
-            item.add_marker(skip)
+        for prefix, (variable, target) in CHECKS.items():
+            if item.nodeid.startswith(prefix):
+                if os.environ.get(variable) != "1":
+                    what = "a many-hosts" if "HOSTS" in variable else "a GlusterFS"
+                    reason = f"{what} check: run `{target}` (as root)"
+                    item.add_marker(pytest.mark.skip(reason=reason))
+                break
 
 
 @pytest.fixture(scope="session")

@@ -103,13 +103,14 @@ BATCH_STEPS = 6
 def write_batch(
     nodes: dict[str, Node], rng: np.random.Generator, first_step: int = 0
 ) -> tuple[list[PayloadSegment], int]:
-    """Six multi-turn samples, two written on each node turn by turn (routing ids and masks
+    """Six multi-turn samples, written on the nodes in turn, turn by turn (routing ids and masks
     at each turn's own width), packed back to back into one micro batch; sample ``i`` in
     step ``first_step + i``."""
     segs: list[PayloadSegment] = []
     at = 0
+    names = list(nodes)
     for i in range(6):
-        node = nodes[NODES[i % 3]]
+        node = nodes[names[i % len(names)]]
         with PayloadClient(node.socket) as c:
             sample: list[PayloadSegment] = []
             pos = 0
