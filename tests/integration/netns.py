@@ -21,6 +21,11 @@ def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
 
 
+def _ip_tc(host: Host, *args: str) -> None:
+    argv = ["tc", "-n", host.netns, "qdisc", args[0], "dev", "eth0", *args[1:]]
+    subprocess.run(argv, check=True, capture_output=True, text=True)
+
+
 @dataclass(frozen=True)
 class Host:
     """One host: its namespace, its address, and its port on the bridge."""
@@ -78,6 +83,19 @@ class Hosts:
     def link(self, host: Host, up: bool) -> None:
         """Set ``host``'s port on the bridge up or down (down: its packets are dropped)."""
         _ip("-n", self.switch, "link", "set", host.port, "up" if up else "down")
+
+    @contextlib.contextmanager
+    def shaped(self, rate: str) -> Iterator[None]:
+        """Every host's link at ``rate`` (``"1gbit"``) for the block (a token bucket on its
+        end of the link: what it sends)."""
+        for host in self.hosts:
+            _ip_tc(host, "replace", "root", "tbf", "rate", rate, "burst", "1mb", "latency", "50ms")
+        try:
+            yield
+        finally:
+            for host in self.hosts:
+                subprocess.run(["tc", "-n", host.netns, "qdisc", "del", "dev", "eth0", "root"],
+                               check=False, capture_output=True)  # fmt: skip
 
     @contextlib.contextmanager
     def link_down(self, host: Host) -> Iterator[None]:

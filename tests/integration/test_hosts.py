@@ -107,7 +107,8 @@ def _cp_windows(length: int, cp: int) -> list[tuple[str, int, int, int]]:
 
 
 def _read(cluster: Cluster, rank_host: int, windows: list[tuple[str, int, int, int]],
-          segs: list[PayloadSegment], mode: str, name: str) -> dict[str, Any]:  # fmt: skip
+          segs: list[PayloadSegment], mode: str, name: str,
+          repeat: int = 0) -> dict[str, Any]:  # fmt: skip
     """Read ``windows`` of ``segs`` in a rank on host ``rank_host``; its JSON answer."""
     folder = cluster.folder / name
     folder.mkdir()
@@ -121,7 +122,7 @@ def _read(cluster: Cluster, rank_host: int, windows: list[tuple[str, int, int, i
         expected.append(str(folder / f"{i}.npy"))
     job = {"nodes": cluster.node_map(rank_host), "token": TOKEN, "segments": str(folder / "segs.bin"),
            "windows": windows, "expected": expected, "mode": mode, "connect_s": CONNECT_S,
-           "read_s": READ_S}  # fmt: skip
+           "read_s": READ_S, "repeat": repeat}  # fmt: skip
     (folder / "job.json").write_text(json.dumps(job))
     host = cluster.nodes[rank_host].host
     argv = [sys.executable, "-m", "tests.integration.hosts_reader", str(folder / "job.json")]
@@ -167,4 +168,47 @@ def test_a_host_whose_link_drops_packets_fails_its_reads_in_time_and_recovers(
     print(
         f"{mode}: link down: first error after {failed['s']:.2f} s; other hosts read in "
         f"{unaffected['s']:.2f} s; after the link came back: read in {again['s']:.2f} s"
+    )
+
+
+REPEAT = 5
+"""Timed reads of each way under a shaped link (after one that makes the connections)."""
+
+
+@pytest.mark.parametrize("rate", ["10gbit", "1gbit"])
+def test_a_16_mib_window_of_another_host_under_a_shaped_link_against_raw_tcp(
+    cluster: Cluster, rate: str
+) -> None:
+    """Figures, not asserted: a rank on host 0 reads a 16 MiB window written on host 1 over
+    the peer port, against the same bytes sent with ``sendfile`` and received with
+    ``recv_into`` between the same two namespaces; every link at ``rate``."""
+    owner, rank = cluster.nodes[1], cluster.nodes[0]
+    rows = (16 << 20) // 384
+    ids = np.random.default_rng(7).integers(0, 128, (rows, 48, 8), dtype=np.uint8)
+    with PayloadClient(str(owner.node.socket)) as c:
+        segs = c.append("routed_experts", ids, 0, run=f"shaped-{rate}", step=0)
+    assert len(segs) == 1
+    path = owner.node.root / segs[0].file
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}/client:{ROOT}")
+    raw = [sys.executable, "-m", "tests.integration.raw_tcp"]
+    with cluster.hosts.shaped(rate):
+        server = subprocess.Popen(owner.host.command([*raw, "serve", owner.host.address,
+                                  "9100", str(path), str(REPEAT + 1)]), env=env, cwd=ROOT)  # fmt: skip
+        try:
+            time.sleep(0.5)  # the server's listen (no condition to wait for across namespaces)
+            fetched = subprocess.run(rank.host.command([*raw, "fetch", owner.host.address,
+                                     "9100", str(path.stat().st_size), str(REPEAT + 1)]),
+                                     capture_output=True, text=True, env=env, cwd=ROOT,
+                                     timeout=120, check=True)  # fmt: skip
+        finally:
+            server.wait(30)
+        got = _read(cluster, 0, [("routed_experts", 0, rows, 0)], segs, "sync",
+                    f"shaped-{rate}", repeat=REPEAT)  # fmt: skip
+    assert got["ok"], got
+    raw_s = float(np.median(json.loads(fetched.stdout)[1:]))
+    ours_s = float(np.median(got["times"]))
+    mb = (16 << 20) / 1e6
+    print(
+        f"{rate}: 16 MiB window over the peer port {mb / ours_s:.0f} MB/s, raw TCP "
+        f"{mb / raw_s:.0f} MB/s: {raw_s / ours_s:.2f}x raw (medians of {REPEAT})"
     )
