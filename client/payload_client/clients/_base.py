@@ -272,11 +272,6 @@ class BaseClient(Generic[HTTPT, DataPlaneT, PeerT]):
             bodies.append(arr.data.cast("B") if arr.size else memoryview(b""))
         return headers, bodies
 
-    def _append_call(
-        self, items: Sequence[tuple[str, np.ndarray, int]], run: str, step: int
-    ) -> Call[list[list[PayloadSegment]]]:
-        return self._append_call_of(*self._append_items(items, run, step))
-
     def _append_call_of(self, headers: list[AppendItem], bodies: list[memoryview]) -> AppendCall:
         """The call of an append of `_append_items`."""
 
