@@ -152,7 +152,10 @@ class Daemon:
         # reads by other nodes over TCP, in threads of their own
         if s.peer_port is not None:
             self.peer = self._peer()
-            self.peer.start(self._peer_listener or bind_tcp_socket(s.peer_host, s.peer_port))
+            listener = self._peer_listener or bind_tcp_socket(
+                s.peer_address, s.peer_port, setting="peer_host"
+            )
+            self.peer.start(listener)
         # the store's gauges, read at each scrape
         connections = self.data_plane.connections if self.data_plane else None
         peers = self.peer.connections if self.peer else None

@@ -4,6 +4,7 @@ that systemd passed it (socket activation): `serve`, in the steps of a `Service`
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import logging
 import os
 import signal
@@ -60,8 +61,8 @@ def serve(settings: Settings) -> None:
     OSError
         The root cannot be created or written, or a socket cannot be bound.
     StartError
-        Unusable token settings; a TCP listener without a token, or its address in use; an
-        unknown socket group.
+        Unusable token settings; a TCP listener without a token, or its address in use; a
+        peer port bound where other nodes' clients would not find it; an unknown socket group.
     SocketInUseError
         Another daemon answers on the socket or holds its lock.
     StartError
@@ -110,6 +111,7 @@ class Service:
         _prepare_process()
         Store.check_root(s.root, s.node)  # fail here, with a clear message, not in the lifespan
         self.token = _checked_token(s)
+        _check_peer_host(s)
         self.gid = resolve_group(s.socket_group) if s.socket_group is not None else None
         _check_socket_path(s)
         self.inherited = match_sockets(passed, s.socket, s.data_plane) if passed else None
@@ -172,11 +174,13 @@ class Service:
         """The HTTP API's TCP listener (``tcp_port``) and the peer port (``peer_port``)."""
         s, cleanup = self.settings, self._cleanup
         if s.tcp_port is not None:
-            self.sockets.append(cleanup.enter_context(bind_tcp_socket(s.tcp_host, s.tcp_port)))
+            tcp = bind_tcp_socket(s.tcp_host, s.tcp_port, setting="tcp_host")
+            self.sockets.append(cleanup.enter_context(tcp))
             log.info("HTTP API also on TCP %s:%d; every call needs the admin token",
                      s.tcp_host, s.tcp_port)  # fmt: skip
         if s.peer_port is not None:
-            self.peer = cleanup.enter_context(bind_tcp_socket(s.peer_host, s.peer_port))
+            peer = bind_tcp_socket(s.peer_address, s.peer_port, setting="peer_host")
+            self.peer = cleanup.enter_context(peer)
 
     def _config(self, app: FastAPI, fds: Descriptors) -> uvicorn.Config:
         s = self.settings
@@ -220,6 +224,30 @@ def _checked_token(s: Settings) -> Tokens | None:
                 f"the {what} needs an admin token: set admin_token_file or PAYLOADD_ADMIN_TOKEN"
             )
     return token
+
+
+def _check_peer_host(s: Settings) -> None:
+    """The peer port binds where other nodes' clients look for it: at the host of this
+    node's HTTP URL (``tcp_host``), so ``peer_host`` must be that address or a wildcard.
+
+    Raises
+    ------
+    StartError
+        ``peer_host`` and ``tcp_host`` are two different specific IP addresses.
+    """
+    if s.peer_port is None or s.peer_host is None:
+        return
+    try:
+        peer, tcp = ipaddress.ip_address(s.peer_host), ipaddress.ip_address(s.tcp_host)
+    except ValueError:  # a host name: not resolved here
+        return
+    if peer != tcp and not peer.is_unspecified and not tcp.is_unspecified:
+        raise StartError(
+            f"peer_host {s.peer_host} is not tcp_host {s.tcp_host}: other nodes' clients "
+            f"connect to the peer port at the host of this node's HTTP URL ({s.tcp_host}), "
+            "where nothing would answer; leave peer_host unset (it follows tcp_host) or bind "
+            "it to 0.0.0.0"
+        )
 
 
 def _check_socket_path(s: Settings) -> None:

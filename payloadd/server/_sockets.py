@@ -188,8 +188,11 @@ def remove_socket_file(path: str | os.PathLike[str]) -> None:
             os.unlink(path)
 
 
-def bind_tcp_socket(host: str, port: int, backlog: int = 1024) -> socket.socket:
-    """Bind and listen on TCP ``host:port`` (IPv4 or IPv6, the first address ``host`` has).
+def bind_tcp_socket(
+    host: str, port: int, backlog: int = 1024, *, setting: str = "tcp_host"
+) -> socket.socket:
+    """Bind and listen on TCP ``host:port`` (IPv4 or IPv6, the first address ``host`` has);
+    ``setting`` names where ``host`` came from, in errors.
 
     Raises
     ------
@@ -201,7 +204,7 @@ def bind_tcp_socket(host: str, port: int, backlog: int = 1024) -> socket.socket:
             host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE | socket.AI_NUMERICSERV
         )
     except socket.gaierror as exc:
-        raise StartError(f"tcp_host {host!r} does not resolve: {exc.strerror}") from None
+        raise StartError(f"{setting} {host!r} does not resolve: {exc.strerror}") from None
     family, _, _, _, address = infos[0]
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:

@@ -171,10 +171,13 @@ class Settings(BaseSettings):
         "1-65535, every call needing the admin token. Default: off.",
         json_schema_extra={"shown_default": "none (no TCP listener)"},
     )
-    peer_host: str = Field(
-        "127.0.0.1",
-        description="Address the peer port binds (when peer_port is set): the interface other "
-        "nodes reach this one on.",
+    peer_host: str | None = Field(
+        None,
+        description="Address the peer port binds (when peer_port is set). Other nodes' clients "
+        "connect to it at the host of this node's HTTP URL, so it must be that address or a "
+        "wildcard (0.0.0.0, ::); a different specific address is refused at start. Default: "
+        "tcp_host's.",
+        json_schema_extra={"shown_default": "tcp_host"},
     )
     peer_port: int | None = Field(
         None,
@@ -469,6 +472,11 @@ class Settings(BaseSettings):
             except InvalidRequestError as exc:
                 raise ValueError(str(exc)) from None
         return value
+
+    @property
+    def peer_address(self) -> str:
+        """The address the peer port binds: ``peer_host``, else ``tcp_host``."""
+        return self.tcp_host if self.peer_host is None else self.peer_host
 
     def fields_table(self) -> FieldsTable:
         """The fields table as the wire carries it (``GET /v1/fields``)."""

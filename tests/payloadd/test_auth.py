@@ -203,6 +203,11 @@ def _serve(
     return subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
 
 
+def _peer_on(host: str) -> list[str]:
+    """Flags of HTTP over TCP on ``host`` and a peer port."""
+    return ["--tcp-host", host, "--tcp-port", "1", "--peer-port", "2"]
+
+
 @pytest.mark.parametrize(
     ("flags", "token", "status", "match"),
     [
@@ -213,6 +218,8 @@ def _serve(
         (["--admin-token-file", "/nonexistent/token"], None, 1, "cannot read admin_token_file"),
         (["--max-file-bytes", "0"], TOKEN, 2, "max_file_bytes"),
         (["--tcp-port", "70000"], TOKEN, 2, "tcp_port"),
+        ([*_peer_on("10.1.2.3"), "--peer-host", "127.0.0.1"], TOKEN, 1, "is not tcp_host 10.1.2.3"),
+        ([*_peer_on("127.0.0.2"), "--peer-host", "::1"], TOKEN, 1, "leave peer_host unset"),
         (["--admin-token", TOKEN], None, 2, "--admin-token is not a flag"),
         ([f"--admin_token={TOKEN}"], None, 2, "is not a flag"),
     ],

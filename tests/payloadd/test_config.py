@@ -26,8 +26,8 @@ REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "deploy" / "payloadd.toml"
 FILE_KEYS = [name for name in Settings.model_fields if name not in NOT_IN_FILE]
 NO_TOML_DEFAULT = {
-    "socket_group", "admin_token_file", "tcp_port", "peer_port", "node", "foreign_wait_s",
-    "gc_grace_s",
+    "socket_group", "admin_token_file", "tcp_port", "peer_host", "peer_port", "node",
+    "foreign_wait_s", "gc_grace_s",
 }  # fmt: skip
 """Settings whose default (none, the host name, or one by the root's file system) a TOML
 value cannot state."""

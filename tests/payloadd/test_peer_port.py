@@ -336,7 +336,9 @@ def test_a_peer_that_stops_reading_does_not_hold_the_daemon(daemons: Daemons) ->
     assert total < len(rows) * 384  # cut short, not waited for
 
 
-def test_connections_beyond_the_limit_per_host_are_closed_at_once(peer: Peer) -> None:
+def test_connections_beyond_the_limit_per_host_are_closed_at_once(
+    peer: Peer, caplog: pytest.LogCaptureFixture
+) -> None:
     held = [peer.connect() for _ in range(6)]
     try:
         with socket.create_connection(("127.0.0.1", peer.port), timeout=10) as s:
@@ -347,8 +349,12 @@ def test_connections_beyond_the_limit_per_host_are_closed_at_once(peer: Peer) ->
         with peer.client() as c:
             c.stats()  # an answer names the peer port: the read tries it first
             before = peer.metrics()
-            assert np.array_equal(read8(c, segs, 0, 8), rows[:8])  # then reads over HTTP
+            with caplog.at_level("WARNING", logger="payload_client"):
+                assert np.array_equal(read8(c, segs, 0, 8), rows[:8])  # then reads over HTTP
             after = peer.metrics()
+        said = [r.getMessage() for r in caplog.records if r.name == "payload_client"]
+        assert len(said) == 1 and f"(peer port {peer.port})" in said[0], said
+        assert "its reads go over HTTP for 30 s" in said[0], said
         assert delta(before, after, "payloadd_read_bytes_total", field="routed_experts",
                      transport="http") == 8 * 384  # fmt: skip
         assert delta(before, after, "payloadd_refused_total", transport="peer",

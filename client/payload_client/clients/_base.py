@@ -8,6 +8,7 @@ it goes, whether it goes again and what an answer means lives here, once.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import threading
@@ -61,6 +62,8 @@ from ._plans import Planned, window_of
 from ._shells import Send
 
 __all__ = ["DEFAULT_SOCKET", "BaseClient", "fields_table_steps", "read_planned_steps"]
+
+log = logging.getLogger("payload_client")
 
 DEFAULT_SOCKET = "/run/payloadd/payloadd.sock"
 """Socket path used when neither ``socket_path``, ``base_url`` nor ``PAYLOADD_SOCKET`` is given."""
@@ -196,6 +199,7 @@ class BaseClient(Generic[HTTPT, DataPlaneT, PeerT]):
                 elif exc.down:  # the port refused, dropped or hung: HTTP for a while
                     self._forget_peer()
                     self._data_plane_failed(PEER_RETRY_S)
+                    log.warning("%s; its reads go over HTTP for %.0f s", exc, PEER_RETRY_S)
         for attempt in (1, 2):
             try:
                 result = yield Send(self._http, call)
