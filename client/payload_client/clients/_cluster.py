@@ -13,9 +13,11 @@ node's Unix socket, the peer port (or HTTP) for another node's daemon.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import threading
+import urllib.parse
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Generic, NamedTuple, TypeVar
@@ -110,9 +112,10 @@ def _address(node: str, address: Any) -> tuple[str | None, str | None]:
         if address.startswith("unix://") and address[7:].startswith("/"):
             return address[7:], None
         if address.startswith("http://"):
-            url = httpx.URL(address)
-            if url.host and url.port:
-                return None, address.rstrip("/")
+            with contextlib.suppress(ValueError):  # a port that is not a number
+                url = urllib.parse.urlsplit(address)
+                if url.hostname and url.port:  # 80 too (httpx.URL drops a default port)
+                    return None, address.rstrip("/")
     raise InvalidRequestError(
         f"node {node!r}: address must be unix:///path/of/payloadd.sock or "
         f"http://host:port, got {address!r}"
@@ -149,19 +152,40 @@ class _Cluster(Reads, Generic[C]):
         data_plane: bool = True,
     ) -> None:
         self.nodes = load_nodes(nodes)
+        self._addresses = {name: _address(name, a) for name, a in self.nodes.items()}
+        self._options: dict[str, Any] = {"token": token, "timeout": Timeout.of(timeout),
+                                         "data_plane": data_plane}  # fmt: skip
         self.clients: dict[str, C] = {}
-        for name, address in self.nodes.items():
-            socket_path, base_url = _address(name, address)
-            self.clients[name] = self._client_type(
-                socket_path, base_url=base_url, token=token, timeout=timeout,
-                data_plane=data_plane,
-            )  # fmt: skip
+        """The nodes' clients made so far: this node's (a socket) at once, another node's on
+        the first read of it."""
+        self._made = threading.Lock()
+        self._closed = False
+        for node, (socket_path, _) in self._addresses.items():
+            if socket_path is not None:
+                self._client(node)
 
     _table: FieldsTable | None = None
 
+    def _client(self, node: str) -> C:
+        """``node``'s client, made on first use (of a cluster of 1,024 nodes, a rank makes
+        those its windows touch)."""
+        client = self.clients.get(node)
+        if client is None:
+            with self._made:  # threads sharing this client make one a node
+                if self._closed:
+                    raise InvalidRequestError(
+                        "this cluster client is closed: make a new one (closing it is for good)"
+                    )
+                client = self.clients.get(node)
+                if client is None:
+                    socket_path, base_url = self._addresses[node]
+                    client = self._client_type(socket_path, base_url=base_url, **self._options)
+                    self.clients[node] = client
+        return client
+
     def _order(self) -> list[str]:
         """The nodes, this node's (a socket) first: whom to ask for the fields table."""
-        return sorted(self.clients, key=lambda n: self.clients[n].socket_path is None)
+        return sorted(self.nodes, key=lambda n: self._addresses[n][0] is None)
 
     read_field = Dual(
         blocking(Reads._read_field),  # type: ignore[arg-type]  # (see Dual)
@@ -179,7 +203,7 @@ class _Cluster(Reads, Generic[C]):
             errors: list[PayloadError] = []
             for node in self._order():
                 try:
-                    self._table = yield from fields_table_steps(self.clients[node])
+                    self._table = yield from fields_table_steps(self._client(node))
                     break
                 except (TransportError, UnauthorizedError, BusyError) as exc:
                     errors.append(self._named(node, exc))
@@ -200,7 +224,7 @@ class _Cluster(Reads, Generic[C]):
     def _one(self, node: str, part: Planned) -> Effects[None]:
         """Read ``node``'s part of a call, through its client."""
         try:
-            yield from read_planned_steps(self.clients[node], part)
+            yield from read_planned_steps(self._client(node), part)
         except (TransportError, UnauthorizedError, BusyError) as exc:
             raise self._named(node, exc) from exc
 
@@ -253,6 +277,12 @@ class _Cluster(Reads, Generic[C]):
                     f"{where}segment {at} is on node {node!r}, which is not in the node map "
                     f"({', '.join(sorted(self.nodes))})"
                 )
+
+    def _closing(self) -> list[C]:
+        """The clients made, no more to be made."""
+        with self._made:
+            self._closed = True
+            return list(self.clients.values())
 
     def _named(self, node: str, exc: PayloadError) -> PayloadError:
         """``exc``, its message naming the node and its address."""
@@ -308,7 +338,7 @@ class ClusterClient(_Cluster[PayloadClient], Blocking):
         if not isinstance(effect, NodeReads):
             return perform(effect)
         # the nodes over TCP in the pool, this node's (a socket: no network) meanwhile here
-        items = sorted(effect.parts, key=lambda it: self.clients[it[0]].socket_path is None)
+        items = sorted(effect.parts, key=lambda it: self._addresses[it[0]][0] is None)
         items.reverse()
         if len(items) == 1:
             return drive(items[0][1], perform)
@@ -333,7 +363,7 @@ class ClusterClient(_Cluster[PayloadClient], Blocking):
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None
-        for client in self.clients.values():
+        for client in self._closing():
             client.close()
 
 
@@ -357,5 +387,5 @@ class AsyncClusterClient(_Cluster[AsyncPayloadClient], Awaiting):
 
     async def close(self) -> None:
         """Close every node's client."""
-        for client in self.clients.values():
+        for client in self._closing():
             await client.close()
