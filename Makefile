@@ -4,9 +4,12 @@
 # `make check-glusterfs` (not part of `make test`, as root): a shared root on a real GlusterFS
 # volume mounted twice; installs glusterfs-server/-client if missing; figures into
 # docs/benchmarks/glusterfs.json.
-# `make check-hosts` (not part of `make test`, as root): four hosts, each a network namespace
-# with its own address, root and daemon on a bridge of its own; cluster reads bit for bit from
-# ranks inside them, and a host whose link drops packets (then comes back).
+# `make check-hosts` (not part of `make test`, as root, about 12 minutes): four hosts (HOSTS=8
+# for eight), each a network namespace with its own address, root and daemon on a bridge of
+# its own; cluster reads bit for bit from ranks inside them; a host whose link drops packets
+# during a collection and a rolling token rotation; links shaped at 10 and 1 Gbit/s against
+# raw TCP; a soak across the hosts (SOAK_S seconds, 180 by default). Figures:
+# docs/benchmarks/hosts.json (HOSTS_REPORT=... to write them elsewhere).
 # `make check-container` (not part of `make test`, as root): the image of
 # deploy/container/Dockerfile built with podman and run as a sidecar; installs podman, runc
 # and debootstrap if missing.
@@ -55,9 +58,15 @@ soak-cluster: $(STAMP)
 check-container:
 	bash deploy/container/check.sh
 
+HOSTS ?= 4
+SOAK_S ?= 180
+HOSTS_REPORT ?= docs/benchmarks/hosts-$(HOSTS).json
+
 check-hosts: $(STAMP)
 	@test "$$(id -u)" = 0 || { echo "check-hosts makes network namespaces: run it as root"; exit 1; }
-	PAYLOADD_HOSTS=1 $(BIN)/pytest tests/integration/test_hosts.py -v -s -p no:cacheprovider
+	PAYLOADD_HOSTS=1 PAYLOADD_HOSTS_N=$(HOSTS) PAYLOADD_HOSTS_SOAK_S=$(SOAK_S) \
+	    PAYLOADD_HOSTS_REPORT=$(HOSTS_REPORT) \
+	    $(BIN)/pytest tests/integration/test_hosts.py -v -s -p no:cacheprovider
 
 check-glusterfs: $(STAMP)
 	@test "$$(id -u)" = 0 || { echo "check-glusterfs runs glusterd and FUSE mounts: run it as root"; exit 1; }

@@ -21,9 +21,13 @@ def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
 
 
-def _ip_tc(host: Host, *args: str) -> None:
-    argv = ["tc", "-n", host.netns, "qdisc", args[0], "dev", "eth0", *args[1:]]
-    subprocess.run(argv, check=True, capture_output=True, text=True)
+def _bits(rate: str) -> int:
+    """Bits a second of a ``tc`` rate (``"10gbit"``, ``"1gbit"``, ``"100mbit"``)."""
+    units = {"gbit": 10**9, "mbit": 10**6, "kbit": 10**3, "bit": 1}
+    for unit, scale in units.items():
+        if rate.endswith(unit):
+            return int(float(rate[: -len(unit)]) * scale)
+    raise ValueError(f"a rate like 10gbit or 100mbit, not {rate!r}")
 
 
 @dataclass(frozen=True)
@@ -86,15 +90,19 @@ class Hosts:
 
     @contextlib.contextmanager
     def shaped(self, rate: str) -> Iterator[None]:
-        """Every host's link at ``rate`` (``"1gbit"``) for the block (a token bucket on its
-        end of the link: what it sends)."""
-        for host in self.hosts:
-            _ip_tc(host, "replace", "root", "tbf", "rate", rate, "burst", "1mb", "latency", "50ms")
+        """Every host's link at ``rate`` (``"1gbit"``) each way for the block: a token bucket
+        on its end (what it sends) and on the bridge's end (what it receives)."""
+        ends = [(h.netns, "eth0") for h in self.hosts] + [(self.switch, h.port) for h in self.hosts]
+        burst = max(1 << 20, _bits(rate) // 8 // 1000)  # at least a millisecond of the rate
+        for netns, dev in ends:
+            subprocess.run(["tc", "-n", netns, "qdisc", "replace", "dev", dev, "root", "tbf",
+                            "rate", rate, "burst", str(burst), "latency", "50ms"],
+                           check=True, capture_output=True)  # fmt: skip
         try:
             yield
         finally:
-            for host in self.hosts:
-                subprocess.run(["tc", "-n", host.netns, "qdisc", "del", "dev", "eth0", "root"],
+            for netns, dev in ends:
+                subprocess.run(["tc", "-n", netns, "qdisc", "del", "dev", dev, "root"],
                                check=False, capture_output=True)  # fmt: skip
 
     @contextlib.contextmanager
