@@ -24,7 +24,7 @@ from starlette.concurrency import run_in_threadpool
 from payload_client.protocol import DATA_SOCKET_SUFFIX
 from payloadd._version import __version__
 from payloadd.server._metrics import Metrics, StoreMetrics
-from payloadd.server._sockets import StartError, bind_tcp_socket
+from payloadd.server._sockets import StartError, bind_tcp_socket, check_peer_host
 from payloadd.server._tokens import load_admin_token
 from payloadd.server.framed._dataplane_server import DataPlaneServer
 from payloadd.server.framed._peer_server import PeerServer
@@ -152,9 +152,11 @@ class Daemon:
         # reads by other nodes over TCP, in threads of their own
         if s.peer_port is not None:
             self.peer = self._peer()
-            listener = self._peer_listener or bind_tcp_socket(
-                s.peer_address, s.peer_port, setting="peer_host"
-            )
+            listener = self._peer_listener
+            if listener is None:  # an embedder's app binds it here (serve: in Service)
+                if s.peer_host is not None:
+                    check_peer_host(s.tcp_host, s.peer_host, s.tcp_port)
+                listener = bind_tcp_socket(s.peer_address, s.peer_port, setting="peer_host")
             self.peer.start(listener)
         # the store's gauges, read at each scrape
         connections = self.data_plane.connections if self.data_plane else None

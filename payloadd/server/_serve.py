@@ -4,7 +4,6 @@ that systemd passed it (socket activation): `serve`, in the steps of a `Service`
 from __future__ import annotations
 
 import contextlib
-import ipaddress
 import logging
 import os
 import signal
@@ -25,6 +24,7 @@ from payloadd.server._sockets import (
     StartError,
     bind_tcp_socket,
     bind_unix_socket,
+    check_peer_host,
     remove_socket_file,
     resolve_group,
 )
@@ -111,7 +111,8 @@ class Service:
         _prepare_process()
         Store.check_root(s.root, s.node)  # fail here, with a clear message, not in the lifespan
         self.token = _checked_token(s)
-        _check_peer_host(s)
+        if s.peer_port is not None and s.peer_host is not None:
+            check_peer_host(s.tcp_host, s.peer_host, s.tcp_port)
         self.gid = resolve_group(s.socket_group) if s.socket_group is not None else None
         _check_socket_path(s)
         self.inherited = match_sockets(passed, s.socket, s.data_plane) if passed else None
@@ -224,30 +225,6 @@ def _checked_token(s: Settings) -> Tokens | None:
                 f"the {what} needs an admin token: set admin_token_file or PAYLOADD_ADMIN_TOKEN"
             )
     return token
-
-
-def _check_peer_host(s: Settings) -> None:
-    """The peer port binds where other nodes' clients look for it: at the host of this
-    node's HTTP URL (``tcp_host``), so ``peer_host`` must be that address or a wildcard.
-
-    Raises
-    ------
-    StartError
-        ``peer_host`` and ``tcp_host`` are two different specific IP addresses.
-    """
-    if s.peer_port is None or s.peer_host is None:
-        return
-    try:
-        peer, tcp = ipaddress.ip_address(s.peer_host), ipaddress.ip_address(s.tcp_host)
-    except ValueError:  # a host name: not resolved here
-        return
-    if peer != tcp and not peer.is_unspecified and not tcp.is_unspecified:
-        raise StartError(
-            f"peer_host {s.peer_host} is not tcp_host {s.tcp_host}: other nodes' clients "
-            f"connect to the peer port at the host of this node's HTTP URL ({s.tcp_host}), "
-            "where nothing would answer; leave peer_host unset (it follows tcp_host) or bind "
-            "it to 0.0.0.0"
-        )
 
 
 def _check_socket_path(s: Settings) -> None:

@@ -11,10 +11,12 @@ import contextlib
 import errno
 import fcntl
 import grp
+import ipaddress
 import os
 import socket
 import stat
 from pathlib import Path
+from typing import Any
 
 __all__ = [
     "LOCK_SUFFIX",
@@ -23,6 +25,7 @@ __all__ = [
     "StartError",
     "bind_tcp_socket",
     "bind_unix_socket",
+    "check_peer_host",
     "remove_socket_file",
     "resolve_group",
 ]
@@ -188,6 +191,52 @@ def remove_socket_file(path: str | os.PathLike[str]) -> None:
             os.unlink(path)
 
 
+def _bind_address(host: str, port: int, setting: str) -> tuple[int, Any]:
+    """The family and address `bind_tcp_socket` binds for ``host`` (its first).
+
+    Raises
+    ------
+    StartError
+        ``host`` does not resolve.
+    """
+    try:
+        infos = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE | socket.AI_NUMERICSERV
+        )
+    except socket.gaierror as exc:
+        raise StartError(f"{setting} {host!r} does not resolve: {exc.strerror}") from None
+    family, _, _, _, address = infos[0]
+    return family, address
+
+
+def check_peer_host(tcp_host: str, peer_host: str, tcp_port: int | None) -> None:
+    """Whether other nodes' clients can reach a peer port bound on ``peer_host``: they look
+    for it at the host of this node's HTTP URL, ``tcp_host``, so it must be bound there, or
+    on a wildcard of its family (``0.0.0.0`` for IPv4, ``::`` for either). Both are resolved
+    as binding does (``localhost`` is 127.0.0.1); without a TCP listener (``tcp_port``
+    unset) there is no URL to compare with.
+
+    Raises
+    ------
+    StartError
+        Other nodes could not reach the peer port (the message says what to set), or a host
+        does not resolve.
+    """
+    if tcp_port is None or peer_host == tcp_host:
+        return
+    tcp_family, tcp_address = _bind_address(tcp_host, tcp_port, "tcp_host")
+    peer_family, peer_address = _bind_address(peer_host, tcp_port, "peer_host")
+    tcp, peer = ipaddress.ip_address(tcp_address[0]), ipaddress.ip_address(peer_address[0])
+    if peer == tcp or (peer.is_unspecified and (peer_family == tcp_family or peer.version == 6)):
+        return  # (a loopback peer_host beside another tcp_host is neither)
+    wildcard = "::" if tcp.version == 6 else "0.0.0.0"
+    raise StartError(
+        f"peer_host {peer_host} is not where other nodes look for the peer port: their "
+        f"clients connect to it at the host of this node's HTTP URL (tcp_host {tcp_host}); "
+        f"leave peer_host unset (it follows tcp_host) or bind it to {wildcard}"
+    )
+
+
 def bind_tcp_socket(
     host: str, port: int, backlog: int = 1024, *, setting: str = "tcp_host"
 ) -> socket.socket:
@@ -199,13 +248,7 @@ def bind_tcp_socket(
     StartError
         ``host`` does not resolve, or the address is in use or cannot be bound.
     """
-    try:
-        infos = socket.getaddrinfo(
-            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE | socket.AI_NUMERICSERV
-        )
-    except socket.gaierror as exc:
-        raise StartError(f"{setting} {host!r} does not resolve: {exc.strerror}") from None
-    family, _, _, _, address = infos[0]
+    family, address = _bind_address(host, port, setting)
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -214,5 +257,6 @@ def bind_tcp_socket(
     except OSError as exc:
         sock.close()
         what = "is in use" if exc.errno == errno.EADDRINUSE else f"cannot be bound: {exc}"
-        raise StartError(f"TCP address {host}:{port} {what}") from None
+        shown = f"[{host}]" if ":" in host else host
+        raise StartError(f"{setting} address {shown}:{port} {what}") from None
     return sock

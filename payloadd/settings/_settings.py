@@ -174,9 +174,9 @@ class Settings(BaseSettings):
     peer_host: str | None = Field(
         None,
         description="Address the peer port binds (when peer_port is set). Other nodes' clients "
-        "connect to it at the host of this node's HTTP URL, so it must be that address or a "
-        "wildcard (0.0.0.0, ::); a different specific address is refused at start. Default: "
-        "tcp_host's.",
+        "connect to it at the host of this node's HTTP URL, so it must resolve to tcp_host's "
+        "address or a wildcard of its family (0.0.0.0 for IPv4, ::); anything else is refused "
+        "at start. Default: tcp_host's.",
         json_schema_extra={"shown_default": "tcp_host"},
     )
     peer_port: int | None = Field(

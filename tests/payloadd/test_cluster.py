@@ -322,6 +322,46 @@ def test_a_map_of_a_thousand_nodes_makes_clients_only_for_the_nodes_read(
         cc.read_many(cp_windows(cluster.segs, cluster.length, 1))
 
 
+def _race_close(cc: ClusterClient, windows: list[Window]) -> list[BaseException]:
+    """Four threads reading through ``cc`` while this one closes it, released together;
+    what they raised other than `InvalidRequestError` saying closed."""
+    barrier = threading.Barrier(5)
+    errors: list[BaseException] = []
+
+    def rank() -> None:
+        barrier.wait(timeout=30)
+        for _ in range(20):
+            try:
+                cc.read_many(windows)
+            except InvalidRequestError as exc:
+                if "closed" not in str(exc):
+                    errors.append(exc)
+                return
+            except BaseException as exc:
+                errors.append(exc)
+                return
+
+    threads = [threading.Thread(target=rank) for _ in range(4)]
+    for t in threads:
+        t.start()
+    barrier.wait(timeout=30)
+    cc.close()
+    for t in threads:
+        t.join(60)
+    return errors
+
+
+def test_reads_racing_close_end_or_say_the_client_is_closed(cluster: Cluster) -> None:
+    """Each read returns its window or raises `InvalidRequestError` saying closed (not the
+    pool's `RuntimeError`), and no pool of threads is made again after the close."""
+    windows = cp_windows(cluster.segs, cluster.length, 1)
+    for _ in range(10):
+        cc = ClusterClient(cluster.map("na"), token=TOKEN)
+        cc.read_many(windows)  # the pool and the nodes' clients made
+        assert _race_close(cc, windows) == []
+        assert cc._pool is None  # none made again after the close
+
+
 def test_a_wrong_token_is_unauthorized(cluster: Cluster) -> None:
     for token in ("not-the-token-" + "y" * 20, None):  # a wrong one, none at all
         with ClusterClient(cluster.map(), token=token) as cc, pytest.raises(UnauthorizedError):
@@ -372,11 +412,14 @@ def test_the_node_map_from_a_file_and_the_environment(
         ({}, "non-empty"),
         ({"na": "http://h"}, "address must be"),
         ({"na": "http://h:port"}, "address must be"),
+        ({"na": "http://10.0.0.2\t:8765"}, "address must be"),
     ]:
         with pytest.raises(InvalidRequestError, match=message):
             load_nodes(bad)
     with ClusterClient({"na": "http://h:80"}) as cc:  # the default port, said (no I/O yet)
         assert cc.nodes == {"na": "http://h:80"}
+    with pytest.raises(InvalidRequestError, match="printable ASCII"):
+        ClusterClient({"na": "http://h:80"}, token="tok\u00e9n-" + "x" * 24)
     monkeypatch.delenv("PAYLOADD_NODES")
     with pytest.raises(InvalidRequestError, match="PAYLOADD_NODES is not set"):
         load_nodes()

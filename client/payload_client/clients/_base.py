@@ -197,9 +197,9 @@ class BaseClient(Generic[HTTPT, DataPlaneT, PeerT]):
                 if fast is not self._peer:
                     self._data_plane_failed()
                 elif exc.down:  # the port refused, dropped or hung: HTTP for a while
-                    self._forget_peer()
+                    if self._forget_peer():  # said once, by the call that dropped it
+                        log.warning("%s; its reads go over HTTP for %.0f s", exc, PEER_RETRY_S)
                     self._data_plane_failed(PEER_RETRY_S)
-                    log.warning("%s; its reads go over HTTP for %.0f s", exc, PEER_RETRY_S)
         for attempt in (1, 2):
             try:
                 result = yield Send(self._http, call)
@@ -227,12 +227,15 @@ class BaseClient(Generic[HTTPT, DataPlaneT, PeerT]):
         peer: Any = self._peer
         return peer if peer is not None and peer.takes(call) else None
 
-    def _forget_peer(self) -> None:
-        """Drop the peer port transport (its idle connections are closed)."""
-        peer: Any = self._peer
-        self._peer = None
+    def _forget_peer(self) -> bool:
+        """Drop the peer port transport (its idle connections are closed); whether there
+        was one (threads whose calls failed together drop it once)."""
+        with self._peer_lock:
+            peer: Any = self._peer
+            self._peer = None
         if peer is not None:
             peer.close_idle()
+        return peer is not None
 
     # -- append -------------------------------------------------------------------------
 

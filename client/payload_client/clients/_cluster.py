@@ -111,9 +111,10 @@ def _address(node: str, address: Any) -> tuple[str | None, str | None]:
     if isinstance(address, str):
         if address.startswith("unix://") and address[7:].startswith("/"):
             return address[7:], None
-        if address.startswith("http://"):
-            with contextlib.suppress(ValueError):  # a port that is not a number
+        if address.startswith("http://") and address.isprintable() and " " not in address:
+            with contextlib.suppress(ValueError, httpx.InvalidURL):  # a port not a number
                 url = urllib.parse.urlsplit(address)
+                httpx.URL(address)  # what the node's client will be made with
                 if url.hostname and url.port:  # 80 too (httpx.URL drops a default port)
                     return None, address.rstrip("/")
     raise InvalidRequestError(
@@ -121,6 +122,8 @@ def _address(node: str, address: Any) -> tuple[str | None, str | None]:
         f"http://host:port, got {address!r}"
     )
 
+
+_CLOSED = "this cluster client is closed: make a new one (closing it is for good)"
 
 _READ_FIELD = """Read ``field`` over ``[lo, hi)`` from segments of any nodes: `PayloadClient.read_field`'s
 parameters, result and errors, and `InvalidRequestError` for a segment whose node is
@@ -153,6 +156,8 @@ class _Cluster(Reads, Generic[C]):
     ) -> None:
         self.nodes = load_nodes(nodes)
         self._addresses = {name: _address(name, a) for name, a in self.nodes.items()}
+        if token is not None and not (token.isascii() and token.isprintable()):
+            raise InvalidRequestError("the token must be printable ASCII (it goes in a header)")
         self._options: dict[str, Any] = {"token": token, "timeout": Timeout.of(timeout),
                                          "data_plane": data_plane}  # fmt: skip
         self.clients: dict[str, C] = {}
@@ -173,9 +178,7 @@ class _Cluster(Reads, Generic[C]):
         if client is None:
             with self._made:  # threads sharing this client make one a node
                 if self._closed:
-                    raise InvalidRequestError(
-                        "this cluster client is closed: make a new one (closing it is for good)"
-                    )
+                    raise InvalidRequestError(_CLOSED)
                 client = self.clients.get(node)
                 if client is None:
                     socket_path, base_url = self._addresses[node]
@@ -309,11 +312,14 @@ class ClusterClient(_Cluster[PayloadClient], Blocking):
     Raises
     ------
     InvalidRequestError
-        A node map that cannot be had or is malformed (`load_nodes`), or a bad ``timeout``.
+        A node map that cannot be had or is malformed (`load_nodes`), a bad ``timeout``, or
+        a token that is not printable ASCII.
 
     Notes
     -----
-    One call sends one read to each node holding a file it needs (the nodes in parallel,
+    This node's client (a ``unix://`` address) is made at once; another node's on the first
+    read of it (`clients` holds those made). After `close`, a read raises
+    `InvalidRequestError`. One call sends one read to each node holding a file it needs (the nodes in parallel,
     in a pool of threads) and returns when all answered. An error of any node is raised
     once every node's read has ended; a node that cannot be reached raises the
     `TransportError` of `PayloadClient`, its message naming the node and its address.
@@ -330,7 +336,6 @@ class ClusterClient(_Cluster[PayloadClient], Blocking):
 
     _client_type = PayloadClient
     _pool: ThreadPoolExecutor | None = None
-    _pool_lock = threading.Lock()
 
     def _perform(self, effect: Any) -> Any:
         """Perform one effect (`perform`); `NodeReads`: the nodes over TCP in a pool of
@@ -342,10 +347,16 @@ class ClusterClient(_Cluster[PayloadClient], Blocking):
         items.reverse()
         if len(items) == 1:
             return drive(items[0][1], perform)
-        with self._pool_lock:  # threads sharing this client make one pool
+        with self._made:  # threads sharing this client make one pool; none once closed
+            if self._closed:
+                raise InvalidRequestError(_CLOSED)
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(min(len(self.nodes), 32), "payload-cluster")
-        futures: list[Future[Any]] = [self._pool.submit(drive, o, perform) for _, o in items[:-1]]
+            pool = self._pool
+        try:
+            futures: list[Future[Any]] = [pool.submit(drive, o, perform) for _, o in items[:-1]]
+        except RuntimeError:  # closed meanwhile: the pool takes no more
+            raise InvalidRequestError(_CLOSED) from None
         errors: list[BaseException] = []
         try:
             drive(items[-1][1], perform)
@@ -360,10 +371,11 @@ class ClusterClient(_Cluster[PayloadClient], Blocking):
 
     def close(self) -> None:
         """Close every node's client and the pool of threads."""
+        clients = self._closing()  # first: no read starts on a pool or client closing
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None
-        for client in self._closing():
+        for client in clients:
             client.close()
 
 
