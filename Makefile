@@ -4,12 +4,12 @@
 # `make check-glusterfs` (not part of `make test`, as root): a shared root on a real GlusterFS
 # volume mounted twice; installs glusterfs-server/-client if missing; figures into
 # docs/benchmarks/glusterfs.json.
-# `make check-hosts` (not part of `make test`, as root, about 12 minutes): four hosts (HOSTS=8
+# `make check-hosts` (not part of `make test`, as root, about 7 minutes): four hosts (HOSTS=8
 # for eight), each a network namespace with its own address, root and daemon on a bridge of
 # its own; cluster reads bit for bit from ranks inside them; a host whose link drops packets
 # during a collection and a rolling token rotation; links shaped at 10 and 1 Gbit/s against
 # raw TCP; a soak across the hosts (SOAK_S seconds, 180 by default). Figures:
-# docs/benchmarks/hosts.json (HOSTS_REPORT=... to write them elsewhere).
+# docs/benchmarks/hosts-$(HOSTS).json (HOSTS_REPORT=... to write them elsewhere).
 # `make check-container` (not part of `make test`, as root): the image of
 # deploy/container/Dockerfile built with podman and run as a sidecar; installs podman, runc
 # and debootstrap if missing.
