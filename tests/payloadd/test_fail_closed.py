@@ -65,6 +65,9 @@ def strict(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 def c(strict: Path, request: pytest.FixtureRequest) -> Iterator[PayloadClient]:
     with PayloadClient(strict, data_plane=request.param == "data-plane") as client:
         yield client
+        # its data-plane appends counted before it goes: closing tells the daemon without
+        # waiting, and the next test's counters must not take them in between its snapshots
+        client.stats()
 
 
 def _unchanged(c: PayloadClient, root: Path) -> tuple[dict[str, int], int, int]:
