@@ -154,8 +154,7 @@ class Daemon:
             self.peer = self._peer()
             listener = self._peer_listener
             if listener is None:  # an embedder's app binds it here (serve: in Service)
-                if s.peer_host is not None:
-                    check_peer_host(s.tcp_host, s.peer_host, s.tcp_port)
+                check_peer_host(s.tcp_host, s.peer_host, s.tcp_port)
                 listener = bind_tcp_socket(s.peer_address, s.peer_port, setting="peer_host")
             self.peer.start(listener)
         # the store's gauges, read at each scrape

@@ -111,7 +111,7 @@ class Service:
         _prepare_process()
         Store.check_root(s.root, s.node)  # fail here, with a clear message, not in the lifespan
         self.token = _checked_token(s)
-        if s.peer_port is not None and s.peer_host is not None:
+        if s.peer_port is not None:
             check_peer_host(s.tcp_host, s.peer_host, s.tcp_port)
         self.gid = resolve_group(s.socket_group) if s.socket_group is not None else None
         _check_socket_path(s)

@@ -209,12 +209,13 @@ def _bind_address(host: str, port: int, setting: str) -> tuple[int, Any]:
     return family, address
 
 
-def check_peer_host(tcp_host: str, peer_host: str, tcp_port: int | None) -> None:
+def check_peer_host(tcp_host: str, peer_host: str | None, tcp_port: int | None) -> None:
     """Whether other nodes' clients can reach a peer port bound on ``peer_host``: they look
     for it at the host of this node's HTTP URL, ``tcp_host``, so it must be bound there, or
     on a wildcard of its family (``0.0.0.0`` for IPv4, ``::`` for either). Both are resolved
-    as binding does (``localhost`` is 127.0.0.1); without a TCP listener (``tcp_port``
-    unset) there is no URL to compare with.
+    as binding does (``localhost`` is 127.0.0.1). Nothing to check when ``peer_host`` is
+    unset (the port follows ``tcp_host``) or without a TCP listener (``tcp_port`` unset:
+    no URL to compare with).
 
     Raises
     ------
@@ -222,7 +223,7 @@ def check_peer_host(tcp_host: str, peer_host: str, tcp_port: int | None) -> None
         Other nodes could not reach the peer port (the message says what to set), or a host
         does not resolve.
     """
-    if tcp_port is None or peer_host == tcp_host:
+    if peer_host is None or tcp_port is None or peer_host == tcp_host:
         return
     tcp_family, tcp_address = _bind_address(tcp_host, tcp_port, "tcp_host")
     peer_family, peer_address = _bind_address(peer_host, tcp_port, "peer_host")

@@ -319,7 +319,9 @@ class ClusterClient(_Cluster[PayloadClient], Blocking):
     -----
     This node's client (a ``unix://`` address) is made at once; another node's on the first
     read of it (`clients` holds those made). After `close`, a read raises
-    `InvalidRequestError`. One call sends one read to each node holding a file it needs (the nodes in parallel,
+    `InvalidRequestError`.
+
+    One call sends one read to each node holding a file it needs (the nodes in parallel,
     in a pool of threads) and returns when all answered. An error of any node is raised
     once every node's read has ended; a node that cannot be reached raises the
     `TransportError` of `PayloadClient`, its message naming the node and its address.
